@@ -1,0 +1,61 @@
+"""``tierstore`` command line: demo, bench {tiers,kv,weights}, stats, verify, gc.
+
+Each verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
+only wires them up, importing a verb's module when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+VERBS = {
+    "demo": ("tierstore.demo", "multi-round chat with a small transformer, KV served from the store"),
+    "stats": ("tierstore.admin", "print per-tier statistics of a store"),
+    "verify": ("tierstore.admin", "re-check every stored object's checksum"),
+    "gc": ("tierstore.admin", "remove stale temp files and corrupt objects"),
+}
+BENCHES = {
+    "tiers": ("tierstore.bench.tiers", "put/get throughput of each tier vs plain copies and I/O"),
+    "kv": ("tierstore.bench.kv", "multi-round-chat TTFT with and without the store"),
+    "weights": ("tierstore.bench.weights", "checkpoint loading vs safetensors and peers"),
+}
+
+
+def _add(sub, name: str, module: str, help_: str, argv: list[str]) -> None:
+    p = sub.add_parser(name, help=help_, description=help_)
+    p.set_defaults(_module=module, _verb=name)
+    # import only the module being run: a broken or heavy verb never slows the others down
+    if name in argv:
+        mod = importlib.import_module(module)
+        adder = getattr(mod, f"add_{name}_arguments", None) or getattr(mod, "add_arguments")
+        adder(p)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tierstore", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_) in VERBS.items():
+        _add(sub, name, module, help_, argv)
+    bench = sub.add_parser("bench", help="benchmarks against physical limits and peers")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    for name, (module, help_) in BENCHES.items():
+        _add(bsub, name, module, help_, argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    mod = importlib.import_module(args._module)
+    runner = getattr(mod, f"run_{args._verb}", None) or getattr(mod, "run")
+    return int(runner(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Exception hierarchy.
+
+Every error tierstore raises on bad input is a :class:`TierstoreError`; each subclass also inherits the
+builtin a caller would naturally catch (``KeyError``, ``ValueError`` ...), so ``except ValueError`` keeps
+working for code that does not know about tierstore.
+"""
+
+from __future__ import annotations
+
+
+class TierstoreError(Exception):
+    """Base class of every error raised by tierstore."""
+
+
+class ConfigError(TierstoreError, ValueError):
+    """A configuration key or value is invalid; the message names the key."""
+
+
+class InvalidInputError(TierstoreError, ValueError):
+    """An argument has the wrong value (bad tensor, negative size, shape mismatch ...)."""
+
+
+class InvalidTypeError(TierstoreError, TypeError):
+    """An argument has the wrong type (a non-tensor value, a key that is not a ChunkKey ...)."""
+
+
+class CorruptObjectError(TierstoreError, ValueError):
+    """A stored object failed validation: bad magic, header, bounds, checksum or key."""
+
+
+class MissingKeyError(TierstoreError, KeyError):
+    """A name or key the caller asked for does not exist."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class CapacityError(TierstoreError, MemoryError):
+    """An object can never fit: it is larger than the tier's capacity."""
+
+
+class LockedError(TierstoreError, BlockingIOError):
+    """A disk tier directory is held by another process."""
+
+
+class TierTimeoutError(TierstoreError, TimeoutError):
+    """An operation did not finish within its deadline."""
+
+
+class ClosedError(TierstoreError, RuntimeError):
+    """The store or tier has been closed."""

@@ -1,0 +1,111 @@
+"""Typed, content-derived chunk keys.
+
+A :class:`ChunkKey` is a 32-byte blake2b digest. It never depends on Python's ``hash()`` or on
+``PYTHONHASHSEED``: the same inputs give the same key in every process on every machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Mapping
+
+import torch
+
+from .errors import InvalidInputError, InvalidTypeError
+
+DIGEST_SIZE = 32
+_PERSON_TENSORS = b"tierstore.tens"  # blake2b personalisation (<= 16 bytes) keeps domains apart
+_PERSON_CHAIN = b"tierstore.chain"
+
+
+def _frame(data: bytes) -> bytes:
+    """Length-prefix ``data`` so concatenations are unambiguous."""
+    return struct.pack("<Q", len(data)) + data
+
+
+class ChunkKey:
+    """Immutable 32-byte digest naming one chunk; hashable and equal by digest."""
+
+    __slots__ = ("_digest",)
+
+    def __init__(self, digest: bytes):
+        if not isinstance(digest, (bytes, bytearray, memoryview)):
+            raise InvalidTypeError(f"ChunkKey takes {DIGEST_SIZE} bytes, got {type(digest).__name__}")
+        digest = bytes(digest)
+        if len(digest) != DIGEST_SIZE:
+            raise InvalidInputError(f"ChunkKey takes {DIGEST_SIZE} bytes, got {len(digest)}")
+        object.__setattr__(self, "_digest", digest)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("ChunkKey is immutable")
+
+    @property
+    def digest(self) -> bytes:
+        return self._digest
+
+    def hex(self) -> str:
+        return self._digest.hex()
+
+    @classmethod
+    def from_hex(cls, text: str) -> "ChunkKey":
+        if not isinstance(text, str):
+            raise InvalidTypeError(f"ChunkKey.from_hex takes a str, got {type(text).__name__}")
+        if len(text) != 2 * DIGEST_SIZE:
+            raise InvalidInputError(f"ChunkKey hex must be {2 * DIGEST_SIZE} characters, got {len(text)}")
+        try:
+            return cls(bytes.fromhex(text))
+        except ValueError as exc:
+            raise InvalidInputError(f"ChunkKey hex is not hexadecimal: {text!r}") from exc
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "ChunkKey":
+        """Digest of arbitrary bytes (e.g. a file identity plus a byte range)."""
+        return cls(hashlib.blake2b(bytes(data), digest_size=DIGEST_SIZE, person=_PERSON_CHAIN).digest())
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> "ChunkKey":
+        """Content digest over the sorted names, dtypes, shapes and bytes of ``tensors``."""
+        from .tensors import tensor_bytes, validate_tensors
+
+        validate_tensors(tensors)
+        h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=_PERSON_TENSORS)
+        for name in sorted(tensors):
+            t = tensors[name]
+            h.update(_frame(name.encode()))
+            h.update(_frame(str(t.dtype).encode()))
+            h.update(_frame(struct.pack(f"<{t.dim()}q", *t.shape)))
+            data = tensor_bytes(t)
+            h.update(struct.pack("<Q", len(data)))
+            h.update(data)
+        return cls(h.digest())
+
+    @classmethod
+    def chain(cls, parent: "ChunkKey | None", namespace: bytes, payload: bytes) -> "ChunkKey":
+        """``H(parent ‖ namespace ‖ payload)``: the prefix-chained keys of the KV layer."""
+        if parent is not None and not isinstance(parent, ChunkKey):
+            raise InvalidTypeError(f"parent must be a ChunkKey or None, got {type(parent).__name__}")
+        h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=_PERSON_CHAIN)
+        h.update(_frame(parent.digest if parent is not None else b""))
+        h.update(_frame(bytes(namespace)))
+        h.update(_frame(bytes(payload)))
+        return cls(h.digest())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ChunkKey) and other._digest == self._digest
+
+    def __hash__(self) -> int:
+        return int.from_bytes(self._digest[:8], "little")
+
+    def __repr__(self) -> str:
+        return f"ChunkKey({self.hex()[:16]}…)"
+
+    def __reduce__(self):  # copy/deepcopy support; tierstore itself never pickles
+        return (ChunkKey, (self._digest,))
+
+
+def check_key(key) -> ChunkKey:
+    """Return ``key`` if it is a ChunkKey, else raise a clear :class:`InvalidTypeError`."""
+    if not isinstance(key, ChunkKey):
+        raise InvalidTypeError(f"expected a tierstore.ChunkKey, got {type(key).__name__}")
+    return key

@@ -1,0 +1,42 @@
+"""Byte sizes as users write them: ``4096``, ``"512MiB"``, ``"1.5 GB"``."""
+
+from __future__ import annotations
+
+import re
+
+from .errors import ConfigError
+
+_UNITS = {
+    "": 1, "B": 1,
+    "KB": 1000, "MB": 1000**2, "GB": 1000**3, "TB": 1000**4,
+    "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(value: int | str, *, key: str = "size") -> int:
+    """Return ``value`` in bytes.
+
+    Accepts a non-negative int, or a string made of a number and one of B, KB/MB/GB/TB (powers of
+    1000) or KiB/MiB/GiB/TiB (powers of 1024). Raises :class:`ConfigError` naming ``key`` otherwise.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{key}: size must be >= 0, got {value}")
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).upper() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    raise ConfigError(f"{key}: cannot parse size {value!r} (use bytes or e.g. '512MiB', '32GB')")
+
+
+def format_size(n: int | float) -> str:
+    """Human-readable binary size, e.g. ``4.0 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

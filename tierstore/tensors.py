@@ -1,0 +1,97 @@
+"""Tensor mappings: validation, dtype names and raw-byte views shared by keys, format and tiers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .errors import InvalidInputError, InvalidTypeError
+
+TensorDict = dict[str, torch.Tensor]
+
+# Stable on-storage names; never derived from repr() so a torch rename cannot change the format.
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
+    "uint8": torch.uint8, "bool": torch.bool,
+    "complex64": torch.complex64, "complex128": torch.complex128,
+}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+              "uint16", "uint32", "uint64"):
+    if hasattr(torch, _name):
+        DTYPES[_name] = getattr(torch, _name)
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise InvalidInputError(f"unsupported dtype {dtype}") from None
+
+
+def validate_tensors(tensors) -> None:
+    """Raise a clear error unless ``tensors`` is a non-empty ``Mapping[str, Tensor]`` of known dtypes."""
+    if not isinstance(tensors, Mapping):
+        raise InvalidTypeError(f"expected a Mapping[str, torch.Tensor], got {type(tensors).__name__}")
+    if not tensors:
+        raise InvalidInputError("a chunk needs at least one tensor")
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidTypeError(f"tensor names must be non-empty str, got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise InvalidTypeError(f"value for {name!r} is {type(t).__name__}, not a torch.Tensor")
+        if t.is_sparse or t.layout != torch.strided:
+            raise InvalidInputError(f"tensor {name!r} has layout {t.layout}; only dense tensors are stored")
+        dtype_name(t.dtype)
+
+
+def nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous CPU copy of ``t`` (no copy when already so)."""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous().reshape(-1)
+    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of ``t`` as a memoryview (zero-copy for contiguous CPU tensors)."""
+    v = byte_view(t)
+    if v.numel() == 0:
+        return memoryview(b"")
+    return memoryview(v.numpy()).cast("B")
+
+
+def copy_tensors(tensors: Mapping[str, torch.Tensor], device: str | torch.device = "cpu",
+                 *, pin_memory: bool = False) -> TensorDict:
+    """Fresh contiguous copies of ``tensors`` on ``device``; non-blocking where that is safe."""
+    out = {}
+    for name, t in tensors.items():
+        dst = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin_memory)
+        dst.copy_(t, non_blocking=t.device.type != dst.device.type and (t.is_pinned() or pin_memory))
+        out[name] = dst
+    if any(t.device.type == "cuda" for t in out.values()):
+        torch.cuda.current_stream().synchronize()
+    return out
+
+
+def fill_out(out: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor]) -> TensorDict:
+    """Copy ``src`` into caller-owned ``out`` after checking names, shapes and dtypes match exactly."""
+    if set(out) != set(src):
+        raise InvalidInputError(f"out has tensors {sorted(out)}, the chunk has {sorted(src)}")
+    for name, dst in out.items():
+        s = src[name]
+        if dst.shape != s.shape or dst.dtype != s.dtype:
+            raise InvalidInputError(
+                f"out[{name!r}] is {tuple(dst.shape)} {dst.dtype}, the chunk holds {tuple(s.shape)} {s.dtype}")
+    for name, dst in out.items():
+        dst.copy_(src[name], non_blocking=dst.device.type == "cuda")
+    if any(t.device.type == "cuda" for t in out.values()):
+        torch.cuda.current_stream().synchronize()
+    return dict(out)

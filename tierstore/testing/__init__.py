@@ -1,0 +1,1 @@
+"""Test support shipped with the package: the tier conformance suite and a local S3 server."""

@@ -1,0 +1,397 @@
+"""The :class:`Tier` interface and the bookkeeping every tier shares.
+
+A tier is one storage level (device, host, disk, remote). This base class owns the control plane —
+the index of keys and sizes, LRU order, pins, byte accounting, eviction and counters — and leaves the
+data plane to four primitives a subclass implements: ``_prepare`` (turn tensors into what is stored),
+``_store``, ``_load`` and ``_drop``. Storage I/O always runs outside the tier's lock.
+
+Capacity is exact: ``used_bytes + reserved`` never exceeds ``capacity``. A put first reserves its bytes,
+evicting least-recently-used, unpinned keys synchronously until they fit; a victim is handed to
+``before_evict`` (the tiered store writes a dirty chunk below there) and removed once no reader holds it.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from ..errors import CapacityError, ClosedError, CorruptObjectError, InvalidInputError
+from ..keys import ChunkKey, check_key
+from ..policy import LRUPolicy
+from ..tensors import TensorDict, fill_out, validate_tensors
+
+log = logging.getLogger("tierstore")
+
+COUNTERS = ("hits", "misses", "puts", "evictions", "bytes_in", "bytes_out", "corrupt", "errors",
+            "skipped", "enospc")
+
+
+class Tier(ABC):
+    """One storage level holding chunks (``Mapping[str, Tensor]``) by :class:`ChunkKey`.
+
+    Batched methods (``get_many``, ``put_many``, ``contains_many``, ``delete_many``) are the interface;
+    the single-key forms are conveniences over them. All methods are thread-safe.
+    """
+
+    kind: ClassVar[str] = ""
+    #: whether a put of an existing key replaces its value (write-once remote tiers keep the first)
+    overwrites: ClassVar[bool] = True
+
+    def __init__(self, name: str | None = None, capacity: int | None = None):
+        if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0):
+            raise InvalidInputError(f"capacity must be a non-negative int or None, got {capacity!r}")
+        self.name = name or self.kind
+        self.capacity = capacity
+        self.before_evict: Callable[[Tier, ChunkKey], None] | None = None
+        self._cond = threading.Condition(threading.Lock())
+        self._lru = LRUPolicy()
+        self._pins: Counter[ChunkKey] = Counter()
+        self._evicting: set[ChunkKey] = set()
+        self._evicting_bytes = 0
+        self._reserved = 0
+        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._logged: set[str] = set()
+        self._closed = False
+
+    # ------------------------------------------------------------------ primitives for subclasses
+    def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> tuple[Any, int]:
+        """Return ``(payload, size)``: what ``_store`` writes and the bytes it will occupy."""
+        from ..tensors import nbytes
+        return tensors, nbytes(tensors)
+
+    @abstractmethod
+    def _store(self, key: ChunkKey, payload: Any, size: int) -> None:
+        """Write ``payload`` so that a reader sees all of it or nothing."""
+
+    @abstractmethod
+    def _load(self, key: ChunkKey, size: int, device, borrow: bool = False) -> TensorDict | None:
+        """Read a chunk. ``None`` if it vanished; raise :class:`CorruptObjectError` if it is bad.
+
+        With ``borrow``, memory tiers may return their own tensors (the caller holds a pin and must not
+        modify them); other tiers return fresh tensors either way.
+        """
+
+    @abstractmethod
+    def _drop(self, key: ChunkKey) -> None:
+        """Remove a chunk from storage (missing is fine)."""
+
+    def _probe(self, keys: Sequence[ChunkKey]) -> list[int | None]:
+        """Sizes of ``keys`` found in storage but not in the index (other writers); default: none."""
+        return [None] * len(keys)
+
+    def _close(self) -> None:
+        """Release resources; called once."""
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def used_bytes(self) -> int:
+        return self._lru.currsize
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def keys(self) -> list[ChunkKey]:
+        with self._cond:
+            return list(self._lru)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._cond:
+            self._counts[name] += n
+
+    def _log_once(self, what: str, msg: str, *args) -> None:
+        if what not in self._logged:
+            self._logged.add(what)
+            log.warning("tier %s: " + msg, self.name, *args)
+
+    def _index_add(self, key: ChunkKey, size: int) -> None:
+        """Register an object found in storage (index rebuild, probe). Call with the lock held."""
+        self._lru.add(key, size)
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {"kind": self.kind, "used_bytes": self._lru.currsize, "capacity_bytes": self.capacity,
+                    "objects": len(self._lru), "reserved_bytes": self._reserved,
+                    "pinned": sum(1 for v in self._pins.values() if v), **self._counts}
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"tier {self.name!r} is closed")
+
+    # ------------------------------------------------------------------ pins (two-phase access)
+    def pin(self, keys: Iterable[ChunkKey]) -> list[int | None]:
+        """Pin the keys this tier holds against eviction; return their sizes (``None`` = absent).
+
+        Every key whose size is not ``None`` must later be passed to :meth:`unpin`.
+        """
+        keys = [check_key(k) for k in keys]
+        sizes: list[int | None] = []
+        with self._cond:
+            for k in keys:
+                if k in self._lru:
+                    self._pins[k] += 1
+                    self._lru.touch(k)
+                    sizes.append(self._lru.size(k))
+                else:
+                    sizes.append(None)
+        return sizes
+
+    def unpin(self, keys: Iterable[ChunkKey]) -> None:
+        with self._cond:
+            for k in keys:
+                self._pins[k] -= 1
+                if self._pins[k] <= 0:
+                    del self._pins[k]
+            self._cond.notify_all()
+
+    @contextmanager
+    def borrowed(self, key: ChunkKey) -> Iterator[TensorDict | None]:
+        """Pin ``key`` and yield its tensors without copying where the tier allows (read-only!)."""
+        (size,) = self.pin([key])
+        if size is None:
+            yield None
+            return
+        try:
+            yield self._load_checked(key, size, "cpu", borrow=True)
+        finally:
+            self.unpin([key])
+
+    # ------------------------------------------------------------------ reads
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        keys = [check_key(k) for k in keys]
+        with self._cond:
+            found = [k in self._lru for k in keys]
+        missing = [k for k, f in zip(keys, found) if not f]
+        if missing:
+            probed = dict(zip(missing, self._probe(missing)))
+            with self._cond:
+                for k, size in probed.items():
+                    if size is not None and k not in self._lru:
+                        self._index_add(k, size)
+            found = [f or probed.get(k) is not None for k, f in zip(keys, found)]
+        return found
+
+    def get_many(self, keys: Sequence[ChunkKey], device: str | torch.device = "cpu") -> list[TensorDict | None]:
+        """Return each key's tensors on ``device`` (fresh tensors the caller owns) or ``None``."""
+        self._check_open()
+        keys = list(keys)
+        present = self.contains_many(keys)
+        sizes = self.pin(k for k, p in zip(keys, present) if p)
+        size_of = dict(zip((k for k, p in zip(keys, present) if p), sizes))
+        results: list[TensorDict | None] = []
+        try:
+            for k in keys:
+                size = size_of.get(k)
+                results.append(None if size is None else self._load_checked(k, size, device))
+        finally:
+            self.unpin(k for k, s in size_of.items() if s is not None)
+        hits = sum(r is not None for r in results)
+        with self._cond:
+            self._counts["hits"] += hits
+            self._counts["misses"] += len(results) - hits
+            self._counts["bytes_out"] += sum(size_of[k] for k, r in zip(keys, results) if r is not None)
+        return results
+
+    def _load_checked(self, key: ChunkKey, size: int, device, borrow: bool = False) -> TensorDict | None:
+        try:
+            return self._load(key, size, device, borrow)
+        except CorruptObjectError as exc:
+            self._count("corrupt")
+            self._log_once("corrupt", "dropping corrupt object %s: %s", key.hex(), exc)
+        except FileNotFoundError:
+            pass  # removed by another process or a racing delete: a miss
+        except OSError as exc:
+            self._count("errors")
+            self._log_once("read", "read failed (%s); treating as a miss", exc)
+            return None
+        self._forget(key)
+        return None
+
+    def _forget(self, key: ChunkKey) -> None:
+        """Drop a key whose object is gone or corrupt from index and storage."""
+        with self._cond:
+            if key in self._lru and key not in self._evicting:
+                self._lru.remove(key)
+        try:
+            self._drop(key)
+        except OSError:
+            pass
+
+    def get(self, key: ChunkKey, device: str | torch.device = "cpu",
+            out: Mapping[str, torch.Tensor] | None = None) -> TensorDict | None:
+        result = self.get_many([key], device=device if out is None else "cpu")[0]
+        if result is None or out is None:
+            return result
+        return fill_out(out, result)
+
+    def contains(self, key: ChunkKey) -> bool:
+        return self.contains_many([key])[0]
+
+    # ------------------------------------------------------------------ writes
+    def put_many(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]) -> list[bool]:
+        """Store each ``(key, tensors)``; ``False`` where it was skipped (too big, no room, I/O error).
+
+        Bad input (wrong key type, non-tensor values) raises before anything is written.
+        """
+        self._check_open()
+        items = list(items)
+        for key, tensors in items:
+            check_key(key)
+            validate_tensors(tensors)
+        return [self._put_one(key, tensors) for key, tensors in items]
+
+    def put(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
+        return self.put_many([(key, tensors)])[0]
+
+    def _put_one(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
+        if not self.overwrites and self.contains(key):
+            return True
+        payload, size = self._prepare(key, tensors)
+        for attempt in range(2):
+            if not self._reserve(key, size):
+                self._count("skipped")
+                return False
+            try:
+                self._store(key, payload, size)
+            except OSError as exc:
+                self._release(size)
+                if exc.errno == errno.ENOSPC and attempt == 0:
+                    self._shrink_after_enospc()
+                    continue
+                self._count("errors")
+                self._log_once("write", "write failed (%s); skipping", exc)
+                return False
+            except BaseException:
+                self._release(size)
+                raise
+            with self._cond:
+                self._reserved -= size
+                self._lru.add(key, size)
+                self._counts["puts"] += 1
+                self._counts["bytes_in"] += size
+                self._cond.notify_all()
+            return True
+        return False
+
+    def _release(self, size: int) -> None:
+        with self._cond:
+            self._reserved -= size
+            self._cond.notify_all()
+
+    def _shrink_after_enospc(self) -> None:
+        """The device is full below our capacity: take what we really hold as the capacity."""
+        with self._cond:
+            self._counts["enospc"] += 1
+            self.capacity = self._lru.currsize + self._reserved
+        self._log_once("enospc", "no space left on device; capacity lowered to %d bytes", self.capacity)
+
+    def _reserve(self, key: ChunkKey, size: int) -> bool:
+        """Reserve ``size`` bytes, evicting LRU victims synchronously; ``False`` if it cannot fit."""
+        if self.capacity is not None and size > self.capacity:
+            return False
+        with self._cond:
+            while True:
+                self._check_open()
+                if self.capacity is None or self._lru.currsize + self._reserved + size <= self.capacity:
+                    self._reserved += size
+                    return True
+                deficit = self._lru.currsize + self._reserved + size - self.capacity - self._evicting_bytes
+                victims = self._select_victims(deficit, exclude=key) if deficit > 0 else []
+                if victims:
+                    self._cond.release()
+                    try:
+                        self._evict(victims)
+                    finally:
+                        self._cond.acquire()
+                elif self._evicting_bytes or self._reserved:
+                    self._cond.wait(0.05)  # others are freeing space or finishing writes
+                else:
+                    return False  # everything left is pinned
+
+    def _select_victims(self, deficit: int, exclude: ChunkKey) -> list[tuple[ChunkKey, int]]:
+        victims, freed = [], 0
+        for k in self._lru.victims():
+            if freed >= deficit:
+                break
+            if self._pins.get(k) or k in self._evicting or k == exclude:
+                continue
+            size = self._lru.size(k)
+            self._evicting.add(k)
+            self._evicting_bytes += size
+            victims.append((k, size))
+            freed += size
+        return victims
+
+    def _evict(self, victims: list[tuple[ChunkKey, int]]) -> None:
+        """Hand each victim to ``before_evict``, wait for its readers, then remove it."""
+        for k, size in victims:
+            try:
+                if self.before_evict is not None:
+                    self.before_evict(self, k)
+            except Exception as exc:  # degrade: a failed write-back must not wedge the tier
+                self._log_once("before_evict", "write-back before eviction failed: %s", exc)
+            with self._cond:
+                while self._pins.get(k):
+                    self._cond.wait()
+            try:
+                self._drop(k)
+            except OSError as exc:
+                self._log_once("drop", "could not remove %s: %s", k.hex(), exc)
+            with self._cond:
+                self._evicting.discard(k)
+                self._evicting_bytes -= size
+                if k in self._lru:
+                    self._lru.remove(k)
+                    self._counts["evictions"] += 1
+                self._cond.notify_all()
+
+    def delete_many(self, keys: Sequence[ChunkKey]) -> int:
+        """Remove keys; returns how many were present."""
+        self._check_open()
+        keys = [check_key(k) for k in keys]
+        n = 0
+        for k in keys:
+            with self._cond:
+                present = k in self._lru and k not in self._evicting
+                if present:
+                    self._lru.remove(k)
+            if present:
+                n += 1
+                try:
+                    self._drop(k)
+                except OSError as exc:
+                    self._log_once("drop", "could not remove %s: %s", k.hex(), exc)
+        return n
+
+    def delete(self, key: ChunkKey) -> bool:
+        return self.delete_many([key]) == 1
+
+    def check_fits(self, size: int) -> None:
+        """Raise :class:`CapacityError` if an object of ``size`` bytes can never fit here."""
+        if self.capacity is not None and size > self.capacity:
+            raise CapacityError(f"{size} bytes exceed tier {self.name!r} capacity {self.capacity}")
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} {self.used_bytes}/{self.capacity} bytes, {len(self)} objects>"

@@ -1,0 +1,81 @@
+"""The ``host`` tier: chunks in host RAM.
+
+With CUDA present and ``pinned: true`` (or ``pool: true`` anywhere) the tier preallocates its whole
+capacity once as a :class:`~tierstore.pool.SlotPool` and carves chunks out of it, so transfers to the GPU
+are DMA-able and memory never grows or fragments over time. Otherwise each chunk is a plain allocation.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Mapping
+
+import torch
+
+from ..keys import ChunkKey
+from ..objformat import ALIGN
+from ..pool import SlotPool
+from ..tensors import nbytes
+from .memory import MemoryTier
+
+
+def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[tuple[str, int]], int]:
+    offsets, pos = [], 0
+    for name, t in tensors.items():
+        pos = -(-pos // ALIGN) * ALIGN
+        offsets.append((name, pos))
+        pos += t.numel() * t.element_size()
+    return offsets, pos
+
+
+class HostTier(MemoryTier):
+    kind = "host"
+
+    def __init__(self, name: str | None = None, capacity: int | None = None, pinned: bool = True,
+                 pool: bool | None = None, slot_size: int = 1 << 20):
+        super().__init__(name, capacity, device="cpu", pinned=pinned)
+        use_pool = self.pinned if pool is None else pool
+        self.pool = SlotPool(capacity or 0, slot_size, pinned=self.pinned) if use_pool and capacity else None
+        if self.pool is not None:
+            self.capacity = self.pool.capacity
+        self._runs: dict[ChunkKey, tuple[int, int]] = {}
+
+    def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]):
+        if self.pool is None:
+            return tensors, nbytes(tensors)
+        return tensors, self.pool.slots_for(_layout(tensors)[1]) * self.pool.slot_size
+
+    def _store(self, key: ChunkKey, payload: Mapping[str, torch.Tensor], size: int) -> None:
+        if self.pool is None:
+            return super()._store(key, payload, size)
+        run = self._alloc_run(key, size)
+        buf = self.pool.view(run)
+        offsets, _ = _layout(payload)
+        stored = {}
+        for name, off in offsets:
+            t = payload[name]
+            nb = t.numel() * t.element_size()
+            dst = buf[off:off + nb]
+            dst = (dst.view(t.dtype) if t.dtype != torch.uint8 else dst).reshape(t.shape)
+            dst.copy_(t)
+            stored[name] = dst
+        old = self._runs.get(key)
+        self._data[key], self._runs[key] = stored, run
+        if old is not None:
+            self.pool.free(old)
+
+    def _alloc_run(self, key: ChunkKey, size: int) -> tuple[int, int]:
+        """Bytes are reserved already; evict further LRU chunks while fragmentation blocks a run."""
+        while (run := self.pool.alloc(size)) is None:
+            with self._cond:
+                victims = self._select_victims(self.pool.slot_size, exclude=key)
+            if not victims:
+                raise OSError(errno.ENOMEM, "host pool fragmented: no contiguous run free")
+            self._evict(victims)
+        return run
+
+    def _drop(self, key: ChunkKey) -> None:
+        self._data.pop(key, None)
+        run = self._runs.pop(key, None)
+        if run is not None:
+            self.pool.free(run)
