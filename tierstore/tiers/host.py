@@ -35,7 +35,11 @@ class HostTier(MemoryTier):
                  pool: bool | None = None, slot_size: int = 1 << 20):
         super().__init__(name, capacity, device="cpu", pinned=pinned)
         use_pool = self.pinned if pool is None else pool
-        self.pool = SlotPool(capacity or 0, slot_size, pinned=self.pinned) if use_pool and capacity else None
+        if use_pool and capacity:
+            slot_size = max(ALIGN, min(slot_size, capacity // ALIGN * ALIGN))  # a tiny tier still gets a slot
+            self.pool = SlotPool(capacity, slot_size, pinned=self.pinned)
+        else:
+            self.pool = None
         if self.pool is not None:
             self.capacity = self.pool.capacity
         self._runs: dict[ChunkKey, tuple[int, int]] = {}

@@ -1,0 +1,302 @@
+"""``TierTests``: the conformance suite every tier passes (zarr's ``StoreTests`` is the model).
+
+Subclass it in a test module and implement :meth:`make_tier` (and, for tiers that persist or keep
+checksummed objects, :meth:`reopen` and :meth:`damage`)::
+
+    class TestHostTier(TierTests):
+        def make_tier(self, capacity):
+            return HostTier(capacity=capacity)
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from ..errors import InvalidInputError, InvalidTypeError, TierstoreError
+from ..keys import ChunkKey
+from ..tensors import DTYPES
+from ..tiers.base import Tier
+
+MiB = 1 << 20
+
+
+def sample_tensor(dtype: torch.dtype, shape=(3, 5), seed: int = 0) -> torch.Tensor:
+    """Deterministic tensor of any stored dtype, with random bit patterns for float8/bool too."""
+    g = torch.Generator().manual_seed(seed)
+    n = 1
+    for d in shape:
+        n *= d
+    if dtype == torch.bool:
+        return (torch.randint(0, 2, (n,), generator=g) == 1).reshape(shape)
+    raw = torch.randint(0, 256, (n * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    t = raw.view(dtype).reshape(shape) if n else torch.empty(shape, dtype=dtype)
+    if dtype.is_floating_point or dtype.is_complex:
+        t = torch.where(torch.isnan(t), torch.zeros_like(t), t)  # NaN != NaN would hide equality bugs
+    return t.clone()
+
+
+def chunk(seed: int = 0, nbytes: int = 4096) -> dict[str, torch.Tensor]:
+    n = nbytes // 8
+    g = torch.Generator().manual_seed(seed)
+    return {"k": torch.randn(n, generator=g), "v": torch.randn(n, generator=g)}
+
+
+def key_of(i: int) -> ChunkKey:
+    return ChunkKey.from_bytes(f"tier-test-{i}".encode())
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a is not None and b is not None
+    assert set(a) == set(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype, name
+        assert a[name].shape == b[name].shape, name
+        if a[name].numel():
+            assert torch.equal(a[name].view(torch.uint8) if a[name].dim() else a[name].reshape(1).view(torch.uint8),
+                               b[name].view(torch.uint8) if b[name].dim() else b[name].reshape(1).view(torch.uint8)), name
+
+
+class TierTests:
+    """Behaviour every tier shares. Subclasses set the class attributes and implement the hooks."""
+
+    #: objects survive close() and reopen()
+    persistent: bool = False
+    #: stored objects carry checksums that :meth:`damage` can break
+    checksummed: bool = False
+
+    @pytest.fixture(autouse=True)
+    def _tmp(self, tmp_path):
+        self.tmp_path = tmp_path
+        self._open: list[Tier] = []
+        yield
+        for t in self._open:
+            t.close()
+
+    # hooks -----------------------------------------------------------------
+    def make_tier(self, capacity: int | None) -> Tier:
+        raise NotImplementedError
+
+    def reopen(self, tier: Tier) -> Tier:
+        """Close ``tier`` and open the same storage again."""
+        raise NotImplementedError
+
+    def damage(self, tier: Tier, key: ChunkKey, how: str) -> None:
+        """Corrupt the stored object: ``how`` is ``"flip"`` (one payload bit) or ``"truncate"``."""
+        raise NotImplementedError
+
+    def tier(self, capacity: int | None = 64 * MiB) -> Tier:
+        t = self.make_tier(capacity)
+        self._open.append(t)
+        return t
+
+    # round trips -----------------------------------------------------------
+    @pytest.mark.parametrize("dtype", sorted(DTYPES.values(), key=str), ids=str)
+    def test_roundtrip_every_dtype(self, dtype):
+        t = self.tier()
+        value = {"x": sample_tensor(dtype, (4, 7)), "scalar": sample_tensor(dtype, ()),
+                 "empty": sample_tensor(dtype, (0, 3))}
+        key = key_of(1)
+        assert t.put(key, value)
+        assert_same(t.get(key), value)
+
+    def test_non_contiguous_and_odd_shapes(self):
+        t = self.tier()
+        base = torch.arange(6 * 5 * 4, dtype=torch.float32).reshape(6, 5, 4)
+        value = {"transposed": base.transpose(0, 2), "strided": base[::2, 1:, ::3], "odd": torch.arange(13, dtype=torch.int16)}
+        t.put(key_of(2), value)
+        got = t.get(key_of(2))
+        for name in value:
+            assert torch.equal(got[name], value[name])
+            assert got[name].is_contiguous()
+
+    def test_get_returns_caller_owned_copies(self):
+        t = self.tier()
+        value = chunk(3)
+        original = {k: v.clone() for k, v in value.items()}
+        t.put(key_of(3), value)
+        value["k"].zero_()  # mutate after put
+        got = t.get(key_of(3))
+        assert_same(got, original)
+        got["v"].zero_()  # mutate a result
+        assert_same(t.get(key_of(3)), original)
+
+    def test_get_into_out(self):
+        t = self.tier()
+        value = chunk(4)
+        t.put(key_of(4), value)
+        out = {k: torch.empty_like(v) for k, v in value.items()}
+        result = t.get(key_of(4), out=out)
+        assert result["k"].data_ptr() == out["k"].data_ptr()
+        assert_same(out, value)
+        with pytest.raises(InvalidInputError):
+            t.get(key_of(4), out={"k": torch.empty(3)})
+
+    def test_miss_is_none(self):
+        t = self.tier()
+        assert t.get(key_of(99)) is None
+        assert not t.contains(key_of(99))
+        assert t.stats()["misses"] == 1
+
+    def test_batched_calls(self):
+        t = self.tier()
+        items = [(key_of(i), chunk(i)) for i in range(5)]
+        assert t.put_many(items) == [True] * 5
+        assert t.contains_many([key_of(0), key_of(7), key_of(4)]) == [True, False, True]
+        got = t.get_many([key_of(1), key_of(8), key_of(3)])
+        assert_same(got[0], items[1][1])
+        assert got[1] is None
+        assert_same(got[2], items[3][1])
+        assert t.delete_many([key_of(0), key_of(9)]) == 1
+        assert not t.contains(key_of(0))
+
+    # overwrite, delete, accounting ------------------------------------------
+    def test_overwrite(self):
+        t = self.tier()
+        t.put(key_of(5), chunk(1, 4096))
+        t.put(key_of(5), chunk(2, 8192))
+        expected = chunk(2, 8192) if t.overwrites else chunk(1, 4096)
+        assert_same(t.get(key_of(5)), expected)
+        assert len(t) == 1
+        assert t.used_bytes == t.stats()["used_bytes"] > 0
+
+    def test_delete_and_byte_accounting(self):
+        t = self.tier()
+        sizes = []
+        for i in range(4):
+            t.put(key_of(i), chunk(i, 4096 * (i + 1)))
+            sizes.append(t.used_bytes)
+        assert sizes == sorted(sizes) and len(set(sizes)) == 4
+        assert t.delete(key_of(3))
+        assert t.used_bytes == sizes[2]
+        assert not t.delete(key_of(3))
+        for i in range(3):
+            t.delete(key_of(i))
+        assert t.used_bytes == 0 and len(t) == 0
+
+    def test_capacity_never_exceeded_and_lru_order(self):
+        t = self.tier(capacity=5 * 8192 + 4096)
+        for i in range(5):
+            assert t.put(key_of(i), chunk(i, 8000))
+        assert t.get(key_of(0)) is not None  # LRU order now 1, 2, 3, 4, 0
+        for i in (5, 6):
+            assert t.put(key_of(i), chunk(i, 8000))
+            assert t.used_bytes <= t.capacity
+        assert [i for i in range(7) if t.contains(key_of(i))] == [0, 3, 4, 5, 6]
+        assert t.stats()["evictions"] == 2
+
+    def test_oversize_is_skipped_not_stored(self):
+        t = self.tier(capacity=4096)
+        t.put(key_of(0), chunk(0, 1024))
+        assert not t.put(key_of(1), chunk(1, 1 << 16))
+        assert not t.contains(key_of(1))
+        assert t.contains(key_of(0))  # nothing was evicted for a value that can never fit
+        assert t.stats()["skipped"] == 1
+
+    def test_pinned_keys_are_not_evicted(self):
+        t = self.tier(capacity=3 * 8192)
+        t.put(key_of(0), chunk(0, 8000))
+        t.pin([key_of(0)])
+        for i in range(1, 6):
+            t.put(key_of(i), chunk(i, 8000))
+        assert t.contains(key_of(0))
+        t.unpin([key_of(0)])
+        for i in range(6, 9):
+            t.put(key_of(i), chunk(i, 8000))
+        assert not t.contains(key_of(0))
+
+    def test_before_evict_sees_the_victim(self):
+        t = self.tier(capacity=2 * 8192)
+        seen = []
+
+        def hook(tier, key):
+            with tier.borrowed(key) as value:
+                seen.append((key, value is not None))
+
+        t.before_evict = hook
+        for i in range(4):
+            t.put(key_of(i), chunk(i, 8000))
+        assert seen and all(ok for _, ok in seen)
+        assert seen[0][0] == key_of(0)
+
+    # integrity --------------------------------------------------------------
+    @pytest.mark.parametrize("how", ["flip", "truncate"])
+    def test_corrupt_object_is_a_counted_miss(self, how):
+        if not self.checksummed:
+            pytest.skip("tier keeps no checksummed objects")
+        t = self.tier()
+        t.put(key_of(0), chunk(0))
+        t.put(key_of(1), chunk(1))
+        self.damage(t, key_of(0), how)
+        assert t.get(key_of(0)) is None
+        assert t.stats()["corrupt"] == 1
+        assert_same(t.get(key_of(1)), chunk(1))
+        assert t.put(key_of(0), chunk(0))  # a fresh put heals it
+        assert_same(t.get(key_of(0)), chunk(0))
+
+    # persistence ------------------------------------------------------------
+    def test_persistence_across_reopen(self):
+        if not self.persistent:
+            pytest.skip("tier is not persistent")
+        t = self.tier()
+        for i in range(3):
+            t.put(key_of(i), chunk(i, 4096 * (i + 1)))
+        t.delete(key_of(1))
+        used = t.used_bytes
+        t2 = self.reopen(t)
+        self._open.append(t2)
+        assert sorted(k.hex() for k in t2.keys()) == sorted(key_of(i).hex() for i in (0, 2))
+        assert t2.used_bytes == used
+        assert_same(t2.get(key_of(2)), chunk(2, 4096 * 3))
+        assert t2.put(key_of(3), chunk(3))
+        assert t2.used_bytes > used
+
+    # concurrency ------------------------------------------------------------
+    def test_many_threads(self):
+        t = self.tier(capacity=40 * 8192)
+        errors = []
+
+        def worker(w):
+            try:
+                for i in range(30):
+                    k = key_of(w * 1000 + i % 12)
+                    value = chunk(w * 1000 + i % 12, 8000)
+                    t.put(k, value)
+                    got = t.get(k)
+                    if got is not None:
+                        assert_same(got, value)
+                    assert t.used_bytes <= t.capacity
+            except Exception as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(6)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors
+        assert t.used_bytes <= t.capacity
+        assert t.stats()["reserved_bytes"] == 0
+
+    # bad input --------------------------------------------------------------
+    def test_bad_input(self):
+        t = self.tier()
+        with pytest.raises(InvalidTypeError):
+            t.put("not-a-key", chunk(0))
+        with pytest.raises(InvalidTypeError):
+            t.put(key_of(0), {"x": [1, 2, 3]})
+        with pytest.raises(InvalidTypeError):
+            t.put(key_of(0), torch.zeros(3))
+        with pytest.raises(InvalidInputError):
+            t.put(key_of(0), {})
+        with pytest.raises(InvalidTypeError):
+            t.get(b"raw bytes")
+        with pytest.raises(TierstoreError):
+            t.put(key_of(0), {"x": torch.zeros(3).to_sparse()})
+        assert len(t) == 0  # nothing stored by a failed call
+
+    def test_negative_capacity_rejected(self):
+        with pytest.raises(ValueError):
+            self.make_tier(-1)
