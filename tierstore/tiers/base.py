@@ -164,12 +164,13 @@ class Tier(ABC):
             self.unpin([key])
 
     # ------------------------------------------------------------------ reads
-    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+    def contains_many(self, keys: Sequence[ChunkKey], probe: bool = True) -> list[bool]:
+        """Whether each key is held. ``probe=False`` checks the in-memory index only (no I/O)."""
         keys = [check_key(k) for k in keys]
         with self._cond:
             found = [k in self._lru for k in keys]
         missing = [k for k, f in zip(keys, found) if not f]
-        if missing:
+        if missing and probe:
             probed = dict(zip(missing, self._probe(missing)))
             with self._cond:
                 for k, size in probed.items():
@@ -226,10 +227,29 @@ class Tier(ABC):
 
     def get(self, key: ChunkKey, device: str | torch.device = "cpu",
             out: Mapping[str, torch.Tensor] | None = None) -> TensorDict | None:
-        result = self.get_many([key], device=device if out is None else "cpu")[0]
-        if result is None or out is None:
-            return result
-        return fill_out(out, result)
+        """One chunk as fresh tensors on ``device``, or copied into caller-owned ``out``."""
+        if out is None:
+            return self.get_many([key], device=device)[0]
+        return self.get_into(key, out)
+
+    def get_into(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
+        """Fill ``out`` (same names, shapes, dtypes) from the stored chunk; ``None`` on a miss.
+
+        Memory tiers copy straight from their own tensors: no allocation on this path.
+        """
+        self._check_open()
+        size = self.pin([key])[0] if self.contains(key) else None
+        result = None
+        if size is not None:
+            try:
+                data = self._load_checked(key, size, "cpu", borrow=True)
+                result = None if data is None else fill_out(out, data)
+            finally:
+                self.unpin([key])
+        with self._cond:
+            self._counts["hits" if result is not None else "misses"] += 1
+            self._counts["bytes_out"] += size if result is not None else 0
+        return result
 
     def contains(self, key: ChunkKey) -> bool:
         return self.contains_many([key])[0]

@@ -1,0 +1,96 @@
+import json
+import os
+
+import pytest
+
+import tierstore
+from tierstore.config import ENV_CONFIG, PrefetchPolicy, WritePolicy, parse_config
+from tierstore.errors import ConfigError
+from tierstore.sizes import parse_size
+
+
+@pytest.mark.parametrize("text,expected", [
+    (4096, 4096), ("512MiB", 512 << 20), ("32GiB", 32 << 30), ("1.5 GB", 1_500_000_000),
+    ("10KB", 10_000), ("7B", 7), ("3", 3), ("2TiB", 2 << 40),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["-1", -5, "12 parsecs", "GiB", "", True, 1.5, None])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ConfigError):
+        parse_size(bad, key="tiers[0].capacity")
+
+
+def test_full_config(tmp_path):
+    cfg = parse_config({
+        "tiers": [{"kind": "device", "device": "cpu", "capacity": "8MiB"},
+                  {"kind": "host", "capacity": "32MiB", "pinned": True},
+                  {"kind": "disk", "path": str(tmp_path / "d"), "capacity": "1GiB"},
+                  {"kind": "remote", "url": f"file://{tmp_path}/r", "compression": "zstd", "name": "shared"}],
+        "write_policy": "write_through", "prefetch_policy": "transient", "max_in_flight": 4})
+    assert [t.name for t in cfg.tiers] == ["device", "host", "disk", "shared"]
+    assert cfg.tiers[1].options["capacity"] == 32 << 20
+    assert cfg.write_policy is WritePolicy.WRITE_THROUGH
+    assert cfg.prefetch_policy is PrefetchPolicy.TRANSIENT
+    assert cfg.max_in_flight == 4
+
+
+@pytest.mark.parametrize("config,names", [
+    ({"tiers": [{"kind": "host"}], "colour": "red"}, "colour"),
+    ({"tiers": []}, "tiers"),
+    ({"tiers": [{"kind": "tape"}]}, "tiers[0].kind"),
+    ({"tiers": [{"kind": "host", "capcity": 5}]}, "capcity"),
+    ({"tiers": [{"kind": "host", "capacity": "lots"}]}, "tiers[0].capacity"),
+    ({"tiers": [{"kind": "disk"}]}, "path"),
+    ({"tiers": [{"kind": "remote", "url": "nosuch://bucket/x"}]}, "tiers[0].url"),
+    ({"tiers": [{"kind": "host"}, {"kind": "host"}]}, "duplicate"),
+    ({"tiers": [{"kind": "host"}], "write_policy": "write_sometimes"}, "write_policy"),
+    ({"tiers": [{"kind": "host"}], "max_in_flight": 0}, "max_in_flight"),
+    ({"tiers": [{"kind": "disk", "path": "/proc/version/x"}]}, "tiers[0].path"),
+])
+def test_bad_config_names_the_key(config, names, tmp_path):
+    with pytest.raises(ConfigError, match=names.replace("[", r"\[").replace("]", r"\]")):
+        tierstore.open(config)
+
+
+def test_unwritable_path_writes_nothing(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    if os.access(ro, os.W_OK):  # root ignores mode bits; use a path under a file instead
+        target = tmp_path / "afile"
+        target.write_text("x")
+        path = target / "cache"
+    else:
+        path = ro / "cache"
+    with pytest.raises(ConfigError):
+        tierstore.open({"tiers": [{"kind": "host"}, {"kind": "disk", "path": str(path)}]})
+    assert not (tmp_path / "afile" / "cache").exists()
+
+
+def test_yaml_and_json_files_and_env(tmp_path, monkeypatch):
+    yml = tmp_path / "store.yaml"
+    yml.write_text("tiers:\n  - {kind: host, capacity: 16MiB}\nwrite_policy: write_through\n")
+    with tierstore.open(str(yml)) as s:
+        assert s.write_policy is WritePolicy.WRITE_THROUGH
+        assert s.tiers[0].capacity == 16 << 20
+    js = tmp_path / "store.json"
+    js.write_text(json.dumps({"tiers": [{"kind": "host", "capacity": 1024}]}))
+    monkeypatch.setenv(ENV_CONFIG, str(js))
+    with tierstore.open() as s:
+        assert s.tiers[0].capacity == 1024
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tiers: [unclosed\n")
+    with pytest.raises(ConfigError, match="bad.yaml"):
+        tierstore.open(str(bad))
+
+
+def test_default_config_is_host_and_disk(monkeypatch, tmp_path):
+    monkeypatch.delenv(ENV_CONFIG, raising=False)
+    from tierstore.config import default_config
+    cfg = parse_config(default_config(str(tmp_path / "cache")))
+    assert [t.kind for t in cfg.tiers] == ["host", "disk"]
+    assert cfg.tiers[1].options["path"].startswith(str(tmp_path))
+    assert all(t.options["capacity"] > 0 for t in cfg.tiers)
