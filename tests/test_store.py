@@ -1,0 +1,189 @@
+"""TieredStore behaviour: policies, dirty eviction, promotion, prefetch, lookup, stats, threads."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import tierstore
+from tierstore.errors import ClosedError, InvalidInputError, InvalidTypeError, TierTimeoutError
+from tierstore.testing.tiers import assert_same, chunk, key_of
+
+CHUNK = 8000  # bytes per test chunk
+
+
+def open_store(tmp_path, host=3 * 8192, lower="device", **extra):
+    lower_tier = ({"kind": "device", "device": "cpu", "name": "lower", "capacity": "4MiB"} if lower == "device"
+                  else {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "4MiB", "name": "lower"})
+    return tierstore.open({"tiers": [{"kind": "host", "capacity": host, "pinned": False}, lower_tier], **extra})
+
+
+def test_put_get_roundtrip_and_miss(tmp_path):
+    with open_store(tmp_path) as s:
+        s.put(key_of(1), chunk(1, CHUNK))
+        assert_same(s.get(key_of(1)), chunk(1, CHUNK))
+        assert s.get(key_of(2)) is None
+        assert s.contains(key_of(1)) and not s.contains(key_of(2))
+        st = s.stats()
+        assert st["hits"] == 1 and st["misses"] == 1
+        assert st["tiers"]["host"]["hits"] == 1
+
+
+def test_write_back_reaches_every_tier_after_flush(tmp_path):
+    with open_store(tmp_path) as s:
+        s.put(key_of(1), chunk(1, CHUNK))
+        s.flush()
+        assert s.tier("lower").contains(key_of(1))
+        assert s.stats()["tiers"]["lower"]["writeback_done"] == 1
+        assert s.stats()["pending_writeback"] == 0
+
+
+def test_write_through_returns_when_every_tier_has_it(tmp_path):
+    with open_store(tmp_path, write_policy="write_through") as s:
+        s.put(key_of(1), chunk(1, CHUNK))
+        assert all(t.contains(key_of(1)) for t in s.tiers)
+
+
+def test_dirty_chunk_is_written_back_before_eviction(tmp_path):
+    with open_store(tmp_path) as s:
+        lower = s.tier("lower")
+        blocker = threading.Event()
+        original = lower.put_many
+
+        def slow_put_many(items):  # hold the background writer so chunks stay dirty
+            if threading.current_thread().name.startswith("tierstore-writeback"):
+                blocker.wait(10)
+            return original(items)
+
+        lower.put_many = slow_put_many
+        for i in range(8):  # host holds 3: five dirty evictions must write synchronously
+            s.put(key_of(i), chunk(i, CHUNK))
+        for i in range(8):
+            assert s.where(key_of(i)) is not None, i
+        assert s.stats()["tiers"]["lower"]["writeback_done"] >= 5  # done by evictions, not the writer
+        blocker.set()
+        s.flush()
+        for i in range(8):
+            assert_same(s.get(key_of(i)), chunk(i, CHUNK))
+        assert s.stats()["tiers"]["host"]["evictions"] >= 5
+
+
+def test_retain_promotes_and_transient_does_not(tmp_path):
+    for policy, promoted in (("retain", True), ("transient", False)):
+        with open_store(tmp_path / policy, prefetch_policy=policy) as s:
+            for i in range(6):
+                s.put(key_of(i), chunk(i, CHUNK))
+            s.flush()
+            assert s.where(key_of(0)) == "lower"
+            assert_same(s.get(key_of(0)), chunk(0, CHUNK))
+            assert (s.where(key_of(0)) == "host") is promoted
+            assert s.tier("lower").contains(key_of(0))  # a promoted chunk stays below too
+
+
+def test_prefetch_promotes_in_background(tmp_path):
+    with open_store(tmp_path, host=4 * 8192, prefetch_policy="transient") as s:
+        for i in range(8):
+            s.put(key_of(i), chunk(i, CHUNK))
+        s.flush()
+        cold = [key_of(i) for i in range(2)]
+        assert all(s.where(k) == "lower" for k in cold)
+        assert s.prefetch(cold).result(timeout=10) == 2
+        assert all(s.where(k) == "host" for k in cold)
+        assert s.prefetch([key_of(99)]).result(timeout=10) == 0
+        assert s.prefetch([]).result() == 0
+
+
+def test_lookup_leading_run(tmp_path):
+    with open_store(tmp_path) as s:
+        keys = [key_of(i) for i in range(6)]
+        for k in keys[:4]:
+            s.put(k, chunk(0, CHUNK))
+        s.put(keys[5], chunk(0, CHUNK))
+        s.flush()
+        assert s.lookup(keys) == 4
+        assert s.lookup(keys[4:]) == 0
+        assert s.lookup([]) == 0
+
+
+def test_get_into_out_buffers(tmp_path):
+    with open_store(tmp_path) as s:
+        value = chunk(3, CHUNK)
+        for i in range(6):
+            s.put(key_of(i), chunk(i, CHUNK))
+        s.put(key_of(3), value)
+        s.flush()
+        out = {k: torch.empty_like(v) for k, v in value.items()}
+        got = s.get(key_of(3), out=out)
+        assert got["k"].data_ptr() == out["k"].data_ptr()
+        assert_same(out, value)
+        out0 = {k: torch.empty_like(v) for k, v in chunk(0, CHUNK).items()}
+        assert_same(s.get(key_of(0), out=out0), chunk(0, CHUNK))  # served from the lower tier
+        with pytest.raises(InvalidInputError):
+            s.get(key_of(3), out={"k": torch.empty(2)})
+
+
+def test_chunk_bigger_than_top_tier_skips_it(tmp_path):
+    with open_store(tmp_path, host=4096) as s:
+        s.put(key_of(1), chunk(1, CHUNK))
+        assert s.where(key_of(1)) == "lower"
+        assert_same(s.get(key_of(1)), chunk(1, CHUNK))
+
+
+def test_bad_input_and_closed(tmp_path):
+    s = open_store(tmp_path)
+    with pytest.raises(InvalidTypeError):
+        s.put("k", chunk(0))
+    with pytest.raises(InvalidTypeError):
+        s.put(key_of(0), {"k": "not a tensor"})
+    with pytest.raises(InvalidTypeError):
+        s.get(42)
+    assert s.stats()["puts"] == 0
+    s.close()
+    s.close()  # idempotent
+    with pytest.raises(ClosedError):
+        s.put(key_of(0), chunk(0))
+
+
+def test_flush_timeout(tmp_path):
+    with open_store(tmp_path) as s:
+        lower = s.tier("lower")
+        release = threading.Event()
+        original = lower.put_many
+        lower.put_many = lambda items: (release.wait(10), original(items))[1]  # only the writer calls it
+        s.put(key_of(1), chunk(1, CHUNK))
+        with pytest.raises(TierTimeoutError):
+            s.flush(timeout=0.2)
+        release.set()
+        s.flush(timeout=10)
+
+
+def test_many_threads_put_get_prefetch(tmp_path):
+    with open_store(tmp_path, host=6 * 8192) as s:
+        errors = []
+
+        def worker(w):
+            try:
+                for i in range(40):
+                    n = w * 100 + i % 15
+                    s.put(key_of(n), chunk(n, CHUNK))
+                    got = s.get(key_of(n))
+                    if got is not None:
+                        assert_same(got, chunk(n, CHUNK))
+                    if i % 10 == 0:
+                        s.prefetch([key_of(w * 100 + j) for j in range(5)]).result(timeout=30)
+                    for t in s.tiers:
+                        assert t.used_bytes <= t.capacity
+            except Exception as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        s.flush()
+        for w in range(6):
+            for j in range(15):
+                assert_same(s.get(key_of(w * 100 + j)), chunk(w * 100 + j, CHUNK))

@@ -1,0 +1,157 @@
+"""``tierstore bench tiers``: put/get throughput of each tier next to the plain operation on the same
+bytes (``torch.clone`` / memcpy, plain file write + read, plain s3fs put + get), plus the store-level
+figures: host-hit ``get`` vs ``clone``, ``lookup`` cost per key, write-back ``put`` vs a disk put.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+from ..keys import ChunkKey
+from .common import Report, gbps, median_time
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--chunk", default="4MiB", help="chunk size (default 4MiB)")
+    p.add_argument("--count", type=int, default=64, help="chunks per measurement (default 64)")
+    p.add_argument("--repeats", type=int, default=5, help="repeats; medians are reported (default 5)")
+    p.add_argument("--no-s3", action="store_true", help="skip the local S3 server rows")
+    p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument("--json", default=None, help="also write the results as JSON here")
+
+
+def _chunks(count: int, size: int) -> list[tuple[ChunkKey, dict]]:
+    g = torch.Generator().manual_seed(0)
+    n = size // 8
+    return [(ChunkKey.from_bytes(f"bench-{i}".encode()),
+             {"k": torch.randn(n, generator=g), "v": torch.randn(n, generator=g)}) for i in range(count)]
+
+
+def _tier_rows(report: Report, name: str, tier, items, total: int, repeats: int, put_base, get_base) -> None:
+    def put_all():
+        for k, v in items:
+            tier.put(k, v)
+
+    def clear():
+        tier.delete_many([k for k, _ in items])
+
+    t_put = median_time(put_all, repeats, setup=clear)
+    put_all()
+    t_get = median_time(lambda: [tier.get(k) for k, _ in items], repeats)
+    outs = [{n: torch.empty_like(t) for n, t in v.items()} for _, v in items]
+    t_into = median_time(lambda: [tier.get(k, out=o) for (k, _), o in zip(items, outs)], repeats)
+    report.add(f"{name} put", gbps(total, t_put), "GB/s", put_base)
+    report.add(f"{name} get", gbps(total, t_get), "GB/s", get_base)
+    report.add(f"{name} get(out=)", gbps(total, t_into), "GB/s", get_base)
+    clear()
+
+
+def run(args) -> int:
+    from ..sizes import parse_size
+    from ..tiers.disk import DiskTier
+    from ..tiers.host import HostTier
+
+    size = parse_size(args.chunk)
+    items = _chunks(args.count, size)
+    total = sum(v["k"].nbytes + v["v"].nbytes for _, v in items)
+    r = args.repeats
+    report = Report(f"tierstore bench tiers: {args.count} x {args.chunk} chunks, median of {r}",
+                    meta={"chunk_bytes": size, "count": args.count, "repeats": r, "cpus": os.cpu_count()})
+
+    # physical references: fresh-memory clone and memcpy into an existing buffer
+    src = [v for _, v in items]
+    clone = report.add("torch.clone (fresh memory)", gbps(total, median_time(
+        lambda: [{n: t.clone() for n, t in v.items()} for v in src], r)), "GB/s")
+    dst = [{n: torch.empty_like(t) for n, t in v.items()} for v in src]
+    report.add("memcpy into existing buffers", gbps(total, median_time(
+        lambda: [[d[n].copy_(t) for n, t in v.items()] for v, d in zip(src, dst)], r)), "GB/s")
+
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        host = HostTier(capacity=2 * total + (64 << 20), pinned=False)
+        _tier_rows(report, "host tier", host, items, total, r, clone, clone)
+        host.close()
+
+        files = [os.path.join(tmp, f"plain{i}") for i in range(len(items))]
+        payloads = [memoryview(torch.cat([v["k"], v["v"]]).numpy()).cast("B") for _, v in items]
+
+        def plain_write():
+            for path, data in zip(files, payloads):
+                with open(path, "wb") as f:
+                    f.write(data)
+
+        buf = bytearray(2 * size)
+
+        def plain_read():
+            for path in files:
+                with open(path, "rb", buffering=0) as f:
+                    f.readinto(buf)
+
+        pw = report.add("plain file write (no fsync)", gbps(total, median_time(plain_write, r)), "GB/s")
+        pr = report.add("plain file readinto (page cache)", gbps(total, median_time(plain_read, r)), "GB/s")
+        disk = DiskTier(path=os.path.join(tmp, "disk"), capacity=4 * total)
+        _tier_rows(report, "disk tier", disk, items, total, r, pw, pr)
+        disk.close()
+
+        if not args.no_s3:
+            _s3_rows(report, items, payloads, total, r)
+        _store_rows(report, tmp, items, total, r, clone)
+
+    print(report.table())
+    if args.json:
+        report.write_json(args.json)
+    return 0
+
+
+def _s3_rows(report: Report, items, payloads, total: int, r: int) -> None:
+    from ..testing.s3 import local_s3
+    from ..tiers.remote import RemoteTier
+
+    with local_s3() as s3:
+        bucket = s3.new_bucket()
+        fs = s3.filesystem()
+        paths = [f"{bucket}/plain/{i}" for i in range(len(items))]
+        reps = max(1, r // 2)
+        pw = report.add("plain s3fs pipe_file (sequential)", gbps(total, median_time(
+            lambda: [fs.pipe_file(p, bytes(d)) for p, d in zip(paths, payloads)], reps)), "GB/s")
+        pr = report.add("plain s3fs cat_file (sequential)", gbps(total, median_time(
+            lambda: [fs.cat_file(p) for p in paths], reps)), "GB/s")
+        remote = RemoteTier(url=f"s3://{bucket}/tier", storage_options=s3.storage_options)
+        keys = [k for k, _ in items]
+        t_put = median_time(lambda: remote.put_many(items), 1)
+        t_get = median_time(lambda: remote.get_many(keys), reps)
+        report.add("remote tier (S3) put_many", gbps(total, t_put), "GB/s", pw)
+        report.add("remote tier (S3) get_many", gbps(total, t_get), "GB/s", pr)
+        remote.close()
+
+
+def _store_rows(report: Report, tmp: str, items, total: int, r: int, clone) -> None:
+    import tierstore
+
+    per_chunk = total / len(items)
+    cfg = {"tiers": [{"kind": "host", "capacity": 2 * total + (64 << 20), "pinned": False},
+                     {"kind": "disk", "path": os.path.join(tmp, "store-disk"), "capacity": 4 * total}]}
+    with tierstore.open(cfg) as store:
+        t_put = median_time(lambda: [store.put(k, v) for k, v in items], r)
+        store.flush()
+        t_get = median_time(lambda: [store.get(k) for k, _ in items], r)
+        clone_t = total / clone.value / 1e9
+        report.add("store.get host hit vs clone", clone_t / t_get, "x clone", note="target >= 0.5")
+        disk = store.tier("disk")
+        t_disk = median_time(lambda: [disk.put(k, v) for k, v in items], r)
+        report.add("store.put write_back per chunk", t_put / len(items) * 1e3, "ms")
+        report.add("disk tier put per chunk", t_disk / len(items) * 1e3, "ms")
+        report.add("write_back put speed-up vs disk put", t_disk / t_put, "x", note=f"{per_chunk / 2**20:.0f} MiB chunks")
+
+    keys = [ChunkKey.from_bytes(f"lookup-{i}".encode()) for i in range(10_000)]
+    small = {"x": torch.zeros(16)}
+    with tierstore.open({"tiers": [{"kind": "host", "capacity": "64MiB", "pinned": False},
+                                   {"kind": "disk", "path": os.path.join(tmp, "lookup-disk"), "capacity": "1GiB"}]}) as store:
+        for k in keys:
+            store.put(k, small)
+        store.flush()
+        assert store.lookup(keys) == len(keys)
+        t = median_time(lambda: store.lookup(keys), r)
+        report.add("lookup over 10,000 keys", t / len(keys) * 1e6, "us/key", note="target <= 5")
