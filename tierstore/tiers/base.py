@@ -90,6 +90,10 @@ class Tier(ABC):
     def _close(self) -> None:
         """Release resources; called once."""
 
+    def _map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list:
+        """Run per-key data-plane work; I/O-bound tiers override this with a bounded pool."""
+        return [fn(x) for x in items]
+
     # ------------------------------------------------------------------ accounting
     @property
     def used_bytes(self) -> int:
@@ -186,11 +190,9 @@ class Tier(ABC):
         present = self.contains_many(keys)
         sizes = self.pin(k for k, p in zip(keys, present) if p)
         size_of = dict(zip((k for k, p in zip(keys, present) if p), sizes))
-        results: list[TensorDict | None] = []
         try:
-            for k in keys:
-                size = size_of.get(k)
-                results.append(None if size is None else self._load_checked(k, size, device))
+            results = self._map(lambda k: None if size_of.get(k) is None
+                                else self._load_checked(k, size_of[k], device), keys)
         finally:
             self.unpin(k for k, s in size_of.items() if s is not None)
         hits = sum(r is not None for r in results)
@@ -265,7 +267,7 @@ class Tier(ABC):
         for key, tensors in items:
             check_key(key)
             validate_tensors(tensors)
-        return [self._put_one(key, tensors) for key, tensors in items]
+        return self._map(lambda item: self._put_one(*item), items)
 
     def put(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
         return self.put_many([(key, tensors)])[0]

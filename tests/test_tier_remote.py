@@ -1,0 +1,360 @@
+"""The remote tier over a real local S3 server (moto), a shared-mount directory (file://) and memory://."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+import torch
+
+from tierstore.errors import ConfigError
+from tierstore.testing.s3 import free_port
+from tierstore.testing.tiers import TierTests, assert_same, chunk, key_of
+from tierstore.tiers.layout import object_relpath
+from tierstore.tiers.remote import RemoteTier
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def damage_object(fs, path: str, how: str) -> None:
+    data = bytearray(fs.cat_file(path))
+    if how == "flip":
+        data[-1] ^= 0x10  # the last byte is payload for any non-empty chunk
+    else:
+        del data[-9:]
+    fs.pipe_file(path, bytes(data))  # a plain overwrite, behind the tier's back
+
+
+@pytest.fixture(scope="module")
+def s3_prefix(s3_server):
+    """A factory of fresh ``s3://`` prefixes in one bucket, and storage options that reuse one client."""
+    bucket = s3_server.new_bucket()
+    options = {k: v for k, v in s3_server.storage_options.items() if k != "skip_instance_cache"}
+    return lambda: (f"s3://{bucket}/{uuid.uuid4().hex[:12]}", options)
+
+
+def memory_url() -> str:
+    return f"memory://tierstore-test-{uuid.uuid4().hex}"  # memory:// is process-global
+
+
+# --------------------------------------------------------------------------- conformance, three backends
+class _RemoteTierTests(TierTests):
+    persistent = True
+    checksummed = True
+    url: str
+    storage_options: dict | None = None
+
+    def make_tier(self, capacity):
+        return RemoteTier(capacity=capacity, url=self.url, storage_options=self.storage_options)
+
+    def reopen(self, tier):
+        tier.close()
+        return self.make_tier(tier.capacity)
+
+    def damage(self, tier, key, how):
+        damage_object(tier.fs, f"{tier.root}/{object_relpath(key)}", how)
+
+
+class TestRemoteS3(_RemoteTierTests):
+    @pytest.fixture(autouse=True)
+    def _url(self, s3_prefix):
+        self.url, self.storage_options = s3_prefix()
+
+
+class TestRemoteSharedMount(_RemoteTierTests):
+    @pytest.fixture(autouse=True)
+    def _url(self, tmp_path):
+        self.url = (tmp_path / "mnt" / "kv").as_uri()
+
+
+class TestRemoteMemory(_RemoteTierTests):
+    @pytest.fixture(autouse=True)
+    def _url(self):
+        self.url = memory_url()
+        yield
+        fsspec.filesystem("memory").rm(self.url, recursive=True) if fsspec.filesystem("memory").exists(
+            self.url) else None
+
+
+# --------------------------------------------------------------------------- remote-specific behaviour
+class Backend:
+    """One storage prefix; ``tier()`` opens another instance on it (as a second engine would)."""
+
+    def __init__(self, url: str, storage_options: dict | None = None):
+        self.url, self.storage_options = url, storage_options
+        self.fs, self.root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        self.opened: list[RemoteTier] = []
+
+    def tier(self, **kw) -> RemoteTier:
+        t = RemoteTier(url=self.url, storage_options=self.storage_options, **kw)
+        self.opened.append(t)
+        return t
+
+    def path(self, key) -> str:
+        return f"{self.root.rstrip('/')}/{object_relpath(key)}"
+
+    def size(self, key) -> int:
+        return self.fs.info(self.path(key))["size"]
+
+
+@pytest.fixture(params=["s3", "file", "memory"])
+def backend(request, tmp_path):
+    if request.param == "s3":
+        b = Backend(*request.getfixturevalue("s3_prefix")())
+    elif request.param == "file":
+        b = Backend((tmp_path / "mnt" / "kv").as_uri())
+    else:
+        b = Backend(memory_url())
+    yield b
+    for t in b.opened:
+        t.close()
+    if request.param == "memory" and b.fs.exists(b.root):
+        b.fs.rm(b.root, recursive=True)
+
+
+def test_second_instance_sees_new_objects_without_reopen(backend):
+    a = backend.tier()
+    b = backend.tier()  # opened while the prefix is empty
+    assert not a.contains(key_of(1)) and a.get(key_of(1)) is None  # a miss is not remembered ...
+    assert b.put(key_of(1), chunk(1))
+    assert a.contains(key_of(1))  # ... so a later lookup finds b's object
+    assert_same(a.get(key_of(1)), chunk(1))
+    assert a.stats()["objects"] == 1 and a.used_bytes == backend.size(key_of(1))
+    got = a.get_many([key_of(2), key_of(1)])  # batched lookups probe too
+    assert got[0] is None
+    assert_same(got[1], chunk(1))
+
+
+def test_write_once(backend):
+    a, b = backend.tier(), backend.tier()
+    k = key_of(5)
+    assert a.put(k, chunk(1))
+    assert b.put(k, chunk(2, 8192))  # already published: a no-op success, the first value stays
+    assert_same(b.get(k), chunk(1))
+    # the race a HEAD cannot close: b publishes after a did, without having seen a's object
+    payload, size = b._prepare(k, chunk(3))
+    b._store(k, payload, size)
+    assert_same(a.get(k), chunk(1))
+    assert a.stats()["errors"] == b.stats()["errors"] == 0
+    # the same new key many times in one batch: every put succeeds, accounted once
+    k2 = key_of(6)
+    assert a.put_many([(k2, chunk(6))] * 6) == [True] * 6
+    assert_same(a.get(k2), chunk(6))
+    assert a.used_bytes == backend.size(k) + backend.size(k2) and len(a) == 2
+    assert a.stats()["reserved_bytes"] == 0
+
+
+def test_compression_roundtrip_and_smaller(backend):
+    z = backend.tier(compression="zstd")
+    plain = backend.tier(list_on_open=False)
+    value = {"k": torch.zeros(16384), "v": torch.arange(16384, dtype=torch.int32).remainder(7)}
+    assert z.put(key_of(1), value)
+    assert plain.put(key_of(2), value)
+    assert_same(z.get(key_of(1)), value)
+    assert backend.size(key_of(1)) * 10 < backend.size(key_of(2))
+    assert z.used_bytes == backend.size(key_of(1))
+    # objects are self-describing: either tier reads both codecs
+    assert_same(plain.get(key_of(1)), value)
+    assert_same(z.get(key_of(2)), value)
+    random = chunk(3, 1 << 16)  # incompressible data still round-trips
+    assert z.put(key_of(3), random)
+    assert_same(plain.get(key_of(3)), random)
+
+
+def test_batched_io_is_concurrent_and_bounded():
+    peak, active, lock = [0], [0], threading.Lock()
+
+    class Slow(RemoteTier):
+        def _slow(self, fn, *args):
+            with lock:
+                active[0] += 1
+                peak[0] = max(peak[0], active[0])
+            try:
+                time.sleep(0.05)
+                return fn(*args)
+            finally:
+                with lock:
+                    active[0] -= 1
+
+        def _read(self, path):
+            return self._slow(super()._read, path)
+
+        def _publish(self, path, data):
+            return self._slow(super()._publish, path, data)
+
+    with Slow(url=memory_url(), max_in_flight=4) as t:
+        items = [(key_of(i), chunk(i)) for i in range(16)]
+        start = time.monotonic()
+        assert t.put_many(items) == [True] * 16
+        assert 1 < peak[0] <= 4
+        peak[0] = 0
+        got = t.get_many([k for k, _ in items])
+        elapsed = time.monotonic() - start
+        assert 1 < peak[0] <= 4
+        for (_, value), result in zip(items, got):
+            assert_same(result, value)
+        assert elapsed < 32 * 0.05  # sequential would take at least this long
+        assert t.stats()["hits"] == 16 and t.stats()["puts"] == 16
+        fsspec.filesystem("memory").rm(t.url, recursive=True)
+
+
+def test_shared_mount_publish_is_atomic_and_listing_ignores_junk(tmp_path):
+    root = tmp_path / "kv"
+    b = Backend(root.as_uri())
+    t = b.tier()
+    for i in range(5):
+        assert t.put(key_of(i), chunk(i))
+    files = sorted(p.name for p in root.rglob("*") if p.is_file())
+    assert len(files) == 5 and all(f.endswith(".tso") for f in files)  # no temp files left behind
+    # a writer that died mid-write leaves a temp file; stray files are not objects either
+    hexkey = key_of(9).hex()
+    (root / hexkey[:2]).mkdir(exist_ok=True)
+    (root / hexkey[:2] / f"{hexkey}.tso.deadbeef.tmp").write_bytes(b"partial")
+    (root / "README").write_text("not an object")
+    t.close()
+    t2 = b.tier()
+    assert sorted(k.hex() for k in t2.keys()) == sorted(key_of(i).hex() for i in range(5))
+    assert not t2.contains(key_of(9))
+
+
+def test_open_over_capacity_indexes_the_newest(tmp_path):
+    b = Backend((tmp_path / "kv").as_uri())
+    t = b.tier()
+    for i in range(4):
+        t.put(key_of(i), chunk(i, 8000))
+        time.sleep(0.01)
+    size = b.size(key_of(0))
+    t.close()
+    t2 = b.tier(capacity=2 * size + 100)
+    assert sorted(k.hex() for k in t2.keys()) == sorted(key_of(i).hex() for i in (2, 3))
+    assert t2.used_bytes <= t2.capacity
+
+
+def test_bad_configuration_is_a_config_error(tmp_path):
+    for url in ("nosuchscheme://bucket/kv", "", None):
+        with pytest.raises(ConfigError, match=re.escape(repr(url))):
+            RemoteTier(url=url)
+    with pytest.raises(ConfigError, match="compression"):
+        RemoteTier(url=memory_url(), compression="lz4")
+    with pytest.raises(ConfigError, match="max_in_flight"):
+        RemoteTier(url=memory_url(), max_in_flight=0)
+    with pytest.raises(ConfigError, match="storage_options"):
+        RemoteTier(url=memory_url(), storage_options=["endpoint"])
+    assert not any(tmp_path.iterdir())
+
+
+def test_unreachable_endpoint_degrades(caplog):
+    caplog.set_level(logging.WARNING, logger="tierstore")
+    options = {"endpoint_url": f"http://127.0.0.1:{free_port()}", "key": "testing", "secret": "testing",
+               "skip_instance_cache": True,
+               "config_kwargs": {"connect_timeout": 1, "read_timeout": 2, "retries": {"max_attempts": 1}}}
+    start = time.monotonic()
+    with RemoteTier(url="s3://unreachable/kv", storage_options=options) as t:  # the listing fails: empty
+        assert len(t) == 0
+        assert t.put(key_of(0), chunk(0)) is False
+        assert t.get(key_of(0)) is None
+        assert t.put_many([(key_of(1), chunk(1)), (key_of(2), chunk(2))]) == [False, False]
+        assert t.get_many([key_of(1), key_of(2)]) == [None, None]
+        assert t.contains_many([key_of(3), key_of(4)]) == [False, False]
+        warnings = len(caplog.records)
+        assert t.put(key_of(0), chunk(0)) is False
+        stats = t.stats()
+    assert len(caplog.records) == warnings  # logged once per kind of failure, not per call
+    assert stats["errors"] >= 8 and stats["misses"] == 3 and stats["puts"] == 0
+    assert stats["used_bytes"] == 0 and stats["reserved_bytes"] == 0
+    assert time.monotonic() - start < 30
+
+
+def test_failing_storage_fails_fast_then_recovers(monkeypatch):
+    with RemoteTier(url=memory_url()) as t:
+        t.retry_after = 0.2
+        assert t.put(key_of(0), chunk(0))
+        calls = []
+        real_cat = t.fs.cat_file
+
+        def broken(*args, **kwargs):
+            calls.append(args)
+            raise ConnectionResetError("connection reset by peer")
+
+        monkeypatch.setattr(t.fs, "cat_file", broken)
+        assert t.get(key_of(0)) is None and len(calls) == 1
+        assert t.get(key_of(0)) is None and len(calls) == 1  # backing off: no request at all
+        assert t.put(key_of(1), chunk(1)) is False
+        assert t.stats()["errors"] >= 3 and t.stats()["corrupt"] == 0
+        monkeypatch.setattr(t.fs, "cat_file", real_cat)
+        time.sleep(0.25)
+        assert_same(t.get(key_of(0)), chunk(0))  # the index entry survived the outage
+        assert t.put(key_of(1), chunk(1))
+        fsspec.filesystem("memory").rm(t.url, recursive=True)
+
+
+def test_filesystem_without_create_mode(monkeypatch):
+    with RemoteTier(url=memory_url()) as t:
+        real_pipe = t.fs.pipe_file
+        monkeypatch.setattr(t.fs, "pipe_file", lambda path, value: real_pipe(path, value))  # an older fs
+        assert t.put(key_of(0), chunk(0))
+        payload, size = t._prepare(key_of(0), chunk(1))
+        t._store(key_of(0), payload, size)  # exists: checked first, not replaced
+        assert_same(t.get(key_of(0)), chunk(0))
+        assert t.stats()["errors"] == 0
+        fsspec.filesystem("memory").rm(t.url, recursive=True)
+
+
+def test_cuda_device_read():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    with RemoteTier(url=memory_url()) as t:
+        t.put(key_of(0), chunk(0))
+        got = t.get(key_of(0), device="cuda")
+        assert got["k"].is_cuda
+        assert_same({k: v.cpu() for k, v in got.items()}, chunk(0))
+
+
+CHILD = r"""
+import json, sys
+from tierstore.testing.tiers import chunk, key_of
+from tierstore.tiers.remote import RemoteTier
+
+out = []
+for url, options in json.loads(sys.argv[1]):
+    with RemoteTier(url=url, storage_options=options, list_on_open=False) as t:
+        got = t.get(key_of(1))
+        seen = got is not None and all(got[n].equal(v) for n, v in chunk(1).items())
+        first_wins = t.put(key_of(1), chunk(7))          # already there: no-op success
+        published = t.put(key_of(2), chunk(2))
+        payload, size = t._prepare(key_of(3), chunk(3))  # lose a publish race on purpose
+        t._store(key_of(3), payload, size)
+        out.append({"seen": seen, "first_wins": first_wins, "published": published, **t.stats()})
+print(json.dumps(out))
+"""
+
+
+def test_two_processes_share_a_prefix(s3_prefix, tmp_path):
+    backends = [Backend(*s3_prefix()),
+                Backend((tmp_path / "nfs" / "kv").as_uri())]
+    tiers = [b.tier() for b in backends]
+    for t in tiers:
+        assert t.put(key_of(1), chunk(1)) and t.put(key_of(3), chunk(3))
+    arg = json.dumps([[b.url, b.storage_options] for b in backends])
+    proc = subprocess.run([sys.executable, "-c", CHILD, arg], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for report in json.loads(proc.stdout):
+        assert report["seen"] and report["first_wins"] and report["published"], report
+        assert report["errors"] == report["corrupt"] == 0, report
+    for b, t in zip(backends, tiers):
+        assert t.contains(key_of(2))  # published by the other process, found without reopening
+        assert_same(t.get(key_of(2)), chunk(2))
+        assert_same(t.get(key_of(1)), chunk(1))  # write-once: the child's value did not replace ours
+        assert_same(t.get(key_of(3)), chunk(3))
+        assert t.used_bytes == sum(b.size(key_of(i)) for i in (1, 2, 3))
+        t.close()

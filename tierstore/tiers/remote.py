@@ -1,0 +1,372 @@
+"""The ``remote`` tier: chunk objects under any fsspec URL, shared by every process that opens it.
+
+``s3://bucket/prefix`` (s3fs), ``file:///mnt/nfs/kv`` (a shared mount), ``memory://`` (tests), ``gs://`` …
+Each chunk is one self-describing, checksummed object (:mod:`tierstore.objformat`) at
+``<root>/ab/<hex>.tso`` (:mod:`tierstore.tiers.layout`).
+
+Rules this tier keeps:
+
+* **Write-once, atomic publish.** Objects are never replaced (``overwrites = False``): on S3 one PUT with
+  ``If-None-Match: *``; on a local/shared mount a unique temp file in the same folder hard-linked into
+  place (falls back to ``os.replace`` where links are unsupported); elsewhere one ``pipe_file`` with
+  ``mode="create"``. A reader never sees part of an object, and two processes publishing the same key at
+  once is harmless — the second finds the object there and counts it as a success.
+* **Sharing.** The index is rebuilt by listing at open (``list_on_open``); keys missing from the index are
+  looked up in storage (one HEAD each, concurrently) every time — negative results are never cached, since
+  another process may publish a key at any moment.
+* **Bounded, concurrent batches.** ``put_many``/``get_many``/probes fan their per-key work out over a
+  thread pool of ``max_in_flight`` workers shared by all callers of the tier; the base class keeps the
+  accounting, pins and counters.
+* **Degrade, don't fail.** Any storage or network error on a read is a miss, on a write a skipped put; it
+  is counted (``errors``) and logged once. A bad object is a counted miss (``corrupt``) and is removed.
+* **Capacity** is optional (``None`` = unbounded). With one, LRU eviction runs over the objects this
+  process knows (its listing and what it has written or found), and an evicted object is deleted.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from typing import Any, TypeVar
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+import torch
+
+from .. import objformat
+from ..errors import ClosedError, ConfigError, TierstoreError
+from ..keys import ChunkKey
+from ..tensors import TensorDict
+from .base import Tier
+from .layout import TMP_SUFFIX, key_from_name, object_relpath
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+#: exceptions from a filesystem call that are bugs or bad arguments, not an unreachable storage
+_PROGRAMMING_ERRORS = (TypeError, ValueError, AttributeError, LookupError, NotImplementedError, AssertionError)
+
+
+class _Unavailable(OSError):
+    """The storage failed recently; raised without I/O until the back-off expires."""
+
+
+#: errno values for which a hard link cannot be made but ``os.replace`` works (FAT, some FUSE/SMB mounts)
+_NO_LINK = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV, errno.ENOSYS}
+
+
+def _check_url(url) -> None:
+    """Raise :class:`ConfigError` unless every protocol in ``url`` is one fsspec can load."""
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"remote tier needs `url` (an fsspec URL such as s3://bucket/prefix), got {url!r}")
+    for part in url.split("::"):
+        protocol, _ = fsspec.core.split_protocol(part)
+        if protocol is None:
+            continue  # a plain local path
+        if protocol not in fsspec.available_protocols():
+            raise ConfigError(f"remote tier url {url!r}: unknown scheme {protocol!r}")
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ImportError as exc:
+            raise ConfigError(f"remote tier url {url!r}: scheme {protocol!r} needs a package: {exc}") from None
+
+
+def _mtime(info: Mapping) -> float:
+    """Modification time of a listing entry across fsspec implementations (0 when unknown)."""
+    for field in ("LastModified", "mtime", "updated", "created"):
+        v = info.get(field)
+        if isinstance(v, datetime):
+            return v.timestamp()
+        if isinstance(v, (int, float)):
+            return float(v)
+    return 0.0
+
+
+def _join(enc: objformat.Encoded) -> bytearray:
+    """The object as one buffer for a single PUT, with one copy (``Encoded.tobytes`` makes two)."""
+    buf = bytearray(enc.size)
+    pos = 0
+    for part in enc.parts:
+        mv = memoryview(part).cast("B")
+        buf[pos:pos + mv.nbytes] = mv
+        pos += mv.nbytes
+    return buf
+
+
+class RemoteTier(Tier):
+    """Chunks as write-once objects under an fsspec URL, shared between processes and nodes.
+
+    Parameters
+    ----------
+    name, capacity:
+        As for every tier; ``capacity=None`` (the default) means unbounded.
+    url:
+        Any fsspec URL: ``s3://bucket/prefix``, ``file:///mnt/nfs/kv``, ``memory://kv``, ``gs://…``.
+        An unknown scheme, or one whose package is missing, raises :class:`ConfigError` before any I/O.
+    storage_options:
+        Keyword arguments for the filesystem (``endpoint_url``, ``key``, ``secret``, ``config_kwargs`` …).
+    compression:
+        ``None``/``"none"`` or ``"zstd"`` for objects this tier writes; it reads either.
+    max_in_flight:
+        Concurrent storage requests of this tier (all callers together).
+    list_on_open:
+        Rebuild the index by listing the prefix at open. Without it the index fills lazily, as lookups
+        find objects in storage.
+    """
+
+    kind = "remote"
+    overwrites = False
+    #: seconds to fail fast after a connection error or timeout (doubling while down, up to the max)
+    retry_after: float = 1.0
+    max_retry_after: float = 30.0
+
+    def __init__(self, name: str | None = None, capacity: int | None = None, url: str | None = None,
+                 storage_options: Mapping[str, Any] | None = None, compression: str | None = None,
+                 max_in_flight: int = 8, list_on_open: bool = True):
+        _check_url(url)
+        if compression not in (None, "none", "zstd"):
+            raise ConfigError(f"remote tier compression must be null, 'none' or 'zstd', got {compression!r}")
+        if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1:
+            raise ConfigError(f"remote tier max_in_flight must be a positive int, got {max_in_flight!r}")
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise ConfigError(f"remote tier storage_options must be a mapping, got {storage_options!r}")
+        super().__init__(name, capacity)
+        self.url = url
+        self.codec = compression or "none"
+        self.max_in_flight = max_in_flight
+        options = dict(storage_options or {})
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url, **options)
+        except (ValueError, TypeError, ImportError) as exc:
+            raise ConfigError(f"remote tier url {url!r}: {exc}") from None
+        self.root = root.rstrip("/")
+        self._local = isinstance(self.fs, LocalFileSystem)
+        self._s3 = type(self.fs).__module__.startswith("s3fs")
+        self._create_mode = True  # whether pipe_file takes mode="create" (cleared if the fs rejects it)
+        self._health = threading.Lock()
+        self._down_until = 0.0
+        self._backoff = 0.0
+        self._worker = threading.local()
+        self._pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix=f"tierstore-{self.name}",
+                                        initializer=self._mark_worker)
+        if list_on_open:
+            self._rebuild_index()
+
+    # ------------------------------------------------------------------ paths and plumbing
+    def _path(self, key: ChunkKey) -> str:
+        return f"{self.root}/{object_relpath(key)}"
+
+    def _mark_worker(self) -> None:
+        self._worker.active = True
+
+    def _map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+        """``[fn(x) for x in items]``, run on the tier's pool (inline inside a pool worker: no deadlock)."""
+        items = list(items)
+        if len(items) <= 1 or self.max_in_flight == 1 or getattr(self._worker, "active", False):
+            return [fn(x) for x in items]
+        try:
+            futures = [self._pool.submit(fn, x) for x in items]
+        except RuntimeError:  # pool shut down by a racing close()
+            raise ClosedError(f"tier {self.name!r} is closed") from None
+        return [f.result() for f in futures]
+
+    def _io(self, fn: Callable[..., R], *args, **kwargs) -> R:
+        """Call a filesystem function; non-``OSError`` failures (botocore, aiohttp …) become ``OSError``.
+
+        A connection failure or timeout marks the storage unreachable for ``retry_after`` seconds (doubling
+        while it stays down, up to ``max_retry_after``): until then calls fail at once instead of each
+        waiting for the network, so a dead endpoint costs the caller a miss, not a stall.
+        """
+        now = time.monotonic()
+        if now < self._down_until:
+            raise _Unavailable(f"{self.url} is unreachable; next attempt in {self._down_until - now:.1f}s")
+        try:
+            out = fn(*args, **kwargs)
+        except (FileNotFoundError, FileExistsError, TierstoreError):
+            self._mark_up()  # the storage answered
+            raise
+        except (ConnectionError, TimeoutError) as exc:
+            self._mark_down(exc)
+            raise
+        except OSError:
+            raise
+        except _PROGRAMMING_ERRORS as exc:
+            raise OSError(f"{type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # botocore / aiohttp / gcsfs network errors
+            self._mark_down(exc)
+            raise OSError(f"{type(exc).__name__}: {exc}") from exc
+        self._mark_up()
+        return out
+
+    def _mark_down(self, exc: BaseException) -> None:
+        with self._health:
+            now = time.monotonic()
+            if now < self._down_until:
+                return  # concurrent failures of one outage extend nothing
+            self._backoff = min(max(2 * self._backoff, self.retry_after), self.max_retry_after)
+            self._down_until = now + self._backoff
+        self._log_once("down", "%s unreachable (%s: %s); requests fail fast for %.1fs at a time",
+                       self.url, type(exc).__name__, exc, self._backoff)
+
+    def _mark_up(self) -> None:
+        if self._backoff:
+            with self._health:
+                self._backoff = 0.0
+                self._down_until = 0.0
+
+    # ------------------------------------------------------------------ index
+    def _rebuild_index(self) -> None:
+        """Register every finished object under the root, least recently modified first."""
+        try:
+            listing = self._io(self.fs.find, self.root, detail=True)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            self._count("errors")
+            self._log_once("list", "listing %s failed (%s); starting with an empty index", self.url, exc)
+            return
+        finally:  # a listing cache would go stale as other processes publish; lookups must hit storage
+            try:
+                self.fs.invalidate_cache(self.root)
+            except Exception:
+                pass
+        found = []
+        for path, info in listing.items():
+            key = key_from_name(path)
+            if key is not None and info.get("type", "file") == "file" and isinstance(info.get("size"), int):
+                found.append((_mtime(info), key, info["size"]))
+        found.sort(key=lambda f: f[0])
+        if self.capacity is not None:  # keep the newest objects that fit; the rest stay unindexed
+            kept, total = [], 0
+            for entry in reversed(found):
+                if total + entry[2] <= self.capacity:
+                    kept.append(entry)
+                    total += entry[2]
+            if len(kept) < len(found):
+                self._log_once("overfull", "%d objects under %s exceed the capacity; indexing the newest %d",
+                               len(found), self.url, len(kept))
+            found = kept[::-1]
+        with self._cond:
+            for _, key, size in found:
+                self._index_add(key, size)
+
+    def _stat(self, key: ChunkKey) -> int | None:
+        """Size of ``key``'s object in storage, ``None`` if absent. Raises ``OSError`` on I/O failure."""
+        path = self._path(key)
+        try:
+            if self._s3:  # one HEAD; fs.info would add a LIST for every miss
+                bucket, name, _ = self.fs.split_path(path)
+                return self._io(self.fs.call_s3, "head_object", self.fs.kwargs, Bucket=bucket,
+                                Key=name)["ContentLength"]
+            info = self._io(self.fs.info, path)
+        except FileNotFoundError:
+            return None
+        return info["size"] if info.get("type", "file") == "file" else None
+
+    def _probe(self, keys: Sequence[ChunkKey]) -> list[int | None]:
+        def one(key: ChunkKey) -> int | None:
+            try:
+                return self._stat(key)
+            except OSError as exc:
+                self._count("errors")
+                self._log_once("probe", "lookup failed (%s); treating as a miss", exc)
+                return None
+
+        return self._map(one, keys)
+
+    # ------------------------------------------------------------------ data plane
+    def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> tuple[Any, int]:
+        enc = objformat.encode(key, tensors, self.codec)
+        return enc, enc.size
+
+    def _store(self, key: ChunkKey, payload: objformat.Encoded, size: int) -> None:
+        path = self._path(key)
+        try:
+            if self._local:
+                self._publish_local(path, payload)
+            else:
+                self._publish(path, _join(payload))
+        except FileExistsError:
+            pass  # write-once: another writer published this key first
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                # the space is shared with other writers: skip the put, keep our capacity (no disk-style shrink)
+                raise OSError(f"no space left under {self.url}: {exc}") from exc
+            raise
+
+    def _publish(self, path: str, data: bytes) -> None:
+        if self._create_mode:
+            try:
+                self._io(self.fs.pipe_file, path, data, mode="create")
+                return
+            except OSError as exc:
+                if not isinstance(exc.__cause__, TypeError):
+                    raise
+                self._create_mode = False  # an fs without mode=: check, then write (same content anyway)
+                self._log_once("create-mode", "%s has no create-only writes; checking existence first",
+                               type(self.fs).__name__)
+        if self._io(self.fs.exists, path):
+            raise FileExistsError(path)
+        self._io(self.fs.pipe_file, path, data)
+
+    def _publish_local(self, path: str, enc: objformat.Encoded) -> None:
+        """Write a unique temp file next to ``path``, then link it into place (fails if it exists)."""
+        tmp = f"{path}.{uuid.uuid4().hex}{TMP_SUFFIX}"
+        try:
+            f = open(tmp, "xb")
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            f = open(tmp, "xb")
+        try:
+            with f:
+                for part in enc.parts:
+                    f.write(part)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise
+            except OSError as exc:
+                if exc.errno not in _NO_LINK:
+                    raise
+                if os.path.exists(path):
+                    raise FileExistsError(path) from None
+                os.replace(tmp, path)
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
+    def _read(self, path: str) -> torch.Tensor | bytes:
+        """The whole object: a fresh uint8 tensor for local files (decoded without a copy), else bytes."""
+        if not self._local:
+            return self._io(self.fs.cat_file, path)
+        with open(path, "rb") as f:
+            buf = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
+            n = f.readinto(memoryview(buf.numpy())) if buf.numel() else 0
+        return buf[:n]
+
+    def _load(self, key: ChunkKey, size: int, device, borrow: bool = False) -> TensorDict | None:
+        tensors = objformat.decode(self._read(self._path(key)), expected_key=key)
+        device = torch.device(device)
+        if device.type != "cpu":
+            tensors = {name: t.to(device) for name, t in tensors.items()}
+        return tensors
+
+    def _drop(self, key: ChunkKey) -> None:
+        try:
+            self._io(self.fs.rm_file, self._path(key))
+        except FileNotFoundError:
+            pass
+
+    def _close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def stats(self) -> dict:
+        return {**super().stats(), "url": self.url, "compression": self.codec}
