@@ -36,7 +36,7 @@ class PrefetchPolicy(str, enum.Enum):
 _TIER_KEYS: dict[str, set[str]] = {
     "device": {"device", "capacity"},
     "host": {"capacity", "pinned", "pool", "slot_size"},
-    "disk": {"path", "capacity", "durable", "read_only", "codec"},
+    "disk": {"path", "capacity", "durable", "read_only", "codec", "io_threads"},
     "remote": {"url", "storage_options", "compression", "capacity", "max_in_flight", "list_on_open"},
 }
 _SIZE_KEYS = {"capacity", "slot_size"}

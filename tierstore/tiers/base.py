@@ -79,6 +79,16 @@ class Tier(ABC):
         modify them); other tiers return fresh tensors either way.
         """
 
+    def _load_into(self, key: ChunkKey, size: int, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
+        """Fill caller-owned ``out`` from storage; ``None`` if the object vanished.
+
+        Default: borrow and copy. Tiers that can read straight into ``out`` override it (disk). Raises
+        like :meth:`_load`, plus :class:`InvalidInputError` when ``out`` does not match the chunk; after
+        :class:`CorruptObjectError` ``out`` holds unspecified bytes.
+        """
+        data = self._load(key, size, "cpu", borrow=True)
+        return None if data is None else fill_out(out, data)
+
     @abstractmethod
     def _drop(self, key: ChunkKey) -> None:
         """Remove a chunk from storage (missing is fine)."""
@@ -202,8 +212,11 @@ class Tier(ABC):
             self._counts["bytes_out"] += sum(size_of[k] for k, r in zip(keys, results) if r is not None)
         return results
 
-    def _load_checked(self, key: ChunkKey, size: int, device, borrow: bool = False) -> TensorDict | None:
+    def _load_checked(self, key: ChunkKey, size: int, device, borrow: bool = False,
+                      out: Mapping[str, torch.Tensor] | None = None) -> TensorDict | None:
         try:
+            if out is not None:
+                return self._load_into(key, size, out)
             return self._load(key, size, device, borrow)
         except CorruptObjectError as exc:
             self._count("corrupt")
@@ -244,8 +257,7 @@ class Tier(ABC):
         result = None
         if size is not None:
             try:
-                data = self._load_checked(key, size, "cpu", borrow=True)
-                result = None if data is None else fill_out(out, data)
+                result = self._load_checked(key, size, "cpu", out=out)
             finally:
                 self.unpin([key])
         with self._cond:
