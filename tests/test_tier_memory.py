@@ -8,7 +8,7 @@ from tierstore.tiers.host import HostTier
 
 class TestHostTier(TierTests):
     def make_tier(self, capacity):
-        return HostTier(capacity=capacity, pinned=False)
+        return HostTier(capacity=capacity, pinned=False, pool=False)
 
 
 class TestHostPoolTier(TierTests):

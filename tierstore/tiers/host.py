@@ -1,8 +1,10 @@
 """The ``host`` tier: chunks in host RAM.
 
-With CUDA present and ``pinned: true`` (or ``pool: true`` anywhere) the tier preallocates its whole
-capacity once as a :class:`~tierstore.pool.SlotPool` and carves chunks out of it, so transfers to the GPU
-are DMA-able and memory never grows or fragments over time. Otherwise each chunk is a plain allocation.
+By default a tier of at least 1024 slots preallocates its whole capacity once as a
+:class:`~tierstore.pool.SlotPool` (pinned when CUDA is present and ``pinned: true``) and carves chunks
+out of it: a put is a memcpy into memory that is already mapped (fresh allocations page-fault at a
+fraction of memcpy speed), transfers to the GPU are DMA-able, and memory never grows or fragments over
+time. ``pool: true|false`` forces the choice; small tiers default to one plain allocation per chunk.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ class HostTier(MemoryTier):
     kind = "host"
 
     def __init__(self, name: str | None = None, capacity: int | None = None, pinned: bool = True,
-                 pool: bool | None = None, slot_size: int = 1 << 20):
+                 pool: bool | None = None, slot_size: int = 64 << 10):
         super().__init__(name, capacity, device="cpu", pinned=pinned)
-        use_pool = self.pinned if pool is None else pool
+        use_pool = (capacity is not None and capacity >= 1024 * slot_size) if pool is None else pool
         if use_pool and capacity:
             slot_size = max(ALIGN, min(slot_size, capacity // ALIGN * ALIGN))  # a tiny tier still gets a slot
             self.pool = SlotPool(capacity, slot_size, pinned=self.pinned)
