@@ -295,6 +295,8 @@ class TierTests:
             t.get(b"raw bytes")
         with pytest.raises(TierstoreError):
             t.put(key_of(0), {"x": torch.zeros(3).to_sparse()})
+        with pytest.raises(InvalidInputError):  # a dtype with no stable storage name
+            t.put(key_of(0), {"x": torch.zeros(3, dtype=torch.complex32)})
         assert len(t) == 0  # nothing stored by a failed call
 
     def test_negative_capacity_rejected(self):

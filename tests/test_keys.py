@@ -1,0 +1,71 @@
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tierstore import ChunkKey
+from tierstore.errors import InvalidInputError, InvalidTypeError
+
+
+def sample():
+    return {"k": torch.arange(12, dtype=torch.float32).reshape(3, 4), "v": torch.ones(3, dtype=torch.bfloat16)}
+
+
+def test_hex_roundtrip_equality_and_hash():
+    k = ChunkKey.from_tensors(sample())
+    assert len(k.digest) == 32 and len(k.hex()) == 64
+    assert ChunkKey.from_hex(k.hex()) == k
+    assert hash(ChunkKey.from_hex(k.hex())) == hash(k)
+    assert {k: 1}[ChunkKey(k.digest)] == 1
+    assert k != k.hex()
+    with pytest.raises(AttributeError):
+        k._digest = b"x" * 32
+
+
+@pytest.mark.parametrize("bad,exc", [("zz" * 32, InvalidInputError), ("ab", InvalidInputError), (b"x" * 32, InvalidTypeError)])
+def test_from_hex_rejects(bad, exc):
+    with pytest.raises(exc):
+        ChunkKey.from_hex(bad)
+
+
+def test_constructor_rejects_wrong_length():
+    with pytest.raises(InvalidInputError):
+        ChunkKey(b"short")
+    with pytest.raises(InvalidTypeError):
+        ChunkKey("a" * 32)
+
+
+def test_from_tensors_covers_names_dtypes_shapes_bytes():
+    base = ChunkKey.from_tensors(sample())
+    s = sample()
+    assert ChunkKey.from_tensors({"v": s["v"], "k": s["k"]}) == base  # order-independent
+    variants = [
+        {"k2": s["k"], "v": s["v"]},
+        {"k": s["k"].to(torch.int32), "v": s["v"]},
+        {"k": s["k"].reshape(4, 3), "v": s["v"]},
+        {"k": s["k"] + 1, "v": s["v"]},
+        {"k": s["k"]},
+    ]
+    assert len({ChunkKey.from_tensors(v) for v in variants} | {base}) == len(variants) + 1
+    assert ChunkKey.from_tensors({"k": s["k"].t().contiguous().t()}) == ChunkKey.from_tensors({"k": s["k"]})
+
+
+def test_chain_is_order_and_domain_sensitive():
+    a = ChunkKey.chain(None, b"ns", b"payload")
+    assert a == ChunkKey.chain(None, b"ns", b"payload")
+    assert a != ChunkKey.chain(None, b"nsp", b"ayload")  # framing: no ambiguous concatenation
+    assert ChunkKey.chain(a, b"ns", b"x") != ChunkKey.chain(None, b"ns", b"x")
+    assert ChunkKey.chain(None, b"", b"") != ChunkKey.from_bytes(b"")
+    with pytest.raises(InvalidTypeError):
+        ChunkKey.chain("parent", b"ns", b"x")
+
+
+def test_keys_identical_across_processes_and_hash_seeds():
+    code = ("import torch; from tierstore import ChunkKey;"
+            "print(ChunkKey.from_tensors({'k': torch.arange(12, dtype=torch.float32).reshape(3, 4),"
+            " 'v': torch.ones(3, dtype=torch.bfloat16)}).hex(), ChunkKey.chain(None, b'ns', b'p').hex())")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("0", "12345")}
+    assert outs == {f"{ChunkKey.from_tensors(sample()).hex()} {ChunkKey.chain(None, b'ns', b'p').hex()}"}
