@@ -44,5 +44,5 @@ class LRUPolicy:
         return size
 
     def victims(self) -> Iterator:
-        """Keys from least to most recently used (snapshot; safe to mutate while iterating)."""
-        return iter(list(self._sizes))
+        """Keys from least to most recently used (a live view: do not add or remove while iterating)."""
+        return iter(self._sizes)

@@ -256,7 +256,7 @@ class DiskTier(Tier):
         with self._cond:
             victims = []
             excess = self._lru.currsize - self.capacity
-            for k in self._lru.victims():
+            for k in list(self._lru.victims()):
                 if excess <= 0:
                     break
                 excess -= self._lru.remove(k)

@@ -1,0 +1,51 @@
+import json
+
+import pytest
+
+import tierstore
+from tierstore.cli import main
+from tierstore.testing.tiers import chunk, key_of
+from tierstore.tiers.layout import object_relpath
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    cfg = {"tiers": [{"kind": "host", "capacity": "1MiB", "pinned": False},
+                     {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "16MiB"}]}
+    path = tmp_path / "store.json"
+    path.write_text(json.dumps(cfg))
+    with tierstore.open(str(path)) as store:
+        for i in range(5):
+            store.put(key_of(i), chunk(i))
+    return path
+
+
+def test_stats(config_file, tmp_path, capsys):
+    assert main(["stats", "--config", str(config_file), "--json", str(tmp_path / "s.json")]) == 0
+    assert "disk" in capsys.readouterr().out
+    assert json.loads((tmp_path / "s.json").read_text())["tiers"]["disk"]["objects"] == 5
+
+
+def test_verify_finds_and_removes_corrupt_objects(config_file, tmp_path, capsys):
+    victim = tmp_path / "disk" / object_relpath(key_of(2))
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert main(["verify", "--config", str(config_file)]) == 1
+    assert "1 corrupt" in capsys.readouterr().out
+    assert not victim.exists()
+    assert main(["verify", "--config", str(config_file)]) == 0
+    assert main(["gc", "--config", str(config_file)]) == 0
+
+
+def test_bench_tiers_smoke(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "tiers", "--chunk", "64KiB", "--count", "2", "--repeats", "1", "--no-s3",
+                 "--lookup-keys", "100", "--dir", str(tmp_path), "--json", str(out)]) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["disk tier get"]["value"] > 0 and rows["lookup over 100 keys"]["unit"] == "us/key"
+
+
+def test_unknown_verb_exits_nonzero():
+    with pytest.raises(SystemExit):
+        main(["frobnicate"])
