@@ -1,0 +1,251 @@
+"""tierstore.weights on bad input: every malformed checkpoint raises a clear CheckpointError naming the
+file and tensor — never a crash, an out-of-bounds read or a partial result."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+import tierstore.weights as tw
+from tierstore.errors import CorruptObjectError, TierstoreError
+from tierstore.weights import CheckpointError, CheckpointNotFoundError
+from tierstore.weights.synth import write_checkpoint
+
+
+def write_raw(path, header: dict, data: bytes, pad: bool = True) -> str:
+    text = json.dumps(header).encode()
+    if pad:
+        text += b" " * (-(8 + len(text)) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + data)
+    return str(path)
+
+
+def good_header():
+    return {"a": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+            "b": {"dtype": "I16", "shape": [4], "data_offsets": [16, 24]}}
+
+
+def expect_bad(path, match: str, tensor: str | None, cls=CheckpointError):
+    """Every entry point rejects ``path`` with ``cls`` naming the file and ``tensor``."""
+    calls = [lambda: tw.load(path), lambda: tw.iter_tensors(path),
+             lambda: tw.load_into({"a": torch.zeros(2, 2)}, path, strict=False)]
+    for call in calls:
+        with pytest.raises(cls, match=match) as ei:
+            call()
+        err = ei.value
+        assert isinstance(err, TierstoreError) and isinstance(err, CorruptObjectError)
+        assert err.file == str(path) and str(path) in str(err)
+        assert err.tensor == tensor
+        if tensor is not None:
+            assert repr(tensor) in str(err)
+
+
+def test_valid_reference(tmp_path):
+    path = write_raw(tmp_path / "ok.safetensors", good_header(), bytes(range(24)))
+    got, ref = tw.load(path), load_file(path)
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+@pytest.mark.parametrize("cut", [1, 8, 23])
+def test_truncated_data(tmp_path, cut):
+    path = write_raw(tmp_path / "t.safetensors", good_header(), bytes(range(24))[:24 - cut])
+    expect_bad(path, "truncated", "b")
+
+
+def test_truncated_inside_header(tmp_path):
+    path = tmp_path / "h.safetensors"
+    write_raw(path, good_header(), bytes(24))
+    path.write_bytes(path.read_bytes()[:20])
+    expect_bad(str(path), "runs past the end", None)
+    path.write_bytes(b"\x01\x02")
+    expect_bad(str(path), "shorter than the 8-byte", None)
+
+
+def test_lying_shape(tmp_path):
+    h = good_header()
+    h["a"]["shape"] = [2, 3]
+    expect_bad(write_raw(tmp_path / "s.safetensors", h, bytes(24)), "needs 24", "a")
+
+
+def test_overlapping_offsets(tmp_path):
+    h = good_header()
+    h["b"]["data_offsets"] = [8, 16]
+    h["b"]["shape"] = [4]
+    expect_bad(write_raw(tmp_path / "o.safetensors", h, bytes(24)), "overlaps", "b")
+
+
+def test_gap_between_tensors(tmp_path):
+    h = good_header()
+    h["b"]["data_offsets"] = [20, 28]
+    expect_bad(write_raw(tmp_path / "g.safetensors", h, bytes(28)), "gap", "b")
+
+
+def test_out_of_range_offsets(tmp_path):
+    h = good_header()
+    h["b"] = {"dtype": "I16", "shape": [1 << 40], "data_offsets": [16, 16 + (2 << 40)]}
+    expect_bad(write_raw(tmp_path / "r.safetensors", h, bytes(24)), "truncated", "b")
+    h["b"] = {"dtype": "I16", "shape": [4], "data_offsets": [24, 16]}
+    expect_bad(write_raw(tmp_path / "n.safetensors", h, bytes(24)), "begin <= end", "b")
+    h["b"] = {"dtype": "I16", "shape": [4], "data_offsets": [-8, 0]}
+    expect_bad(write_raw(tmp_path / "m.safetensors", h, bytes(24)), "begin <= end", "b")
+
+
+def test_trailing_bytes(tmp_path):
+    expect_bad(write_raw(tmp_path / "x.safetensors", good_header(), bytes(30)), "trailing", None)
+
+
+def test_header_over_cap(tmp_path):
+    path = tmp_path / "cap.safetensors"
+    path.write_bytes(struct.pack("<Q", 200_000_000) + b"{}")
+    expect_bad(str(path), "exceeds the cap", None)
+    ok = write_raw(tmp_path / "ok.safetensors", good_header(), bytes(24))
+    with pytest.raises(CheckpointError, match="exceeds the cap"):
+        tw.load(ok, max_header_size=16)
+
+
+@pytest.mark.parametrize("dtype", ["F4", "Q8", "", None, 3])
+def test_unknown_dtype(tmp_path, dtype):
+    h = good_header()
+    h["a"]["dtype"] = dtype
+    expect_bad(write_raw(tmp_path / "d.safetensors", h, bytes(24)), "unknown dtype", "a")
+
+
+@pytest.mark.parametrize("body, match", [
+    (b'{"a": 1', "not valid JSON"), (b"[1, 2]", "does not start"), (b'"str"', "does not start"),
+    (b"\xff\xfe{}", "not UTF-8"),
+    (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+     b'"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}', "duplicate key"),
+    (b'{"__metadata__": {"k": 1}}', "__metadata__"),
+])
+def test_malformed_json(tmp_path, body, match):
+    path = tmp_path / "j.safetensors"
+    path.write_bytes(struct.pack("<Q", len(body)) + body + bytes(8))
+    expect_bad(str(path), match, None)
+
+
+def test_bad_field_types(tmp_path):
+    h = good_header()
+    h["a"]["shape"] = [2, -2]
+    expect_bad(write_raw(tmp_path / "a.safetensors", h, bytes(24)), "non-negative", "a")
+    h = good_header()
+    h["a"]["shape"] = [2.0, 2]
+    expect_bad(write_raw(tmp_path / "b.safetensors", h, bytes(24)), "non-negative", "a")
+    h = good_header()
+    h["a"]["extra"] = 1
+    expect_bad(write_raw(tmp_path / "c.safetensors", h, bytes(24)), "unexpected", "a")
+    h = good_header()
+    h["a"] = [1]
+    expect_bad(write_raw(tmp_path / "e.safetensors", h, bytes(24)), "not a JSON object", "a")
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    tensors = {f"l{i}.w": torch.full((100,), float(i)) for i in range(6)}
+    d = str(tmp_path / "ck")
+    paths = write_checkpoint(d, tensors, shard_size=900)
+    return d, paths, tensors
+
+
+def test_missing_shard_named_by_index(sharded):
+    d, paths, tensors = sharded
+    os.unlink(paths[1])
+    with pytest.raises(CheckpointNotFoundError, match="does not exist") as ei:
+        tw.load(d)
+    assert isinstance(ei.value, FileNotFoundError) and isinstance(ei.value, TierstoreError)
+    assert ei.value.file == paths[1] and ei.value.tensor in tensors
+    assert ei.value.tensor not in load_file(paths[0]) and repr(ei.value.tensor) in str(ei.value)
+
+
+def test_index_names_tensor_absent_from_shard(sharded):
+    d, paths, _ = sharded
+    idx = os.path.join(d, "model.safetensors.index.json")
+    data = json.load(open(idx))
+    data["weight_map"]["ghost.weight"] = os.path.basename(paths[0])
+    json.dump(data, open(idx, "w"))
+    with pytest.raises(CheckpointError, match="absent from the shard") as ei:
+        tw.load(d)
+    assert ei.value.tensor == "ghost.weight" and ei.value.file == paths[0]
+
+
+@pytest.mark.parametrize("value", ["/etc/passwd.safetensors", "s3://x/y.safetensors", "a.bin", 3])
+def test_index_with_bad_entries(sharded, value):
+    d, _, _ = sharded
+    idx = os.path.join(d, "model.safetensors.index.json")
+    data = json.load(open(idx))
+    data["weight_map"]["l0.w"] = value
+    json.dump(data, open(idx, "w"))
+    with pytest.raises(CheckpointError, match="weight_map") as ei:
+        tw.load(d)
+    assert ei.value.tensor == "l0.w"
+
+
+def test_index_not_json(sharded):
+    d, _, _ = sharded
+    open(os.path.join(d, "model.safetensors.index.json"), "w").write("{nope")
+    with pytest.raises(CheckpointError, match="index"):
+        tw.load(d)
+
+
+def test_tensor_in_two_shards(tmp_path):
+    save_file({"x": torch.ones(2)}, str(tmp_path / "a.safetensors"))
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "b.safetensors"))
+    with pytest.raises(CheckpointError, match="also present") as ei:
+        tw.load(str(tmp_path))
+    assert ei.value.tensor == "x"
+
+
+def test_missing_path_and_empty_directory(tmp_path):
+    with pytest.raises(CheckpointNotFoundError):
+        tw.load(str(tmp_path / "nope"))
+    with pytest.raises(CheckpointNotFoundError, match="no .safetensors"):
+        tw.load(str(tmp_path))
+
+
+def test_file_truncated_while_loading(tmp_path):
+    path = str(tmp_path / "big.safetensors")
+    save_file({f"w{i}": torch.randn(256, 256) for i in range(8)}, path)
+    it = tw.iter_tensors(path, block_size=65536, concurrency=2)  # headers validated here
+    os.truncate(path, os.path.getsize(path) // 2)
+    with pytest.raises(CheckpointError, match="truncated|outside"):
+        dict(it)
+    with pytest.raises(CheckpointError):
+        tw.load(path)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_headers_never_crash(tmp_path, data):
+    """Mutate digits / bytes of a valid header: either a clean CheckpointError or the same tensors
+    safetensors itself returns."""
+    path = str(tmp_path / "f.safetensors")
+    save_file({"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.arange(3, dtype=torch.int16),
+               "c": torch.ones(2, 2, dtype=torch.bfloat16)}, path)
+    blob = bytearray(open(path, "rb").read())
+    n = struct.unpack("<Q", blob[:8])[0]
+    for _ in range(data.draw(st.integers(1, 3))):
+        pos = data.draw(st.integers(0, 8 + n - 1))
+        if data.draw(st.booleans()) and chr(blob[pos]).isdigit():
+            blob[pos] = ord(data.draw(st.sampled_from("0123456789")))
+        else:
+            blob[pos] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        blob = blob[:data.draw(st.integers(0, len(blob)))]
+    with open(path, "wb") as f:
+        f.write(blob)
+    try:
+        got = tw.load(path, block_size=7)
+    except CheckpointError:
+        return
+    ref = load_file(path)
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        assert got[k].dtype == ref[k].dtype and got[k].shape == ref[k].shape
+        assert got[k].reshape(-1).view(torch.uint8).tolist() == ref[k].reshape(-1).view(torch.uint8).tolist()

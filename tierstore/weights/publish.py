@@ -1,0 +1,142 @@
+"""Publish a checkpoint in a store-friendly, content-addressed layout.
+
+``publish(src, dst)`` streams ``src`` (anything :func:`iter_tensors` reads) and writes::
+
+    dst/model.safetensors.index.json        HF-style index, metadata.format = "tierstore-cas/1"
+    <objects>/<blake2b-256 hex>.safetensors one valid safetensors file per tensor group
+
+Large tensors get an object each; small ones (norms, biases) are grouped per layer. An object is named
+by the digest of its bytes, so an object that already exists is not written again: fine-tunes that share
+base layers, published to the same ``objects_url``, share those objects — and, because the loader keys
+the range cache of such objects by their digest, share cached chunks in a store too. Any safetensors
+reader can read each object; :func:`tierstore.weights.load` reads ``dst`` back bit-exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import re
+import tempfile
+
+import torch
+
+from ..errors import InvalidInputError
+from .checkpoint import CAS_LAYOUT, INDEX_SUFFIX, open_checkpoint
+from .header import build_header
+from .loader import byte_view, iter_tensors
+from .sources import filesystem, is_local, local_path
+
+SMALL_TENSOR = 1024 * 1024
+_LAYER = re.compile(r"^(.*?\.\d+)\.")
+
+
+def object_group(name: str, nbytes: int) -> str:
+    """The object a tensor goes to: itself when large, its layer (``model.layers.7``) when small."""
+    if nbytes >= SMALL_TENSOR:
+        return name
+    m = _LAYER.match(name)
+    return "small:" + (m.group(1) if m else name.rpartition(".")[0])
+
+
+class _Target:
+    def __init__(self, url: str, storage_options: dict | None):
+        self.local = is_local(url)
+        if self.local:
+            self.fs, self.path = None, os.path.abspath(local_path(url))
+        else:
+            self.fs, self.path = filesystem(url, storage_options, 16)
+
+    def join(self, *parts: str) -> str:
+        return os.path.join(self.path, *parts) if self.local else posixpath.join(self.path, *parts)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path) if self.local else self.fs.exists(path)
+
+    def write(self, path: str, chunks: list) -> None:
+        """Publish ``path`` whole or not at all (temp + rename locally, one PUT remotely)."""
+        if not self.local:
+            self.fs.pipe_file(path, b"".join(bytes(c) for c in chunks))
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".publish-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                for c in chunks:
+                    f.write(c)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+
+def _object(tensors: list[tuple[str, torch.Tensor]]) -> tuple[str, list]:
+    tensors = sorted(tensors)
+    header = build_header([(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in tensors])
+    chunks = [header] + [memoryview(byte_view(t.contiguous()).numpy()) for _, t in tensors if t.numel()]
+    h = hashlib.blake2b(digest_size=32)
+    for c in chunks:
+        h.update(c)
+    return h.hexdigest() + ".safetensors", chunks
+
+
+def publish(src, dst_url: str, *, storage_options: dict | None = None,
+            dst_storage_options: dict | None = None, objects_url: str | None = None, **opts) -> dict:
+    """Copy checkpoint ``src`` to ``dst_url`` in the content-addressed layout above.
+
+    Args:
+        src: a checkpoint as accepted by :func:`tierstore.weights.load`.
+        dst_url: the directory (local or fsspec URL) that receives the index.
+        storage_options / dst_storage_options: fsspec options for ``src`` / ``dst_url`` and ``objects_url``.
+        objects_url: where objects go (default ``dst_url/objects``); share it between checkpoints to
+            store their identical tensor groups once. Must be on the same filesystem as ``dst_url``.
+        **opts: loader options for reading ``src`` (``concurrency``, ``block_size``, ``memory_limit``).
+
+    Returns:
+        ``{"tensors", "objects", "objects_written", "objects_reused", "bytes_written", "index"}``.
+    """
+    dst = _Target(dst_url, dst_storage_options)
+    objs = _Target(objects_url, dst_storage_options) if objects_url else None
+    if objs is not None and (objs.local != dst.local or (
+            not dst.local and objs.fs.protocol != dst.fs.protocol)):
+        raise InvalidInputError(f"objects_url {objects_url!r} must be on the same filesystem as {dst_url!r}")
+    objects_dir = objs.path if objs else dst.join("objects")
+    rel = (os.path.relpath if dst.local else posixpath.relpath)(objects_dir, dst.path)
+
+    with open_checkpoint(str(src), storage_options) as ckpt:
+        members: dict[str, set[str]] = {}
+        for name, (_, info) in ckpt.tensors.items():
+            members.setdefault(object_group(name, info.nbytes), set()).add(name)
+        group_of = {n: g for g, names in members.items() for n in names}
+        metadata = {k: v for s in ckpt.shards for k, v in s.header.metadata.items()}
+
+    waiting: dict[str, list] = {}
+    weight_map: dict[str, str] = {}
+    summary = {"tensors": 0, "objects": 0, "objects_written": 0, "objects_reused": 0, "bytes_written": 0}
+    for name, t in iter_tensors(src, storage_options=storage_options, **opts):
+        g = group_of[name]
+        waiting.setdefault(g, []).append((name, t))
+        if len(waiting[g]) < len(members[g]):
+            continue
+        fname, chunks = _object(waiting.pop(g))
+        path = (objs.join(fname) if objs else dst.join("objects", fname))
+        summary["objects"] += 1
+        if dst.exists(path):
+            summary["objects_reused"] += 1
+        else:
+            dst.write(path, chunks)
+            summary["objects_written"] += 1
+            summary["bytes_written"] += sum(len(c) for c in chunks)
+        for n in members[g]:
+            weight_map[n] = posixpath.join(rel.replace(os.sep, "/"), fname)
+        summary["tensors"] += len(members[g])
+    index = {"metadata": {**metadata, "format": CAS_LAYOUT,
+                          "total_size": str(sum(i.nbytes for _, i in ckpt.tensors.values()))},
+             "weight_map": dict(sorted(weight_map.items()))}
+    index_path = dst.join("model" + INDEX_SUFFIX)
+    dst.write(index_path, [json.dumps(index, indent=1).encode()])
+    summary["index"] = index_path if dst.local else f"{dst_url.rstrip('/')}/model{INDEX_SUFFIX}"
+    return summary

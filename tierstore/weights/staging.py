@@ -1,0 +1,107 @@
+"""Bounded staging: a ring of equal host buffers (pinned when CUDA is present) and device copies.
+
+Ranged reads that cannot land in their final memory (a GPU destination, a dtype cast, a range that is
+also being cached) land in a ring slot first. The ring is one allocation carved into ``count`` slots, so
+staging memory is fixed however large the checkpoint; pinning (``cudaHostAlloc``) is slow, so the last
+ring is kept for the next load. With a CUDA destination each worker thread copies its slot to the device
+with a non-blocking H2D copy on its own stream while the other workers keep reading, and waits for that
+copy only before handing the slot back.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+_cache_lock = threading.Lock()
+_cached: "StagingRing | None" = None
+
+
+class StagingRing:
+    """``count`` staging slots of ``slot_size`` bytes; ``acquire`` blocks until one is free."""
+
+    def __init__(self, count: int, slot_size: int, pinned: bool):
+        self.count, self.slot_size, self.pinned = count, slot_size, pinned
+        self.buffer = torch.empty(count * slot_size, dtype=torch.uint8, pin_memory=pinned)
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(count):
+            self._free.put(self.buffer[i * slot_size:(i + 1) * slot_size])
+
+    def acquire(self) -> torch.Tensor:
+        return self._free.get()
+
+    def release(self, slot: torch.Tensor) -> None:
+        self._free.put(slot)
+
+
+def get_ring(count: int, slot_size: int, pinned: bool) -> StagingRing:
+    """A ring with at least ``count`` slots of ``slot_size`` bytes, reusing the last one if it fits."""
+    global _cached
+    with _cache_lock:
+        ring, _cached = _cached, None
+    if ring is not None and ring.slot_size == slot_size and ring.count == count and ring.pinned == pinned:
+        return ring
+    return StagingRing(count, slot_size, pinned)
+
+
+def put_ring(ring: StagingRing) -> None:
+    """Hand ``ring`` back for reuse by the next load (only one ring is kept)."""
+    global _cached
+    with _cache_lock:
+        _cached = ring
+
+
+_local = threading.local()
+
+
+def _stream(device: torch.device):
+    streams = getattr(_local, "streams", None)
+    if streams is None:
+        streams = _local.streams = {}
+    s = streams.get(device)
+    if s is None:
+        s = streams[device] = torch.cuda.Stream(device=device)
+    return s
+
+
+def copy_segments(src: torch.Tensor, segments) -> None:
+    """Copy byte ranges of the CPU tensor ``src`` into their destinations, and wait for the copies.
+
+    Args:
+        segments: ``(dst, dst_offset, src_lo, src_hi)`` tuples; ``dst`` is a 1-D uint8 tensor on any
+            device. CUDA copies are issued non-blocking on this thread's stream and waited for once.
+    """
+    cuda = None
+    for dst, off, lo, hi in segments:
+        if dst.device.type == "cuda":
+            cuda = dst.device
+            with torch.cuda.stream(_stream(dst.device)):
+                dst[off:off + hi - lo].copy_(src[lo:hi], non_blocking=True)
+        else:
+            dst[off:off + hi - lo].copy_(src[lo:hi])
+    if cuda is not None:
+        _stream(cuda).synchronize()
+
+
+HUGE_ALLOC_MIN = 4 * 1024 * 1024
+
+
+def alloc_host(nbytes: int) -> torch.Tensor:
+    """A fresh 1-D uint8 CPU tensor of ``nbytes``.
+
+    Large buffers are anonymous mappings advised ``MADV_HUGEPAGE``: the first write into fresh memory
+    is page-fault bound, and 2 MiB pages cut the faults 512-fold (measured ~3-4x faster landing of reads
+    into fresh memory here). The tensor keeps the mapping alive; it is unmapped when the last view dies.
+    """
+    import mmap
+
+    if nbytes < HUGE_ALLOC_MIN or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+        pass
+    return torch.frombuffer(m, dtype=torch.uint8)
