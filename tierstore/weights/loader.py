@@ -238,7 +238,7 @@ def iter_tensors(uri, device="cpu", store=None, storage_options=None, **opts) ->
             file version is served by the store's tiers.
         storage_options: fsspec options for ``uri`` (e.g. ``{"endpoint_url": ...}``).
         **opts: ``names`` (iterable of names or a predicate) to load a subset; ``concurrency`` (reads
-            in flight, default 4 local / 16 remote); ``block_size`` (read size, default 32 MiB local /
+            in flight, default 8 local / 16 remote); ``block_size`` (read size, default 64 MiB local /
             16 MiB remote);
             ``memory_limit`` (bytes of read-but-undelivered data and staging, default 1 GiB — one
             group larger than the limit still loads, alone); ``dtype`` (cast F16/BF16/F32/F64 tensors

@@ -12,10 +12,10 @@ from ..sizes import parse_size
 # Measured on this project's dev VM (virtio disk, 2 vCPUs; docs/weights.md): local files load best with
 # a few large reads in flight (the kernel's readahead keeps each stream sequential), object stores with
 # many 16 MiB ranged GETs (S3 serves ~90 MB/s per connection).
-LOCAL_BLOCK_SIZE = 32 * 1024 * 1024
+LOCAL_BLOCK_SIZE = 64 * 1024 * 1024
 REMOTE_BLOCK_SIZE = 16 * 1024 * 1024
 DEFAULT_MEMORY_LIMIT = 1024 * 1024 * 1024
-LOCAL_CONCURRENCY = 4
+LOCAL_CONCURRENCY = 8
 REMOTE_CONCURRENCY = 16
 CASTABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 HOST_ALIGN = 64
