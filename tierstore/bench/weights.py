@@ -270,8 +270,9 @@ def _print_table(res: Results, targets) -> None:
             continue
         lim = limit.get(r["scenario"])
         base = st.get(r["scenario"])
-        print(f"{r['scenario']:<8} {r['method']:<42} {r['gbps']:7.2f} "
-              f"{(r['gbps'] / lim if lim else 0):8.2f} {(r['gbps'] / base if base else 0):8.2f}  {r['note']}")
+        ratio_lim = f"{r['gbps'] / lim:8.2f}" if lim else f"{'':>8}"
+        ratio_st = f"{r['gbps'] / base:8.2f}" if base else f"{'':>8}"
+        print(f"{r['scenario']:<8} {r['method']:<42} {r['gbps']:7.2f} {ratio_lim} {ratio_st}  {r['note']}")
     print(f"\nlimits: memcpy {res.limits.get('memcpy', 0):.2f} GB/s; 'x limit' is vs the raw readinto of the same"
           f" scenario (s3: vs the server ceiling)")
     for t in targets:
