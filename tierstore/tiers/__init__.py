@@ -20,11 +20,4 @@ def tier_class(kind: str) -> type[Tier]:
     return getattr(importlib.import_module(module), attr)
 
 
-def register(kind: str, target: str) -> None:
-    """Register a tier class as ``"package.module:Class"`` under ``kind``."""
-    _KINDS[kind] = target
-
-
-KINDS = _KINDS
-
-__all__ = ["Tier", "tier_class", "register", "KINDS"]
+__all__ = ["Tier", "tier_class"]

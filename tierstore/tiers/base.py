@@ -23,7 +23,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from ..errors import CapacityError, ClosedError, CorruptObjectError, InvalidInputError
+from ..errors import ClosedError, CorruptObjectError, InvalidInputError
 from ..keys import ChunkKey, check_key
 from ..policy import LRUPolicy
 from ..tensors import TensorDict, fill_out, validate_tensors
@@ -406,11 +406,6 @@ class Tier(ABC):
 
     def delete(self, key: ChunkKey) -> bool:
         return self.delete_many([key]) == 1
-
-    def check_fits(self, size: int) -> None:
-        """Raise :class:`CapacityError` if an object of ``size`` bytes can never fit here."""
-        if self.capacity is not None and size > self.capacity:
-            raise CapacityError(f"{size} bytes exceed tier {self.name!r} capacity {self.capacity}")
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
