@@ -47,16 +47,14 @@ def test_write_through_returns_when_every_tier_has_it(tmp_path):
 
 def test_dirty_chunk_is_written_back_before_eviction(tmp_path):
     with open_store(tmp_path) as s:
-        lower = s.tier("lower")
         blocker = threading.Event()
-        original = lower.put_many
+        original = s._write_down
 
-        def slow_put_many(items):  # hold the background writer so chunks stay dirty
-            if threading.current_thread().name.startswith("tierstore-writeback"):
-                blocker.wait(10)
-            return original(items)
+        def stalled_write_down(keys, level):  # the background writer stalls before it pins anything
+            blocker.wait(10)
+            return original(keys, level)
 
-        lower.put_many = slow_put_many
+        s._write_down = stalled_write_down
         for i in range(8):  # host holds 3: five dirty evictions must write synchronously
             s.put(key_of(i), chunk(i, CHUNK))
         for i in range(8):

@@ -207,6 +207,26 @@ class TierTests:
             t.put(key_of(i), chunk(i, 8000))
         assert not t.contains(key_of(0))
 
+    def test_put_waits_briefly_for_pins_then_skips(self):
+        t = self.tier(capacity=12000)  # one 8000-byte chunk (plus any object header) fits, two do not
+        t.pin_wait = 0.3
+        t.put(key_of(0), chunk(0, 8000))
+        t.pin([key_of(0)])
+        assert not t.put(key_of(1), chunk(1, 8000))  # the only victim stays pinned: skipped, not stuck
+        assert t.contains(key_of(0))
+        threading.Timer(0.1, t.unpin, args=([key_of(0)],)).start()
+        assert t.put(key_of(1), chunk(1, 8000))  # released while the put waited: it evicts and lands
+        assert not t.contains(key_of(0)) and t.contains(key_of(1))
+
+    def test_internal_reads_leave_lru_order_alone(self):
+        t = self.tier(capacity=3 * 8192 + 4096)
+        for i in range(3):
+            t.put(key_of(i), chunk(i, 8000))
+        with t.borrowed(key_of(0)) as value:  # write-back / eviction copies are not "use"
+            assert_same(value, chunk(0, 8000))
+        t.put(key_of(3), chunk(3, 8000))
+        assert not t.contains(key_of(0)) and t.contains(key_of(1))
+
     def test_before_evict_sees_the_victim(self):
         t = self.tier(capacity=2 * 8192)
         seen = []

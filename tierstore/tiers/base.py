@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -44,6 +45,8 @@ class Tier(ABC):
     kind: ClassVar[str] = ""
     #: whether a put of an existing key replaces its value (write-once remote tiers keep the first)
     overwrites: ClassVar[bool] = True
+    #: seconds a put waits for pinned chunks to be released before it skips this tier
+    pin_wait: ClassVar[float] = 2.0
 
     def __init__(self, name: str | None = None, capacity: int | None = None):
         if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0):
@@ -140,10 +143,11 @@ class Tier(ABC):
             raise ClosedError(f"tier {self.name!r} is closed")
 
     # ------------------------------------------------------------------ pins (two-phase access)
-    def pin(self, keys: Iterable[ChunkKey]) -> list[int | None]:
+    def pin(self, keys: Iterable[ChunkKey], touch: bool = True) -> list[int | None]:
         """Pin the keys this tier holds against eviction; return their sizes (``None`` = absent).
 
-        Every key whose size is not ``None`` must later be passed to :meth:`unpin`.
+        Every key whose size is not ``None`` must later be passed to :meth:`unpin`. ``touch`` marks them
+        recently used; internal copies (write-back, eviction) pass ``False`` so they leave LRU order alone.
         """
         keys = [check_key(k) for k in keys]
         sizes: list[int | None] = []
@@ -151,7 +155,8 @@ class Tier(ABC):
             for k in keys:
                 if k in self._lru:
                     self._pins[k] += 1
-                    self._lru.touch(k)
+                    if touch:
+                        self._lru.touch(k)
                     sizes.append(self._lru.size(k))
                 else:
                     sizes.append(None)
@@ -167,8 +172,11 @@ class Tier(ABC):
 
     @contextmanager
     def borrowed(self, key: ChunkKey) -> Iterator[TensorDict | None]:
-        """Pin ``key`` and yield its tensors without copying where the tier allows (read-only!)."""
-        (size,) = self.pin([key])
+        """Pin ``key`` and yield its tensors without copying where the tier allows (read-only!).
+
+        An internal access: it does not count as a hit or change LRU order.
+        """
+        (size,) = self.pin([key], touch=False)
         if size is None:
             yield None
             return
@@ -330,6 +338,7 @@ class Tier(ABC):
         """Reserve ``size`` bytes, evicting LRU victims synchronously; ``False`` if it cannot fit."""
         if self.capacity is not None and size > self.capacity:
             return False
+        deadline = time.monotonic() + self.pin_wait
         with self._cond:
             while True:
                 self._check_open()
@@ -344,8 +353,10 @@ class Tier(ABC):
                         self._evict(victims)
                     finally:
                         self._cond.acquire()
-                elif self._evicting_bytes or self._reserved:
-                    self._cond.wait(0.05)  # others are freeing space or finishing writes
+                elif self._evicting_bytes or self._reserved or (self._pins and time.monotonic() < deadline):
+                    # others are freeing space or finishing writes, or readers / write-back hold pins that
+                    # are released within milliseconds; a pin held longer than pin_wait makes the put skip
+                    self._cond.wait(0.05)
                 else:
                     return False  # everything left is pinned
 
