@@ -52,12 +52,17 @@ def nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def byte_alias(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of contiguous ``t`` as a flat uint8 tensor sharing its memory (any device); writes
+    through it land in ``t``."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous CPU copy of ``t`` (no copy when already so)."""
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous().reshape(-1)
-    return t.view(torch.uint8) if t.dtype != torch.uint8 else t
+    return byte_alias(t.contiguous())
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

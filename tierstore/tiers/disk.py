@@ -41,7 +41,8 @@ import xxhash
 from .. import objformat
 from ..errors import ClosedError, ConfigError, CorruptObjectError, InvalidInputError, LockedError
 from ..keys import ChunkKey
-from ..tensors import TensorDict, byte_view, fill_out
+from ..iov import IOV_MAX, advance
+from ..tensors import TensorDict, byte_alias, fill_out
 from .base import Tier
 from .layout import TMP_SUFFIX, key_from_name, object_relpath
 
@@ -51,10 +52,6 @@ LOCK_NAME = ".lock"
 TMP_DIR = "tmp"
 _HEX = "0123456789abcdef"
 _FANOUT = [a + b for a in _HEX for b in _HEX]
-try:
-    _IOV_MAX = max(16, min(os.sysconf("SC_IOV_MAX"), 1024))
-except (AttributeError, OSError, ValueError):
-    _IOV_MAX = 16
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 #: reads are hashed in steps of this size (L2-sized: the bytes are hashed while still in cache)
@@ -72,17 +69,11 @@ def _writev_all(fd: int, bufs: Sequence) -> int:
     views = [mv for mv in (memoryview(b).cast("B") for b in bufs) if len(mv)]
     total, i = 0, 0
     while i < len(views):
-        n = os.writev(fd, views[i:i + _IOV_MAX])
+        n = os.writev(fd, views[i:i + IOV_MAX])
         if n <= 0:
             raise OSError(errno.EIO, "writev wrote nothing")
         total += n
-        while n:
-            if n >= len(views[i]):
-                n -= len(views[i])
-                i += 1
-            else:
-                views[i] = views[i][n:]
-                n = 0
+        i = advance(views, i, n)
     return total
 
 
@@ -97,7 +88,7 @@ def _read_into(fd: int, bufs: Sequence, hasher=None, skip: int = 0) -> int:
     total, i, off = 0, 0, 0
     while i < len(views):
         batch, room, j, o = [], _PIECE, i, off
-        while j < len(views) and room > 0 and len(batch) < _IOV_MAX:
+        while j < len(views) and room > 0 and len(batch) < IOV_MAX:
             take = min(len(views[j]) - o, room)
             batch.append(views[j][o:o + take])
             room -= take
@@ -391,7 +382,7 @@ class DiskTier(Tier):
                 if s.offset > pos:
                     segments.append(memoryview(bytearray(s.offset - pos)))
                 if s.nbytes:
-                    segments.append(memoryview(byte_view(out[s.name]).numpy()))
+                    segments.append(memoryview(byte_alias(out[s.name]).numpy()))
                 pos = s.offset + s.nbytes
             if hdr.raw_size > pos:
                 segments.append(memoryview(bytearray(hdr.raw_size - pos)))

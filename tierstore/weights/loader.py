@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InvalidInputError, InvalidTypeError, MissingKeyError
+from ..tensors import byte_alias
 from .cache import RangeCache
 from .checkpoint import Checkpoint, open_checkpoint
 from .header import TensorInfo
@@ -96,11 +97,6 @@ def _view(buf: torch.Tensor, offset: int, t: TensorInfo) -> torch.Tensor:
     if seg.data_ptr() % itemsize:  # the file put this tensor at an unaligned offset
         seg = seg.clone()
     return seg.view(t.dtype).view(t.shape)
-
-
-def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of contiguous ``t`` as a flat uint8 tensor sharing its memory."""
-    return t.detach().reshape(-1).view(torch.uint8)
 
 
 class _Pipeline:
@@ -351,7 +347,7 @@ def load_into(params: Mapping[str, torch.Tensor], uri, store=None, storage_optio
         for t in g.tensors:
             p = params[t.name]
             if p.dtype == t.dtype and p.is_contiguous():
-                dests[t.name] = byte_view(p)
+                dests[t.name] = byte_alias(p)
             else:  # land in a temporary, then cast / restride into the parameter
                 tmp = torch.empty(t.nbytes, dtype=torch.uint8)
                 dests[t.name] = tmp

@@ -24,9 +24,10 @@ import tempfile
 import torch
 
 from ..errors import InvalidInputError
+from ..tensors import byte_view
 from .checkpoint import CAS_LAYOUT, INDEX_SUFFIX, open_checkpoint
 from .header import build_header
-from .loader import byte_view, iter_tensors
+from .loader import iter_tensors
 from .sources import filesystem, is_local, local_path
 
 SMALL_TENSOR = 1024 * 1024
@@ -76,7 +77,7 @@ class _Target:
 def _object(tensors: list[tuple[str, torch.Tensor]]) -> tuple[str, list]:
     tensors = sorted(tensors)
     header = build_header([(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in tensors])
-    chunks = [header] + [memoryview(byte_view(t.contiguous()).numpy()) for _, t in tensors if t.numel()]
+    chunks = [header] + [memoryview(byte_view(t).numpy()) for _, t in tensors if t.numel()]
     h = hashlib.blake2b(digest_size=32)
     for c in chunks:
         h.update(c)

@@ -13,9 +13,9 @@ import os
 import threading
 from abc import ABC, abstractmethod
 
+from ..iov import IOV_MAX, advance
 from .header import CheckpointError
 
-IOV_MAX = 1024  # Linux limit on buffers per preadv call
 
 
 class Source(ABC):
@@ -109,13 +109,7 @@ class LocalFileSource(Source):
                 raise CheckpointError(self.name, f"truncated: read at offset {offset} returned no data "
                                                  f"(file changed while loading?)")
             offset += n
-            while n and i < len(bufs):  # advance past fully-filled buffers, trim a partial one
-                if n >= len(bufs[i]):
-                    n -= len(bufs[i])
-                    i += 1
-                else:
-                    bufs[i] = bufs[i][n:]
-                    n = 0
+            i = advance(bufs, i, n)
 
     def close(self) -> None:
         fd, self._fd = self._fd, -1
