@@ -66,10 +66,7 @@ def default_config(root: str = DEFAULT_ROOT) -> dict:
         avail_ram = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
         avail_ram = 4 << 30
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free_disk = shutil.disk_usage(probe).free
+    free_disk = shutil.disk_usage(_existing_ancestor(path)).free
     return {
         "tiers": [
             {"kind": "host", "capacity": max(64 << 20, min(avail_ram // 4, 8 << 30))},
@@ -181,15 +178,18 @@ def _parse_tier(entry, where: str) -> TierConfig:
     return TierConfig(kind=kind, name=name, options=options)
 
 
+def _existing_ancestor(path: Path) -> Path:
+    """``path`` itself if it exists, else its nearest existing parent (what a mkdir would write into)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def _check_writable(path, key: str, read_only: bool) -> str:
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise ConfigError(f"{key}: expected a directory path, got {path!r}")
     p = Path(os.path.expanduser(str(path))).absolute()
-    probe = p
-    while not probe.exists():
-        if probe == probe.parent:
-            break
-        probe = probe.parent
+    probe = _existing_ancestor(p)
     if probe.exists() and not probe.is_dir():
         raise ConfigError(f"{key}: {str(probe)!r} exists and is not a directory")
     if not read_only and not os.access(probe, os.W_OK | os.X_OK):
