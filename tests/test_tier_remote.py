@@ -65,6 +65,8 @@ class _RemoteTierTests(TierTests):
 
 
 class TestRemoteS3(_RemoteTierTests):
+    race_iterations = 20  # every operation is an HTTP round trip to moto
+
     @pytest.fixture(autouse=True)
     def _url(self, s3_prefix):
         self.url, self.storage_options = s3_prefix()

@@ -66,6 +66,8 @@ class TierTests:
     persistent: bool = False
     #: stored objects carry checksums that :meth:`damage` can break
     checksummed: bool = False
+    #: rounds per thread in the race test (slow remote backends may lower it)
+    race_iterations: int = 200
 
     @pytest.fixture(autouse=True)
     def _tmp(self, tmp_path):
@@ -299,6 +301,50 @@ class TierTests:
         assert not errors, errors
         assert t.used_bytes <= t.capacity
         assert t.stats()["reserved_bytes"] == 0
+
+    def test_racing_overwrites_deletes_and_reads(self):
+        """Each key has one writer cycling through versions while other threads read and delete it:
+        every read is a miss or exactly one version of that key (never another key's bytes)."""
+        t = self.tier(capacity=24 * 8192)
+        versions = 3
+        errors = []
+
+        def value(n, v):
+            return chunk(n * versions + v, 8000)
+
+        def check(got, n, exact=None):
+            if got is None:
+                return
+            if exact is not None and t.overwrites:
+                assert_same(got, exact)
+            elif not any(torch.equal(got["k"], value(n, v)["k"]) and torch.equal(got["v"], value(n, v)["v"])
+                         for v in range(versions)):
+                raise AssertionError(f"key {n}: bytes of no version of this key")
+
+        def worker(w, nworkers):
+            try:
+                for i in range(self.race_iterations):
+                    n, other = w * 100 + i % 8, (w + 1) % nworkers * 100 + i % 8
+                    mine = value(n, i // 8 % versions)
+                    t.put(key_of(n), mine)
+                    check(t.get(key_of(n)), n, exact=mine)
+                    check(t.get(key_of(other)), other)
+                    if i % 5 == 0:
+                        t.delete(key_of(other))
+            except Exception as exc:  # surfaced below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(w, 6)) for w in range(6)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors
+        stats = t.stats()
+        assert stats["reserved_bytes"] == 0 and stats["pinned"] == 0
+        assert t.used_bytes <= t.capacity
+        for k in t.keys():  # the index and storage agree after the storm
+            assert t.get(k) is not None
 
     # bad input --------------------------------------------------------------
     def test_bad_input(self):

@@ -7,7 +7,8 @@ data plane to four primitives a subclass implements: ``_prepare`` (turn tensors 
 
 Capacity is exact: ``used_bytes + reserved`` never exceeds ``capacity``. A put first reserves its bytes,
 evicting least-recently-used, unpinned keys synchronously until they fit; a victim is handed to
-``before_evict`` (the tiered store writes a dirty chunk below there) and removed once no reader holds it.
+``before_evict`` (the tiered store writes a dirty chunk below there) and removed unless a reader pinned it
+meanwhile. Mutations of one key (store, delete, drop) never overlap (see ``_exclusive``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class Tier(ABC):
         self._lru = LRUPolicy()
         self._pins: Counter[ChunkKey] = Counter()
         self._evicting: set[ChunkKey] = set()
+        self._busy: set[ChunkKey] = set()  # keys being stored, deleted or forgotten (see _exclusive)
         self._evicting_bytes = 0
         self._reserved = 0
         self._counts = dict.fromkeys(COUNTERS, 0)
@@ -239,14 +241,43 @@ class Tier(ABC):
         return None
 
     def _forget(self, key: ChunkKey) -> None:
-        """Drop a key whose object is gone or corrupt from index and storage."""
+        """Drop a key whose object is gone or corrupt from index and storage.
+
+        Never waits (the caller holds a pin an evictor may be waiting on): a key that is being written,
+        deleted or evicted is left to that operation, which replaces or removes it anyway.
+        """
         with self._cond:
-            if key in self._lru and key not in self._evicting:
+            if key in self._busy or key in self._evicting:
+                return
+            self._busy.add(key)
+            if key in self._lru:
                 self._lru.remove(key)
         try:
             self._drop(key)
         except OSError:
             pass
+        finally:
+            self._unclaim(key)
+
+    @contextmanager
+    def _exclusive(self, key: ChunkKey) -> Iterator[None]:
+        """Serialise mutations of one key (store, delete, forget, evict); eviction skips it meanwhile.
+
+        Without this, a drop racing a store of the same key frees or deletes what the store just wrote.
+        """
+        with self._cond:
+            while key in self._busy or key in self._evicting:
+                self._cond.wait()
+            self._busy.add(key)
+        try:
+            yield
+        finally:
+            self._unclaim(key)
+
+    def _unclaim(self, key: ChunkKey) -> None:
+        with self._cond:
+            self._busy.discard(key)
+            self._cond.notify_all()
 
     def get(self, key: ChunkKey, device: str | torch.device = "cpu",
             out: Mapping[str, torch.Tensor] | None = None) -> TensorDict | None:
@@ -296,6 +327,12 @@ class Tier(ABC):
         if not self.overwrites and self.contains(key):
             return True
         payload, size = self._prepare(key, tensors)
+        with self._exclusive(key):
+            if not self.overwrites and key in self._lru:
+                return True  # a concurrent put of the same key won
+            return self._store_reserved(key, payload, size)
+
+    def _store_reserved(self, key: ChunkKey, payload: Any, size: int) -> bool:
         for attempt in range(2):
             if not self._reserve(key, size):
                 self._count("skipped")
@@ -365,7 +402,7 @@ class Tier(ABC):
         for k in self._lru.victims():
             if freed >= deficit:
                 break
-            if self._pins.get(k) or k in self._evicting or k == exclude:
+            if self._pins.get(k) or k in self._evicting or k in self._busy or k == exclude:
                 continue
             size = self._lru.size(k)
             self._evicting.add(k)
@@ -375,7 +412,12 @@ class Tier(ABC):
         return victims
 
     def _evict(self, victims: list[tuple[ChunkKey, int]]) -> None:
-        """Hand each victim to ``before_evict``, wait for its readers, then remove it."""
+        """Hand each victim to ``before_evict``, then remove it unless a reader pinned it meanwhile.
+
+        Never waiting for readers keeps lock order acyclic: a reader may hold a pin here while it waits
+        for a put into another tier whose eviction chain leads back to this one. Subclasses make a drop
+        safe against a reader that pins during it (files are unlinked, pool slots freed on unpin).
+        """
         for k, size in victims:
             try:
                 if self.before_evict is not None:
@@ -383,8 +425,11 @@ class Tier(ABC):
             except Exception as exc:  # degrade: a failed write-back must not wedge the tier
                 self._log_once("before_evict", "write-back before eviction failed: %s", exc)
             with self._cond:
-                while self._pins.get(k):
-                    self._cond.wait()
+                if self._pins.get(k):  # read after selection: keep it; the caller picks other victims
+                    self._evicting.discard(k)
+                    self._evicting_bytes -= size
+                    self._cond.notify_all()
+                    continue
             try:
                 self._drop(k)
             except OSError as exc:
@@ -403,16 +448,17 @@ class Tier(ABC):
         keys = [check_key(k) for k in keys]
         n = 0
         for k in keys:
-            with self._cond:
-                present = k in self._lru and k not in self._evicting
+            with self._exclusive(k):
+                with self._cond:
+                    present = k in self._lru
+                    if present:
+                        self._lru.remove(k)
                 if present:
-                    self._lru.remove(k)
-            if present:
-                n += 1
-                try:
-                    self._drop(k)
-                except OSError as exc:
-                    self._log_once("drop", "could not remove %s: %s", k.hex(), exc)
+                    n += 1
+                    try:
+                        self._drop(k)
+                    except OSError as exc:
+                        self._log_once("drop", "could not remove %s: %s", k.hex(), exc)
         return n
 
     def delete(self, key: ChunkKey) -> bool:

@@ -45,6 +45,7 @@ class HostTier(MemoryTier):
         if self.pool is not None:
             self.capacity = self.pool.capacity
         self._runs: dict[ChunkKey, tuple[int, int]] = {}
+        self._retired: dict[ChunkKey, list[tuple[int, int]]] = {}  # replaced or dropped while pinned
 
     def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]):
         if self.pool is None:
@@ -65,10 +66,11 @@ class HostTier(MemoryTier):
             dst = (dst.view(t.dtype) if t.dtype != torch.uint8 else dst).reshape(t.shape)
             dst.copy_(t)
             stored[name] = dst
-        old = self._runs.get(key)
-        self._data[key], self._runs[key] = stored, run
-        if old is not None:
-            self.pool.free(old)
+        with self._cond:
+            old = self._runs.get(key)
+            self._data[key], self._runs[key] = stored, run
+            if old is not None:
+                self._free_run(key, old)
 
     def _alloc_run(self, key: ChunkKey, size: int) -> tuple[int, int]:
         """Bytes are reserved already; evict further LRU chunks while fragmentation blocks a run."""
@@ -81,7 +83,30 @@ class HostTier(MemoryTier):
         return run
 
     def _drop(self, key: ChunkKey) -> None:
-        self._data.pop(key, None)
-        run = self._runs.pop(key, None)
-        if run is not None:
+        if self.pool is None:
+            return super()._drop(key)
+        with self._cond:
+            self._data.pop(key, None)
+            run = self._runs.pop(key, None)
+            if run is not None:
+                self._free_run(key, run)
+
+    def _free_run(self, key: ChunkKey, run: tuple[int, int]) -> None:
+        """Return ``run`` to the pool, or once ``key`` is unpinned if a reader may still be copying it.
+
+        Call with the lock held: a reader pins under it before it looks the key up.
+        """
+        if self._pins.get(key):
+            self._retired.setdefault(key, []).append(run)
+        else:
             self.pool.free(run)
+
+    def unpin(self, keys) -> None:
+        keys = list(keys)
+        super().unpin(keys)
+        if self._retired:
+            with self._cond:
+                for k in keys:
+                    if not self._pins.get(k):
+                        for run in self._retired.pop(k, ()):
+                            self.pool.free(run)
