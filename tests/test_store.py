@@ -13,10 +13,11 @@ from tierstore.testing.tiers import assert_same, chunk, key_of
 CHUNK = 8000  # bytes per test chunk
 
 
-def open_store(tmp_path, host=3 * 8192, lower="device", **extra):
+def open_store(tmp_path, host=3 * 8192, lower="device", host_options=(), **extra):
     lower_tier = ({"kind": "device", "device": "cpu", "name": "lower", "capacity": "4MiB"} if lower == "device"
                   else {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "4MiB", "name": "lower"})
-    return tierstore.open({"tiers": [{"kind": "host", "capacity": host, "pinned": False}, lower_tier], **extra})
+    host_tier = {"kind": "host", "capacity": host, "pinned": False, **dict(host_options)}
+    return tierstore.open({"tiers": [host_tier, lower_tier], **extra})
 
 
 def test_put_get_roundtrip_and_miss(tmp_path):
@@ -156,8 +157,10 @@ def test_flush_timeout(tmp_path):
         s.flush(timeout=10)
 
 
-def test_many_threads_put_get_prefetch(tmp_path):
-    with open_store(tmp_path, host=6 * 8192) as s:
+@pytest.mark.parametrize("pool", [False, True], ids=["host-plain", "host-pool"])
+@pytest.mark.parametrize("lower", ["device", "disk"])
+def test_many_threads_put_get_prefetch(tmp_path, lower, pool):
+    with open_store(tmp_path, host=6 * 8192, lower=lower, host_options={"pool": pool, "slot_size": 8192}) as s:
         errors = []
 
         def worker(w):
@@ -168,6 +171,10 @@ def test_many_threads_put_get_prefetch(tmp_path):
                     got = s.get(key_of(n))
                     if got is not None:
                         assert_same(got, chunk(n, CHUNK))
+                    other = (w + 1) % 6 * 100 + i % 15  # another worker's key: exact bytes or a miss
+                    got = s.get(key_of(other))
+                    if got is not None:
+                        assert_same(got, chunk(other, CHUNK))
                     if i % 10 == 0:
                         s.prefetch([key_of(w * 100 + j) for j in range(5)]).result(timeout=30)
                     for t in s.tiers:
