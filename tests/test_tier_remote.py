@@ -195,16 +195,13 @@ def test_batched_io_is_concurrent_and_bounded():
 
     with Slow(url=memory_url(), max_in_flight=4) as t:
         items = [(key_of(i), chunk(i)) for i in range(16)]
-        start = time.monotonic()
         assert t.put_many(items) == [True] * 16
-        assert 1 < peak[0] <= 4
+        assert 1 < peak[0] <= 4  # overlapping, and bounded by max_in_flight
         peak[0] = 0
         got = t.get_many([k for k, _ in items])
-        elapsed = time.monotonic() - start
         assert 1 < peak[0] <= 4
         for (_, value), result in zip(items, got):
             assert_same(result, value)
-        assert elapsed < 32 * 0.05  # sequential would take at least this long
         assert t.stats()["hits"] == 16 and t.stats()["puts"] == 16
         fsspec.filesystem("memory").rm(t.url, recursive=True)
 
@@ -278,7 +275,7 @@ def test_unreachable_endpoint_degrades(caplog):
 
 def test_failing_storage_fails_fast_then_recovers(monkeypatch):
     with RemoteTier(url=memory_url()) as t:
-        t.retry_after = 0.2
+        t.retry_after = 0.5  # long enough that a loaded machine still calls again inside it
         assert t.put(key_of(0), chunk(0))
         calls = []
         real_cat = t.fs.cat_file
@@ -293,7 +290,7 @@ def test_failing_storage_fails_fast_then_recovers(monkeypatch):
         assert t.put(key_of(1), chunk(1)) is False
         assert t.stats()["errors"] >= 3 and t.stats()["corrupt"] == 0
         monkeypatch.setattr(t.fs, "cat_file", real_cat)
-        time.sleep(0.25)
+        time.sleep(0.6)
         assert_same(t.get(key_of(0)), chunk(0))  # the index entry survived the outage
         assert t.put(key_of(1), chunk(1))
         fsspec.filesystem("memory").rm(t.url, recursive=True)

@@ -216,6 +216,7 @@ class TierTests:
         t.pin([key_of(0)])
         assert not t.put(key_of(1), chunk(1, 8000))  # the only victim stays pinned: skipped, not stuck
         assert t.contains(key_of(0))
+        t.pin_wait = 10.0  # generous: a loaded CI machine may run the timer late
         threading.Timer(0.1, t.unpin, args=([key_of(0)],)).start()
         assert t.put(key_of(1), chunk(1, 8000))  # released while the put waited: it evicts and lands
         assert not t.contains(key_of(0)) and t.contains(key_of(1))
