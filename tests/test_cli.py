@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 import tierstore
 from tierstore.cli import main
@@ -49,3 +50,30 @@ def test_bench_tiers_smoke(tmp_path, capsys):
 def test_unknown_verb_exits_nonzero():
     with pytest.raises(SystemExit):
         main(["frobnicate"])
+
+
+def test_gc_removes_stale_remote_temp_files_only(tmp_path, capsys):
+    import os
+    import time
+
+    root = tmp_path / "shared"
+    cfg = {"tiers": [{"kind": "host", "capacity": "1MiB", "pinned": False},
+                     {"kind": "remote", "url": root.as_uri()}]}
+    path = tmp_path / "store.json"
+    path.write_text(json.dumps(cfg))
+    with tierstore.open(str(path)) as store:
+        store.put(key_of(1), chunk(1))
+    obj = root / object_relpath(key_of(1))
+    stale, fresh = obj.parent / "crashed.abc.tmp", obj.parent / "live.def.tmp"
+    stale.write_bytes(b"half an object")
+    fresh.write_bytes(b"still being written")
+    hour_ago = time.time() - 3700
+    os.utime(stale, (hour_ago, hour_ago))
+    assert main(["gc", "--config", str(path), "--json", str(tmp_path / "gc.json")]) == 0
+    assert "1 stale temp files" in capsys.readouterr().out
+    assert not stale.exists() and fresh.exists() and obj.exists()
+    assert json.loads((tmp_path / "gc.json").read_text())["remote"]["stale_temp_removed"] == 1
+    assert main(["gc", "--config", str(path), "--stale-after", "0"]) == 0
+    assert not fresh.exists() and obj.exists()
+    with tierstore.open(str(path)) as store:
+        assert torch.equal(store.get(key_of(1))["k"], chunk(1)["k"])

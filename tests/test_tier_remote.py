@@ -16,7 +16,7 @@ import fsspec
 import pytest
 import torch
 
-from tierstore.errors import ConfigError
+from tierstore.errors import ConfigError, InvalidInputError
 from tierstore.testing.s3 import free_port
 from tierstore.testing.tiers import TierTests, assert_same, chunk, key_of
 from tierstore.tiers.layout import object_relpath
@@ -357,3 +357,18 @@ def test_two_processes_share_a_prefix(s3_prefix, tmp_path):
         assert_same(t.get(key_of(3)), chunk(3))
         assert t.used_bytes == sum(b.size(key_of(i)) for i in (1, 2, 3))
         t.close()
+
+
+def test_remove_stale_temp(backend):
+    t = backend.tier()
+    assert t.put(key_of(0), chunk(0))
+    junk = backend.path(key_of(0)) + ".0123abcd.tmp"
+    backend.fs.pipe_file(junk, b"partial object of a writer that died")
+    assert t.remove_stale_temp(older_than=3600) == 0  # young: a live writer may still own it
+    assert backend.fs.exists(junk)
+    time.sleep(0.05)
+    assert t.remove_stale_temp(older_than=0) == 1
+    assert not backend.fs.exists(junk)
+    assert_same(t.get(key_of(0)), chunk(0))  # objects are never temp files
+    with pytest.raises(InvalidInputError):
+        t.remove_stale_temp(older_than=-1)

@@ -60,13 +60,26 @@ def run_verify(args) -> int:
     return 1 if any(r["corrupt"] for r in result.values()) else 0
 
 
+def add_gc_arguments(p) -> None:
+    add_arguments(p)
+    p.add_argument("--stale-after", type=float, default=3600.0, metavar="SECONDS",
+                   help="remove remote temp files older than this (crashed writers; default 3600)")
+
+
 def run_gc(args) -> int:
-    # Opening a disk tier already removes stale temp files; verification drops corrupt objects.
+    # Opening a disk tier already removes its stale temp files (it owns the directory); a shared remote
+    # prefix may have live writers, so only old temp files go. Verification drops corrupt objects.
+    from .tiers.remote import RemoteTier
+
     with _open(args) as store:
         result = _check_all(store)
+        for tier in store.tiers:
+            if isinstance(tier, RemoteTier):
+                result[tier.name]["stale_temp_removed"] = tier.remove_stale_temp(args.stale_after)
     _emit(args, result, [f"{name}: kept {r['ok']}, removed {r['corrupt'] + r['objects'] - r['ok']}"
+                         + (f", {r['stale_temp_removed']} stale temp files" if "stale_temp_removed" in r else "")
                          for name, r in result.items()])
     return 0
 
 
-add_stats_arguments = add_verify_arguments = add_gc_arguments = add_arguments
+add_stats_arguments = add_verify_arguments = add_arguments

@@ -40,7 +40,7 @@ from fsspec.implementations.local import LocalFileSystem
 import torch
 
 from .. import objformat
-from ..errors import ClosedError, ConfigError, TierstoreError
+from ..errors import ClosedError, ConfigError, InvalidInputError, TierstoreError
 from ..keys import ChunkKey
 from ..tensors import TensorDict
 from .base import Tier
@@ -255,6 +255,28 @@ class RemoteTier(Tier):
         with self._cond:
             for _, key, size in found:
                 self._index_add(key, size)
+
+    def remove_stale_temp(self, older_than: float = 3600.0) -> int:
+        """Delete temp files that crashed writers left under the root (``file://`` publishes stage in
+        them), modified more than ``older_than`` seconds ago; returns how many. Temp files of unknown
+        age are kept: a live writer may still be filling one."""
+        if older_than < 0:
+            raise InvalidInputError(f"older_than must be >= 0 seconds, got {older_than!r}")
+        self._check_open()
+        try:
+            listing = self._io(self.fs.find, self.root, detail=True)
+        except FileNotFoundError:
+            return 0
+        cutoff = time.time() - older_than
+        removed = 0
+        for path, info in listing.items():
+            if path.endswith(TMP_SUFFIX) and 0 < _mtime(info) < cutoff:
+                try:
+                    self._io(self.fs.rm_file, path)
+                    removed += 1
+                except FileNotFoundError:
+                    pass  # its writer finished or another gc got there first
+        return removed
 
     def _stat(self, key: ChunkKey) -> int | None:
         """Size of ``key``'s object in storage, ``None`` if absent. Raises ``OSError`` on I/O failure."""
