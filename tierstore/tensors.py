@@ -81,9 +81,18 @@ def copy_tensors(tensors: Mapping[str, torch.Tensor], device: str | torch.device
         dst = torch.empty(t.shape, dtype=t.dtype, device=device, pin_memory=pin_memory)
         dst.copy_(t, non_blocking=t.device.type != dst.device.type and (t.is_pinned() or pin_memory))
         out[name] = dst
-    if any(t.device.type == "cuda" for t in out.values()):
-        torch.cuda.current_stream().synchronize()
+    wait_for_copies(*tensors.values(), *out.values())
     return out
+
+
+def wait_for_copies(*tensors: torch.Tensor) -> None:
+    """Block until copies queued on the current stream of every CUDA device among ``tensors`` are done.
+
+    Needed after non-blocking copies in either direction: a device-to-pinned-host copy returns before
+    the bytes land, and the write-back thread would otherwise checksum and store a half-copied chunk.
+    """
+    for device in {t.device for t in tensors if t.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
 
 
 def fill_out(out: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor]) -> TensorDict:
@@ -97,6 +106,5 @@ def fill_out(out: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor]) -
                 f"out[{name!r}] is {tuple(dst.shape)} {dst.dtype}, the chunk holds {tuple(s.shape)} {s.dtype}")
     for name, dst in out.items():
         dst.copy_(src[name], non_blocking=dst.device.type == "cuda")
-    if any(t.device.type == "cuda" for t in out.values()):
-        torch.cuda.current_stream().synchronize()
+    wait_for_copies(*src.values(), *out.values())
     return dict(out)

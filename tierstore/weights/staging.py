@@ -76,8 +76,13 @@ def copy_segments(src: torch.Tensor, segments) -> None:
     cuda = None
     for dst, off, lo, hi in segments:
         if dst.device.type == "cuda":
+            stream = _stream(dst.device)
+            if cuda is None:
+                # work the caller queued on its stream (say, initialising these parameters) must not
+                # land after our copy and overwrite it
+                stream.wait_stream(torch.cuda.current_stream(dst.device))
             cuda = dst.device
-            with torch.cuda.stream(_stream(dst.device)):
+            with torch.cuda.stream(stream):
                 dst[off:off + hi - lo].copy_(src[lo:hi], non_blocking=True)
         else:
             dst[off:off + hi - lo].copy_(src[lo:hi])
