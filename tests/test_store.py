@@ -8,7 +8,7 @@ import torch
 
 import tierstore
 from tierstore.errors import ClosedError, InvalidInputError, InvalidTypeError, TierTimeoutError
-from tierstore.testing.tiers import assert_same, chunk, key_of
+from tierstore.testing.tiers import assert_same, chunk, key_of, run_threads
 
 CHUNK = 8000  # bytes per test chunk
 
@@ -161,33 +161,24 @@ def test_flush_timeout(tmp_path):
 @pytest.mark.parametrize("lower", ["device", "disk"])
 def test_many_threads_put_get_prefetch(tmp_path, lower, pool):
     with open_store(tmp_path, host=6 * 8192, lower=lower, host_options={"pool": pool, "slot_size": 8192}) as s:
-        errors = []
 
         def worker(w):
-            try:
-                for i in range(40):
-                    n = w * 100 + i % 15
-                    s.put(key_of(n), chunk(n, CHUNK))
-                    got = s.get(key_of(n))
-                    if got is not None:
-                        assert_same(got, chunk(n, CHUNK))
-                    other = (w + 1) % 6 * 100 + i % 15  # another worker's key: exact bytes or a miss
-                    got = s.get(key_of(other))
-                    if got is not None:
-                        assert_same(got, chunk(other, CHUNK))
-                    if i % 10 == 0:
-                        s.prefetch([key_of(w * 100 + j) for j in range(5)]).result(timeout=30)
-                    for t in s.tiers:
-                        assert t.used_bytes <= t.capacity
-            except Exception as exc:
-                errors.append(exc)
+            for i in range(40):
+                n = w * 100 + i % 15
+                s.put(key_of(n), chunk(n, CHUNK))
+                got = s.get(key_of(n))
+                if got is not None:
+                    assert_same(got, chunk(n, CHUNK))
+                other = (w + 1) % 6 * 100 + i % 15  # another worker's key: exact bytes or a miss
+                got = s.get(key_of(other))
+                if got is not None:
+                    assert_same(got, chunk(other, CHUNK))
+                if i % 10 == 0:
+                    s.prefetch([key_of(w * 100 + j) for j in range(5)]).result(timeout=30)
+                for t in s.tiers:
+                    assert t.used_bytes <= t.capacity
 
-        threads = [threading.Thread(target=worker, args=(w,)) for w in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
+        run_threads(worker, 6)
         s.flush()
         for w in range(6):
             for j in range(15):

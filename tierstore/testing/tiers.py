@@ -48,6 +48,24 @@ def key_of(i: int) -> ChunkKey:
     return ChunkKey.from_bytes(f"tier-test-{i}".encode())
 
 
+def run_threads(worker, n: int) -> None:
+    """Run ``worker(i)`` for ``i`` in ``range(n)`` on ``n`` threads at once; fail with every error raised."""
+    errors = []
+
+    def guarded(i):
+        try:
+            worker(i)
+        except Exception as exc:  # collected: an assertion in a thread would otherwise only be printed
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+
+
 def assert_same(a: dict, b: dict) -> None:
     assert a is not None and b is not None
     assert set(a) == set(b)
@@ -279,27 +297,18 @@ class TierTests:
     # concurrency ------------------------------------------------------------
     def test_many_threads(self):
         t = self.tier(capacity=40 * 8192)
-        errors = []
 
         def worker(w):
-            try:
-                for i in range(30):
-                    k = key_of(w * 1000 + i % 12)
-                    value = chunk(w * 1000 + i % 12, 8000)
-                    t.put(k, value)
-                    got = t.get(k)
-                    if got is not None:
-                        assert_same(got, value)
-                    assert t.used_bytes <= t.capacity
-            except Exception as exc:  # surfaced below
-                errors.append(exc)
+            for i in range(30):
+                k = key_of(w * 1000 + i % 12)
+                value = chunk(w * 1000 + i % 12, 8000)
+                t.put(k, value)
+                got = t.get(k)
+                if got is not None:
+                    assert_same(got, value)
+                assert t.used_bytes <= t.capacity
 
-        threads = [threading.Thread(target=worker, args=(w,)) for w in range(6)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        assert not errors, errors
+        run_threads(worker, 6)
         assert t.used_bytes <= t.capacity
         assert t.stats()["reserved_bytes"] == 0
 
@@ -307,8 +316,7 @@ class TierTests:
         """Each key has one writer cycling through versions while other threads read and delete it:
         every read is a miss or exactly one version of that key (never another key's bytes)."""
         t = self.tier(capacity=24 * 8192)
-        versions = 3
-        errors = []
+        versions, nworkers = 3, 6
 
         def value(n, v):
             return chunk(n * versions + v, 8000)
@@ -322,25 +330,17 @@ class TierTests:
                          for v in range(versions)):
                 raise AssertionError(f"key {n}: bytes of no version of this key")
 
-        def worker(w, nworkers):
-            try:
-                for i in range(self.race_iterations):
-                    n, other = w * 100 + i % 8, (w + 1) % nworkers * 100 + i % 8
-                    mine = value(n, i // 8 % versions)
-                    t.put(key_of(n), mine)
-                    check(t.get(key_of(n)), n, exact=mine)
-                    check(t.get(key_of(other)), other)
-                    if i % 5 == 0:
-                        t.delete(key_of(other))
-            except Exception as exc:  # surfaced below
-                errors.append(exc)
+        def worker(w):
+            for i in range(self.race_iterations):
+                n, other = w * 100 + i % 8, (w + 1) % nworkers * 100 + i % 8
+                mine = value(n, i // 8 % versions)
+                t.put(key_of(n), mine)
+                check(t.get(key_of(n)), n, exact=mine)
+                check(t.get(key_of(other)), other)
+                if i % 5 == 0:
+                    t.delete(key_of(other))
 
-        threads = [threading.Thread(target=worker, args=(w, 6)) for w in range(6)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        assert not errors, errors
+        run_threads(worker, nworkers)
         stats = t.stats()
         assert stats["reserved_bytes"] == 0 and stats["pinned"] == 0
         assert t.used_bytes <= t.capacity
