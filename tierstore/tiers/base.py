@@ -243,8 +243,8 @@ class Tier(ABC):
     def _forget(self, key: ChunkKey) -> None:
         """Drop a key whose object is gone or corrupt from index and storage.
 
-        Never waits (the caller holds a pin an evictor may be waiting on): a key that is being written,
-        deleted or evicted is left to that operation, which replaces or removes it anyway.
+        Never waits: the caller may itself be evicting the key (``before_evict`` reads it). A key that is
+        being written, deleted or evicted is left to that operation, which replaces or removes it anyway.
         """
         with self._cond:
             if key in self._busy or key in self._evicting:
@@ -261,7 +261,8 @@ class Tier(ABC):
 
     @contextmanager
     def _exclusive(self, key: ChunkKey) -> Iterator[None]:
-        """Serialise mutations of one key (store, delete, forget, evict); eviction skips it meanwhile.
+        """Serialise mutations of one key (store, delete) with each other and with its eviction or
+        forgetting; eviction skips a key held here.
 
         Without this, a drop racing a store of the same key frees or deletes what the store just wrote.
         """
@@ -328,7 +329,7 @@ class Tier(ABC):
             return True
         payload, size = self._prepare(key, tensors)
         with self._exclusive(key):
-            if not self.overwrites and key in self._lru:
+            if not self.overwrites and self.contains_many([key], probe=False)[0]:
                 return True  # a concurrent put of the same key won
             return self._store_reserved(key, payload, size)
 
