@@ -111,11 +111,9 @@ class S3Shim:
         return {**base, "endpoint_url": self.endpoint_url}
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        from ..testing.s3 import stop_process
+
+        stop_process(self.proc)
 
     def __enter__(self):
         return self

@@ -14,6 +14,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 
+def stop_process(proc: subprocess.Popen, timeout: float = 10) -> None:
+    """Terminate a helper server, killing it if it has not exited within ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -45,11 +55,7 @@ class LocalS3:
         return name
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        stop_process(self.process)
 
 
 def _moto_command(port: int) -> list[str]:

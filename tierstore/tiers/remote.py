@@ -224,18 +224,11 @@ class RemoteTier(Tier):
     def _rebuild_index(self) -> None:
         """Register every finished object under the root, least recently modified first."""
         try:
-            listing = self._io(self.fs.find, self.root, detail=True)
-        except FileNotFoundError:
-            return
+            listing = self._list_root()
         except OSError as exc:
             self._count("errors")
             self._log_once("list", "listing %s failed (%s); starting with an empty index", self.url, exc)
             return
-        finally:  # a listing cache would go stale as other processes publish; lookups must hit storage
-            try:
-                self.fs.invalidate_cache(self.root)
-            except Exception:
-                pass
         found = []
         for path, info in listing.items():
             key = key_from_name(path)
@@ -256,6 +249,18 @@ class RemoteTier(Tier):
             for _, key, size in found:
                 self._index_add(key, size)
 
+    def _list_root(self) -> dict[str, dict]:
+        """Every file under the root with its details (empty if the root does not exist yet)."""
+        try:
+            return self._io(self.fs.find, self.root, detail=True)
+        except FileNotFoundError:
+            return {}
+        finally:  # a listing cache would go stale as other processes publish; lookups must hit storage
+            try:
+                self.fs.invalidate_cache(self.root)
+            except Exception:
+                pass
+
     def remove_stale_temp(self, older_than: float = 3600.0) -> int:
         """Delete temp files that crashed writers left under the root (``file://`` publishes stage in
         them), modified more than ``older_than`` seconds ago; returns how many. Temp files of unknown
@@ -263,10 +268,7 @@ class RemoteTier(Tier):
         if older_than < 0:
             raise InvalidInputError(f"older_than must be >= 0 seconds, got {older_than!r}")
         self._check_open()
-        try:
-            listing = self._io(self.fs.find, self.root, detail=True)
-        except FileNotFoundError:
-            return 0
+        listing = self._list_root()
         cutoff = time.time() - older_than
         removed = 0
         for path, info in listing.items():
