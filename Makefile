@@ -38,7 +38,7 @@ test: $(STAMP)
 	AWS_DEFAULT_REGION=us-east-1 $(BIN)/python -m pytest -q -p no:cacheprovider
 
 test-engines: $(ESTAMP)
-	VLLM_CPU_KVCACHE_SPACE=1 AWS_DEFAULT_REGION=us-east-1 $(EBIN)/python -m pytest -q -p no:cacheprovider \
+	TIERSTORE_ENGINE_TESTS=1 AWS_DEFAULT_REGION=us-east-1 $(EBIN)/python -m pytest -q -p no:cacheprovider \
 		-o testpaths=tests/engines tests/engines
 
 bench: $(STAMP)

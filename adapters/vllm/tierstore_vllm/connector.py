@@ -6,6 +6,7 @@ Enable it with ``--kv-transfer-config '{"kv_connector":"TierstoreConnector","kv_
 
 from __future__ import annotations
 
+import atexit
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -100,6 +101,7 @@ class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
                                   num_kv_heads=spec.num_kv_heads, head_size=spec.head_size)
         self._server = LookupServer(socket_path(options.socket_dir, engine_id, tp_rank, pp_rank),
                                     self._worker.answer)
+        atexit.register(self.shutdown)  # flush write-back even when vLLM exits without shutting us down
         log.info("tierstore: worker tp%d/%d pp%d/%d serving %s, chunk %d tokens", tp_rank, tp_size, pp_rank,
                  pp_size, store, self._chunk_tokens)
 
@@ -148,10 +150,12 @@ class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = None
         if self._client is not None:
             self._client.close()
+            self._client = None
         if self._scheduler is not None:
             log.info("tierstore: scheduler counters %s, %.3f s in lookups", self._scheduler.counters,
                      self._scheduler.lookup_seconds)
             self._scheduler.close()
+            self._scheduler = None
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
