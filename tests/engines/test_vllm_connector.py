@@ -82,3 +82,26 @@ def test_default_multiprocess_mode(tiny_model, baseline, tmp_path):
     assert b["pid"] not in roles["SCHEDULER"] | roles["WORKER"]
     assert [r["cached"] for r in b["results"]] == [CHUNK, CHUNK]
     assert [r["tokens"] for r in b["results"]] == baseline
+
+
+@pytest.fixture(params=["file", "s3"])
+def shared_remote(request, tmp_path) -> dict:
+    """A remote tier entry: a ``file://`` directory (an NFS mount stands in) or a bucket on local S3."""
+    if request.param == "file":
+        return {"kind": "remote", "url": f"file://{tmp_path / 'shared'}"}
+    server = request.getfixturevalue("s3_server")
+    options = {k: v for k, v in server.storage_options.items() if k != "skip_instance_cache"}
+    return {"kind": "remote", "url": f"s3://{server.new_bucket()}/kv", "storage_options": options}
+
+
+def test_two_engines_share_a_remote_tier(tiny_model, baseline, tmp_path, shared_remote):
+    """(c) Engines with their own disk directories share only the remote tier. B finds the chunk only
+    there: its workers promote it to their local tiers while the scheduler is told to ask again, then
+    B loads it and matches the no-connector run."""
+    a_tiers = [*local_tiers(tmp_path / "disk-a"), shared_remote]
+    b_tiers = [*local_tiers(tmp_path / "disk-b"), shared_remote]
+    run_engine({"model": tiny_model, "prompts": PROMPTS[:1], "kv": kv_config(a_tiers)})
+    b = run_engine({"model": tiny_model, "prompts": PROMPTS, "kv": kv_config(b_tiers), "reset_between": True})
+    assert [r["cached"] for r in b["results"]] == [CHUNK, CHUNK]
+    assert [r["tokens"] for r in b["results"]] == baseline
+    assert list((tmp_path / "disk-b").rglob("*.tso")), "B promoted the chunk to its own disk tier"
