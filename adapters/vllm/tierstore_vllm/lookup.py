@@ -67,13 +67,14 @@ def _handler(answer: Answer) -> type[socketserver.StreamRequestHandler]:
 
 class LookupClient:
     """The scheduler's connections to every worker rank; :meth:`ask` sends one request to all ranks at
-    once and returns their replies in rank order. Not thread-safe: one caller at a time."""
+    once and returns their replies in rank order. Thread-safe (callers take turns)."""
 
     def __init__(self, paths: Sequence[str], timeout: float = 30.0):
         self.paths = list(paths)
         self.timeout = timeout
         self._socks: list[socket.socket | None] = [None] * len(self.paths)
         self._files: list[Any] = [None] * len(self.paths)
+        self._lock = threading.Lock()
 
     def _connect(self, i: int) -> None:
         if self._socks[i] is None:
@@ -90,6 +91,10 @@ class LookupClient:
         """Replies of every rank; raises ``OSError``/``ValueError`` if a rank cannot be reached or answers
         garbage (the connection is dropped and reopened on the next call)."""
         line = json.dumps(request, separators=(",", ":")).encode() + b"\n"
+        with self._lock:
+            return self._ask(line)
+
+    def _ask(self, line: bytes) -> list[dict[str, Any]]:
         try:
             for i in range(len(self.paths)):
                 self._connect(i)
@@ -102,10 +107,14 @@ class LookupClient:
                 replies.append(json.loads(raw))
             return replies
         except (OSError, ValueError):
-            self.close()
+            self._close()
             raise
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         for i, s in enumerate(self._socks):
             if s is not None:
                 self._files[i].close()
