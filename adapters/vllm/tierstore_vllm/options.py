@@ -54,7 +54,7 @@ class ConnectorOptions:
     chunk_tokens: int | None = None
     model_id: str | None = None
     revision: str | None = None
-    lookup_timeout_s: float = 0.005
+    lookup_timeout_s: float = 0.02
     remote_wait_s: float = 5.0
     socket_dir: str | None = None
     load_failure_policy: str = "recompute"
