@@ -9,14 +9,24 @@ import time
 
 import pytest
 import torch
-from vllm_fakes import (BLOCK, CHUNK, DIM, HEADS, LAYER_NAMES, CachedRequestData, Engine, NewRequestData,
-                        Request, SchedulerOutput)
-
-from tierstore.errors import ConfigError
-from tierstore.kv import PagedLayout, gather
 from tierstore_vllm.layouts import paged_view
 from tierstore_vllm.options import ConnectorOptions
 from tierstore_vllm.worker import WorkerSide
+from vllm_fakes import (
+    BLOCK,
+    CHUNK,
+    DIM,
+    HEADS,
+    LAYER_NAMES,
+    CachedRequestData,
+    Engine,
+    NewRequestData,
+    Request,
+    SchedulerOutput,
+)
+
+from tierstore.errors import ConfigError
+from tierstore.kv import PagedLayout, gather
 
 PROMPT = list(range(100, 180))  # 80 tokens: two full 32-token chunks may hit (never the whole prompt)
 HIT = 64
@@ -49,7 +59,7 @@ def test_fresh_engine_loads_every_rank_bit_exact(tmp_path, saved):
     try:
         assert b.serve(Request("b", PROMPT), B_BLOCKS) == HIT
         for rank in range(2):
-            for got, want in zip(kv_of(b, rank, B_BLOCKS), saved[rank]):
+            for got, want in zip(kv_of(b, rank, B_BLOCKS), saved[rank], strict=True):
                 assert torch.equal(got, want)
             untouched = gather(b.caches[rank][LAYER_NAMES[0]], PagedLayout.VLLM, B_BLOCKS, HIT, len(PROMPT))
             assert not untouched.any(), "only the hit's tokens are written"
@@ -124,7 +134,7 @@ def test_remote_only_chunks_are_promoted_before_they_count(tmp_path):
         assert all(w.store.where(k) != "remote" for w in b.workers for k in w.kv(None).keys(PROMPT[:HIT]))
         b.scheduler.update_state_after_alloc(req, B_BLOCKS, HIT)
         b.step(SchedulerOutput([NewRequestData("b", PROMPT, (B_BLOCKS,), HIT)], num_scheduled_tokens={"b": 16}))
-        for got, exp in zip(kv_of(b, 1, B_BLOCKS), want):
+        for got, exp in zip(kv_of(b, 1, B_BLOCKS), want, strict=True):
             assert torch.equal(got, exp)
     finally:
         b.close()

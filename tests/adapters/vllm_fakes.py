@@ -7,7 +7,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-
 from tierstore_vllm.lookup import LookupClient, LookupServer
 from tierstore_vllm.options import open_store, rank_config, socket_path
 from tierstore_vllm.scheduler import SchedulerSide

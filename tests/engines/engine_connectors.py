@@ -10,9 +10,9 @@ import os
 from typing import Any
 
 import torch
+from tierstore_vllm.connector import TierstoreConnector
 
 from tierstore.kv import scatter
-from tierstore_vllm.connector import TierstoreConnector
 
 
 def record(**event: Any) -> None:

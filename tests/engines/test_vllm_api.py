@@ -11,9 +11,8 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA  # noqa: E402
-
 from tierstore_vllm.connector import TierstoreConnector  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "adapters"))
 import vllm_fakes  # noqa: E402

@@ -7,7 +7,6 @@ that finds it schedules only the tail and must produce exactly the tokens of an 
 from __future__ import annotations
 
 import pytest
-
 from engine_helpers import kv_config, prompt, read_record, run_engine
 
 pytest.importorskip("vllm")

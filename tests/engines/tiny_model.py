@@ -26,7 +26,8 @@ def build(path: str | Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=1024,
-                         bos_token_id=0, eos_token_id=1, tie_word_embeddings=True, initializer_range=0.5, torch_dtype="bfloat16")
+                         bos_token_id=0, eos_token_id=1, tie_word_embeddings=True, initializer_range=0.5,
+                         torch_dtype="bfloat16")
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
     return path

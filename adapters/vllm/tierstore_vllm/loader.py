@@ -58,8 +58,9 @@ class TierstoreModelLoader(DefaultModelLoader):
         uri = self.tierstore_options.get("uri") or model_config.model
         store = None
         if self.tierstore_options.get("store") is not None:
-            from tierstore.config import read_config
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+            from tierstore.config import read_config
 
             tp = get_tensor_model_parallel_rank()
             pp = get_pp_group()

@@ -4,6 +4,7 @@ workers, not the scheduler, own the answer."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -39,10 +40,8 @@ class LookupServer:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 def _handler(answer: Answer) -> type[socketserver.StreamRequestHandler]:

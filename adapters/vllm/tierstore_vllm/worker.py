@@ -10,7 +10,7 @@ import concurrent.futures
 import logging
 import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -246,6 +246,6 @@ def _leading(keys: list[tierstore.ChunkKey], tiers: list[Any]) -> int:
         rest = [i for i, f in enumerate(found) if not f]
         if not rest:
             break
-        for i, hit in zip(rest, t.contains_many([keys[i] for i in rest], probe=False)):
+        for i, hit in zip(rest, t.contains_many([keys[i] for i in rest], probe=False), strict=True):
             found[i] = hit
     return found.index(False) if False in found else len(found)
