@@ -50,7 +50,7 @@ class ConnectorOptions:
         connector sets vLLM's ``kv_load_failure_policy`` to it; ``"fail"`` keeps vLLM's setting.
     """
 
-    config: dict
+    config: dict[str, Any]
     chunk_tokens: int | None = None
     model_id: str | None = None
     revision: str | None = None
@@ -107,18 +107,19 @@ def socket_path(socket_dir: str | None, engine_id: str, tp_rank: int, pp_rank: i
     return str(base / f"{tag}-tp{tp_rank}-pp{pp_rank}.sock")
 
 
-def rank_config(config: Mapping, tp_rank: int, tp_size: int, pp_rank: int, pp_size: int) -> dict:
+def rank_config(config: Mapping[str, Any], tp_rank: int, tp_size: int, pp_rank: int,
+                pp_size: int) -> dict[str, Any]:
     """``config`` with each disk tier's path given a per-rank subdirectory when there are several ranks,
     so the workers of one engine never contend for one directory's lock."""
-    config = copy.deepcopy(dict(config))
+    out = copy.deepcopy(dict(config))
     if tp_size * pp_size > 1:
-        for tier in config.get("tiers", []):
+        for tier in out.get("tiers", []):
             if isinstance(tier, dict) and tier.get("kind") == "disk" and "path" in tier:
                 tier["path"] = str(Path(os.path.expanduser(tier["path"])) / f"tp{tp_rank}-pp{pp_rank}")
-    return config
+    return out
 
 
-def open_store(config: Mapping) -> tierstore.TieredStore:
+def open_store(config: Mapping[str, Any]) -> tierstore.TieredStore:
     """Open the worker's store; a disk directory locked by another process is skipped (logged), the
     other tiers still serve: an engine never fails to start because of the cache."""
     try:

@@ -10,7 +10,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .plan import LoadSpec, SaveSpec, StepPlan
@@ -24,7 +24,7 @@ Ask = Callable[[dict[str, Any]], list[dict[str, Any]]]
 class _Lookup:
     """One request's lookup: in flight, or answered (``hit`` tokens every rank can load now)."""
 
-    future: concurrent.futures.Future
+    future: concurrent.futures.Future[list[dict[str, Any]]]
     first_asked: float
     num_computed: int = 0
     hit: int | None = None
@@ -39,7 +39,6 @@ class _Tracked:
     tenant: str | None
     stored: int  # leading tokens the store already holds (no need to save them)
     saved: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 def tenant_of(request: Any) -> str | None:
@@ -79,7 +78,8 @@ class SchedulerSide:
         """Tokens a hit may cover: whole chunks, and never the whole prompt (vLLM computes >= 1 token)."""
         return (max(len(prompt) - 1, 0) // self.chunk_tokens) * self.chunk_tokens
 
-    def _submit(self, prompt: Sequence[int], limit: int, tenant: str | None) -> concurrent.futures.Future:
+    def _submit(self, prompt: Sequence[int], limit: int,
+                tenant: str | None) -> concurrent.futures.Future[list[dict[str, Any]]]:
         request = {"tokens": list(prompt[:limit]), "tenant": tenant}
 
         def run() -> list[dict[str, Any]]:
@@ -97,8 +97,9 @@ class SchedulerSide:
         while the answer is not in yet ("ask again"). Loads are synchronous: the chunks counted are
         already in the workers' local tiers. Calling it again changes nothing vLLM can see."""
         rid = request.request_id
-        if tenant_of(request) is not None:
-            self._tenants[rid] = tenant_of(request)
+        tenant = tenant_of(request)
+        if tenant is not None:
+            self._tenants[rid] = tenant
         prompt = request.prompt_token_ids
         limit = self._limit(prompt)
         if limit <= num_computed_tokens:

@@ -32,12 +32,14 @@ MAX_PENDING_SAVES = 64
 def fetch_prefix(kv: KVCacheStore, spec: LoadSpec) -> list[torch.Tensor] | None:
     """The canonical per-layer KV of the longest leading part of ``spec.token_ids`` still stored
     (``None`` if nothing); a chunk that vanished since the lookup shortens the result."""
-    return kv.load(spec.token_ids)
+    layers: list[torch.Tensor] | None = kv.load(spec.token_ids)
+    return layers
 
 
 def save_prefix(kv: KVCacheStore, spec: SaveSpec, layers: list[torch.Tensor]) -> int:
     """Store ``layers`` (canonical, one per layer) as the KV of ``spec.token_ids``; returns tokens written."""
-    return kv.save(spec.token_ids, layers)
+    written: int = kv.save(spec.token_ids, layers)
+    return written
 
 
 def _layer_index(name: str, position: int) -> int:
@@ -64,7 +66,7 @@ class WorkerSide:
         self._kvs: dict[str | None, KVCacheStore] = {}
         self._kvs_lock = threading.Lock()
         self._local = [t for t in store.tiers if t.kind != "remote"]
-        self._promoting: dict[tierstore.ChunkKey, concurrent.futures.Future] = {}
+        self._promoting: dict[tierstore.ChunkKey, concurrent.futures.Future[int]] = {}
         self._promoting_lock = threading.Lock()
         self._views: dict[str, tuple[torch.Tensor, PagedLayout]] = {}
         self._index: dict[str, int] = {}
