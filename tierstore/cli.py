@@ -1,4 +1,4 @@
-"""``tierstore`` command line: demo, bench {tiers,kv,weights}, stats, verify, gc.
+"""``tierstore`` command line: demo, bench {tiers,kv,weights,vllm}, stats, verify, gc.
 
 Each verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them up, importing a verb's module when it runs.
@@ -21,6 +21,7 @@ BENCHES = {
     "tiers": ("tierstore.bench.tiers", "put/get throughput of each tier vs plain copies and I/O"),
     "kv": ("tierstore.bench.kv", "multi-round-chat TTFT with and without the store"),
     "weights": ("tierstore.bench.weights", "checkpoint loading vs safetensors and peers"),
+    "vllm": ("tierstore_vllm.bench", "multi-round-chat TTFT of real vLLM engines (needs tierstore_vllm + vLLM)"),
 }
 
 

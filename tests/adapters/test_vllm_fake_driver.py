@@ -64,6 +64,8 @@ def test_fresh_engine_loads_every_rank_bit_exact(tmp_path, saved):
             untouched = gather(b.caches[rank][LAYER_NAMES[0]], PagedLayout.VLLM, B_BLOCKS, HIT, len(PROMPT))
             assert not untouched.any(), "only the hit's tokens are written"
         assert b.workers[0].counters["loaded_tokens"] == HIT
+        for rank in range(2):  # the ranks of one engine never share a disk directory
+            assert list((tmp_path / "node-a" / f"tp{rank}-pp0").rglob("*.tso"))
     finally:
         b.close()
 
