@@ -6,6 +6,9 @@ that finds it schedules only the tail and must produce exactly the tokens of an 
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 from engine_helpers import kv_config, prompt, read_record, run_engine
 
@@ -27,22 +30,34 @@ def baseline(tiny_model) -> list[list[int]]:
     return [r["tokens"] for r in out["results"]]
 
 
-def test_second_engine_loads_the_prefix_and_matches(tiny_model, baseline, tmp_path):
-    """(a) Engine A computes and saves; engine B (new process, same disk dir) loads the 256-token chunk,
-    computes only the tail, and its greedy tokens equal the no-connector run."""
-    kv = kv_config(local_tiers(tmp_path / "disk"))
-    a = run_engine({"model": tiny_model, "prompts": PROMPTS[:1], "kv": kv})
+@pytest.fixture(scope="module")
+def saved_by_a(tiny_model, baseline, tmp_path_factory) -> Path:
+    """Engine A served the first prompt with the connector; returns its disk directory."""
+    disk = tmp_path_factory.mktemp("engine-a") / "disk"
+    a = run_engine({"model": tiny_model, "prompts": PROMPTS[:1], "kv": kv_config(local_tiers(disk))})
     assert a["results"][0]["cached"] == 0
     assert a["results"][0]["tokens"] == baseline[0]
+    assert list(disk.rglob("*.tso"))
+    return disk
+
+
+def copy_of(disk: Path, tmp_path: Path) -> Path:
+    """A private copy of A's disk directory (each test may change what is stored)."""
+    return Path(shutil.copytree(disk, tmp_path / "disk"))
+
+
+def test_second_engine_loads_the_prefix_and_matches(tiny_model, baseline, saved_by_a, tmp_path):
+    """(a) Engine A computed and saved; engine B (new process, same disk dir) loads the 256-token chunk,
+    computes only the tail, and its greedy tokens equal the no-connector run."""
+    kv = kv_config(local_tiers(copy_of(saved_by_a, tmp_path)))
     b = run_engine({"model": tiny_model, "prompts": PROMPTS, "kv": kv, "reset_between": True})
     assert [r["cached"] for r in b["results"]] == [CHUNK, CHUNK]
     assert [r["tokens"] for r in b["results"]] == baseline
 
 
-def test_zeroed_loaded_blocks_change_the_output(tiny_model, baseline, tmp_path):
+def test_zeroed_loaded_blocks_change_the_output(tiny_model, baseline, saved_by_a, tmp_path):
     """(b) The loaded KV is really used: zeroing it right after the load changes the greedy output."""
-    tiers = local_tiers(tmp_path / "disk")
-    run_engine({"model": tiny_model, "prompts": PROMPTS[:1], "kv": kv_config(tiers)})
+    tiers = local_tiers(copy_of(saved_by_a, tmp_path))
     rec = tmp_path / "record.jsonl"
     zeroed = run_engine({"model": tiny_model, "prompts": PROMPTS[:1],
                          "kv": kv_config(tiers, "ZeroingConnector", "engine_connectors")}, record=rec)
@@ -51,11 +66,10 @@ def test_zeroed_loaded_blocks_change_the_output(tiny_model, baseline, tmp_path):
     assert zeroed["results"][0]["tokens"] != baseline[0]
 
 
-def test_chunks_deleted_before_the_load_are_recomputed(tiny_model, baseline, tmp_path):
+def test_chunks_deleted_before_the_load_are_recomputed(tiny_model, baseline, saved_by_a, tmp_path):
     """(d) Chunks that vanish between the lookup and the load are reported as failed blocks; vLLM
     recomputes them and the output is unchanged."""
-    tiers = local_tiers(tmp_path / "disk")
-    run_engine({"model": tiny_model, "prompts": PROMPTS[:1], "kv": kv_config(tiers)})
+    tiers = local_tiers(copy_of(saved_by_a, tmp_path))
     rec = tmp_path / "record.jsonl"
     out = run_engine({"model": tiny_model, "prompts": PROMPTS[:1],
                       "kv": kv_config(tiers, "VanishingConnector", "engine_connectors")}, record=rec)
