@@ -2,30 +2,35 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+from typing import TYPE_CHECKING, Any
 
 from .sizes import format_size
 
+if TYPE_CHECKING:
+    from .store import TieredStore
 
-def add_arguments(p) -> None:
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="store config (YAML/JSON); default: $TIERSTORE_CONFIG or built-in")
     p.add_argument("--json", default=None, help="also write the result as JSON here")
 
 
-def _open(args):
+def _open(args: argparse.Namespace) -> TieredStore:
     import tierstore
 
     return tierstore.open(args.config)
 
 
-def _emit(args, result: dict, lines: list[str]) -> None:
+def _emit(args: argparse.Namespace, result: dict[str, Any], lines: list[str]) -> None:
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
 
 
-def run_stats(args) -> int:
+def run_stats(args: argparse.Namespace) -> int:
     with _open(args) as store:
         st = store.stats()
     lines = [f"{'tier':<10} {'kind':<7} {'used':>12} {'capacity':>12} {'objects':>8} {'hits':>7} {'misses':>7} "
@@ -38,9 +43,9 @@ def run_stats(args) -> int:
     return 0
 
 
-def _check_all(store) -> dict:
+def _check_all(store: TieredStore) -> dict[str, dict[str, int]]:
     """Read every object of every tier once; corrupt ones are counted and dropped by the tier."""
-    result = {}
+    result: dict[str, dict[str, int]] = {}
     for tier in store.tiers:
         keys = tier.keys()
         before = tier.stats()["corrupt"]
@@ -51,7 +56,7 @@ def _check_all(store) -> dict:
     return result
 
 
-def run_verify(args) -> int:
+def run_verify(args: argparse.Namespace) -> int:
     with _open(args) as store:
         result = _check_all(store)
     lines = [f"{name}: {r['objects']} objects, {r['ok']} ok, {r['corrupt']} corrupt (removed)"
@@ -60,13 +65,13 @@ def run_verify(args) -> int:
     return 1 if any(r["corrupt"] for r in result.values()) else 0
 
 
-def add_gc_arguments(p) -> None:
+def add_gc_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
     p.add_argument("--stale-after", type=float, default=3600.0, metavar="SECONDS",
                    help="remove remote temp files older than this (crashed writers; default 3600)")
 
 
-def run_gc(args) -> int:
+def run_gc(args: argparse.Namespace) -> int:
     # Opening a disk tier already removes its stale temp files (it owns the directory); a shared remote
     # prefix may have live writers, so only old temp files go. Verification drops corrupt objects.
     from .tiers.remote import RemoteTier

@@ -13,10 +13,12 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import ConfigError
 from .sizes import parse_size
+
+E = TypeVar("E", bound=enum.Enum)
 
 ENV_CONFIG = "TIERSTORE_CONFIG"
 DEFAULT_ROOT = "~/.cache/tierstore"
@@ -59,7 +61,7 @@ class StoreConfig:
     max_in_flight: int = 8
 
 
-def default_config(root: str = DEFAULT_ROOT) -> dict:
+def default_config(root: str = DEFAULT_ROOT) -> dict[str, Any]:
     """The embedded default: a host tier and a disk tier under ``root``, sized from free RAM and disk."""
     path = Path(os.path.expanduser(root))
     try:
@@ -77,7 +79,7 @@ def default_config(root: str = DEFAULT_ROOT) -> dict:
     }
 
 
-def read_config(config: Mapping | str | os.PathLike | None) -> dict:
+def read_config(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
     """Turn ``None`` (``$TIERSTORE_CONFIG`` or the default), a path or a mapping into a plain dict."""
     if config is None:
         config = os.environ.get(ENV_CONFIG) or None
@@ -105,7 +107,7 @@ def read_config(config: Mapping | str | os.PathLike | None) -> dict:
     raise ConfigError(f"config must be a mapping, a file path or None, got {type(config).__name__}")
 
 
-def parse_config(config: Mapping | str | os.PathLike | None = None) -> StoreConfig:
+def parse_config(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> StoreConfig:
     """Validate a configuration and return it as a :class:`StoreConfig`."""
     raw = read_config(config)
     unknown = set(raw) - _STORE_KEYS
@@ -129,7 +131,7 @@ def parse_config(config: Mapping | str | os.PathLike | None = None) -> StoreConf
     )
 
 
-def _enum(cls, value, key: str):
+def _enum(cls: type[E], value: object, key: str) -> E:
     try:
         return cls(value)
     except ValueError:
@@ -137,13 +139,13 @@ def _enum(cls, value, key: str):
         raise ConfigError(f"{key}: {value!r} is not one of {allowed}") from None
 
 
-def _positive_int(value, key: str) -> int:
+def _positive_int(value: object, key: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{key}: expected a positive integer, got {value!r}")
     return value
 
 
-def _parse_tier(entry, where: str) -> TierConfig:
+def _parse_tier(entry: object, where: str) -> TierConfig:
     if not isinstance(entry, Mapping):
         raise ConfigError(f"{where}: expected a mapping, got {type(entry).__name__}")
     kind = entry.get("kind")
@@ -185,7 +187,7 @@ def _existing_ancestor(path: Path) -> Path:
     return path
 
 
-def _check_writable(path, key: str, read_only: bool) -> str:
+def _check_writable(path: object, key: str, read_only: bool) -> str:
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise ConfigError(f"{key}: expected a directory path, got {path!r}")
     p = Path(os.path.expanduser(str(path))).absolute()
@@ -199,7 +201,7 @@ def _check_writable(path, key: str, read_only: bool) -> str:
     return str(p)
 
 
-def _check_url(url, key: str) -> None:
+def _check_url(url: object, key: str) -> None:
     import fsspec
 
     if not isinstance(url, str) or not url:

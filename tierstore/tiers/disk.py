@@ -34,17 +34,21 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
 
 from .. import objformat
 from ..errors import ClosedError, ConfigError, CorruptObjectError, InvalidInputError, LockedError
-from ..keys import ChunkKey
 from ..iov import IOV_MAX, advance
+from ..keys import ChunkKey
 from ..tensors import TensorDict, byte_alias, fill_out
 from .base import Tier
 from .layout import TMP_SUFFIX, key_from_name, object_relpath
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 log = logging.getLogger("tierstore")
 
@@ -64,7 +68,7 @@ class ReadOnlyError(InvalidInputError):
     """A write (put, delete) was attempted on a disk tier opened with ``read_only=True``."""
 
 
-def _writev_all(fd: int, bufs: Sequence) -> int:
+def _writev_all(fd: int, bufs: Sequence[Buffer]) -> int:
     """Write every buffer in order; loops on partial writes and batches by IOV_MAX. Returns bytes written."""
     views = [mv for mv in (memoryview(b).cast("B") for b in bufs) if len(mv)]
     total, i = 0, 0
@@ -77,7 +81,7 @@ def _writev_all(fd: int, bufs: Sequence) -> int:
     return total
 
 
-def _read_into(fd: int, bufs: Sequence, hasher=None, skip: int = 0) -> int:
+def _read_into(fd: int, bufs: Sequence[Buffer], hasher: xxhash.xxh3_128 | None = None, skip: int = 0) -> int:
     """Fill ``bufs`` in order from the current position; returns the bytes read (short only at EOF).
 
     Reads go in steps of about :data:`_PIECE` bytes and each step is hashed (after the first ``skip``
@@ -87,7 +91,8 @@ def _read_into(fd: int, bufs: Sequence, hasher=None, skip: int = 0) -> int:
     views = [mv for mv in (memoryview(b).cast("B") for b in bufs) if len(mv)]
     total, i, off = 0, 0, 0
     while i < len(views):
-        batch, room, j, o = [], _PIECE, i, off
+        batch: list[memoryview] = []
+        room, j, o = _PIECE, i, off
         while j < len(views) and room > 0 and len(batch) < IOV_MAX:
             take = min(len(views[j]) - o, room)
             batch.append(views[j][o:o + take])
@@ -136,7 +141,7 @@ class DiskTier(Tier):
 
     kind = "disk"
 
-    def __init__(self, name: str | None = None, capacity: int | None = None, path: str | os.PathLike | None = None,
+    def __init__(self, name: str | None = None, capacity: int | None = None, path: str | os.PathLike[str] | None = None,
                  durable: bool = False, read_only: bool = False, codec: str = "none", io_threads: int = 4):
         super().__init__(name, capacity)
         if not isinstance(io_threads, int) or isinstance(io_threads, bool) or io_threads < 1:
@@ -244,6 +249,8 @@ class DiskTier(Tier):
 
     def _trim_to_capacity(self) -> None:
         """The directory holds more than the (lowered) capacity: drop least-recently-used objects."""
+        if self.capacity is None:
+            return
         with self._cond:
             victims = []
             excess = self._lru.currsize - self.capacity
@@ -327,11 +334,11 @@ class DiskTier(Tier):
             except OSError:
                 pass
 
-    def _load(self, key: ChunkKey, size: int, device, borrow: bool = False) -> TensorDict | None:
+    def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
         fd, st = self._open_object(key)
         try:
             buf = torch.empty(st.st_size, dtype=torch.uint8)
-            mv = memoryview(buf.numpy())
+            mv = buf.numpy().data
             h = xxhash.xxh3_128()
             got = _read_into(fd, [mv], h, skip=objformat.PREFIX_SIZE)
             if got != st.st_size:
@@ -382,7 +389,7 @@ class DiskTier(Tier):
                 if s.offset > pos:
                     segments.append(memoryview(bytearray(s.offset - pos)))
                 if s.nbytes:
-                    segments.append(memoryview(byte_alias(out[s.name]).numpy()))
+                    segments.append(byte_alias(out[s.name]).numpy().data)
                 pos = s.offset + s.nbytes
             if hdr.raw_size > pos:
                 segments.append(memoryview(bytearray(hdr.raw_size - pos)))
@@ -420,7 +427,7 @@ class DiskTier(Tier):
                 sizes.append(None)
         return sizes
 
-    def _map(self, fn: Callable, items: Sequence) -> list:
+    def _map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
         """Batched I/O on a small pool (inline for one item, for ``io_threads=1`` and inside a worker)."""
         items = list(items)
         if len(items) <= 1 or self.io_threads == 1 or getattr(self._worker, "active", False):
@@ -452,17 +459,17 @@ class DiskTier(Tier):
                 os.close(fd)
 
     # ------------------------------------------------------------------ writes refused when read-only
-    def put_many(self, items):
+    def put_many(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]) -> list[bool]:
         if self.read_only:
             raise ReadOnlyError(f"disk tier {self.name!r} at {self.path!r} is read-only; puts are refused")
         return super().put_many(items)
 
-    def delete_many(self, keys):
+    def delete_many(self, keys: Sequence[ChunkKey]) -> int:
         if self.read_only:
             raise ReadOnlyError(f"disk tier {self.name!r} at {self.path!r} is read-only; deletes are refused")
         return super().delete_many(keys)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {**super().stats(), "path": self.path, "durable": self.durable, "read_only": self.read_only,
                 "codec": self.codec}
 
@@ -478,7 +485,7 @@ def _check_out(out: Mapping[str, torch.Tensor], hdr: objformat.Header) -> None:
                 f"out[{s.name!r}] is {tuple(dst.shape)} {dst.dtype}, the chunk holds {s.shape} {s.dtype}")
 
 
-def _scandir(path: str) -> list[os.DirEntry]:
+def _scandir(path: str) -> list[os.DirEntry[str]]:
     try:
         with os.scandir(path) as it:
             return list(it)
