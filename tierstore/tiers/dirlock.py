@@ -1,0 +1,129 @@
+"""One owning process per directory: an ``flock`` on the directory itself, released when the process dies.
+
+The lock is taken on a descriptor of the directory, not on a file inside it, so deleting or replacing a
+lock file cannot let a second owner in (``rm .lock`` while the owner runs). ``.lock`` only tells a refused
+opener who holds the directory (``"<pid> <hostname>"``). Where a directory cannot be locked (NFS emulates
+``flock`` with POSIX locks, which need a descriptor open for writing), the lock falls back to ``.lock``
+itself and re-checks after locking that the name still refers to the locked file, retrying otherwise.
+
+The descriptors are close-on-exec, but a ``fork``ed child shares the lock until it exits.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+
+from ..errors import ConfigError, LockedError
+
+NOTE_NAME = ".lock"
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+#: flock errors meaning "this filesystem cannot lock a directory descriptor"
+_NO_DIR_LOCK = (errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)
+
+
+class DirLock:
+    """An exclusive, non-blocking lock on the directory open as ``dir_fd`` (which the caller keeps open).
+
+    Raises:
+        LockedError: another process (or another lock in this one) holds the directory; the message
+            names the holder's pid and host when its note is readable.
+        ConfigError: the directory cannot be locked or ``.lock`` is not a regular file we can write
+            (e.g. a symlink: it is never followed).
+    """
+
+    def __init__(self, dir_fd: int, path: str, file_mode: int = 0o600):
+        self.path = path
+        self._dir_fd = dir_fd
+        self._note_fd: int | None = None  # the fallback lock when a directory cannot be flock'ed
+        try:
+            fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._locked_fd = dir_fd
+        except OSError as exc:
+            if exc.errno in _BUSY:
+                raise self._locked() from None
+            if exc.errno not in _NO_DIR_LOCK:
+                raise ConfigError(f"directory {path!r} cannot be locked: {exc}") from None
+            self._note_fd = self._lock_note_file(file_mode)
+            self._locked_fd = self._note_fd
+        try:
+            self._write_note(file_mode)
+        except BaseException:
+            self.release()
+            raise
+
+    def _open_note(self, file_mode: int) -> int:
+        try:
+            return os.open(NOTE_NAME, os.O_RDWR | os.O_CREAT | _O_CLOEXEC | _O_NOFOLLOW, file_mode,
+                           dir_fd=self._dir_fd)
+        except OSError as exc:
+            raise ConfigError(f"directory {self.path!r}: cannot open {NOTE_NAME}: {exc}") from None
+
+    def _lock_note_file(self, file_mode: int) -> int:
+        while True:
+            fd = self._open_note(file_mode)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                st = os.fstat(fd)
+                now = os.stat(NOTE_NAME, dir_fd=self._dir_fd, follow_symlinks=False)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno == errno.ENOENT:
+                    continue  # unlinked after we opened it: lock the file that is there now
+                if exc.errno in _BUSY:
+                    raise self._locked() from None
+                raise ConfigError(f"directory {self.path!r}: cannot lock {NOTE_NAME}: {exc}") from None
+            if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
+                return fd
+            os.close(fd)  # replaced after we opened it: lock the file that is there now
+
+    def _write_note(self, file_mode: int) -> None:
+        fd = self._note_fd if self._note_fd is not None else self._open_note(file_mode)
+        try:
+            os.fchmod(fd, file_mode)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        except OSError:
+            pass  # the lock itself is what counts; the note is for humans
+        finally:
+            if fd != self._note_fd:
+                os.close(fd)
+
+    def _locked(self) -> LockedError:
+        return LockedError(errno.EWOULDBLOCK,
+                           f"directory {self.path!r} is in use by {holder(self._dir_fd)}; a directory belongs "
+                           "to one process at a time (open it with read_only=True to inspect it)")
+
+    def release(self) -> None:
+        """Unlock (idempotent). The caller still owns and closes ``dir_fd``."""
+        fd, self._locked_fd = self._locked_fd, None
+        if fd is None:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            if fd == self._note_fd:
+                self._note_fd = None
+                os.close(fd)
+
+
+def holder(dir_fd: int) -> str:
+    """Who the note in the directory says holds it: ``"pid N on host H"`` (or ``"another process"``)."""
+    try:
+        fd = os.open(NOTE_NAME, os.O_RDONLY | os.O_NONBLOCK | _O_CLOEXEC | _O_NOFOLLOW, dir_fd=dir_fd)
+        try:
+            words = os.read(fd, 256).decode(errors="replace").split()
+        finally:
+            os.close(fd)
+    except OSError:
+        words = []
+    if not words:
+        return "another process"
+    return f"pid {words[0]} on host {words[1] if len(words) > 1 else '?'}"
+
+
+__all__ = ["DirLock", "NOTE_NAME", "holder"]
