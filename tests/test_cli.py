@@ -27,13 +27,16 @@ def test_stats(config_file, tmp_path, capsys):
     assert json.loads((tmp_path / "s.json").read_text())["tiers"]["disk"]["objects"] == 5
 
 
-def test_verify_finds_and_removes_corrupt_objects(config_file, tmp_path, capsys):
+def test_verify_reports_corrupt_objects_and_repair_removes_them(config_file, tmp_path, capsys):
     victim = tmp_path / "disk" / object_relpath(key_of(2))
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
     assert main(["verify", "--config", str(config_file)]) == 1
-    assert "1 corrupt" in capsys.readouterr().out
+    assert "1 corrupt (kept" in capsys.readouterr().out
+    assert victim.exists()  # plain verify is read-only
+    assert main(["verify", "--repair", "--config", str(config_file)]) == 1
+    assert "1 corrupt (1 removed)" in capsys.readouterr().out
     assert not victim.exists()
     assert main(["verify", "--config", str(config_file)]) == 0
     assert main(["gc", "--config", str(config_file)]) == 0
