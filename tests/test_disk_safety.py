@@ -221,7 +221,7 @@ def test_two_processes_with_the_default_config(tmp_path):  # review D.4
 def test_instances_all_taken_names_every_holder(tmp_path):
     owners = [DiskTier(path=tmp_path / "d", instances=2) for _ in range(2)]
     assert [o.path for o in owners] == [str(tmp_path / "d"), str(tmp_path / "d.1")]
-    with pytest.raises(LockedError, match="all 2 disk tier directories are in use"):
+    with pytest.raises(LockedError, match="all 2 directories are in use"):
         DiskTier(path=tmp_path / "d", instances=2)
     owners[0].close()
     t = DiskTier(path=tmp_path / "d", instances=2)
@@ -252,3 +252,16 @@ def test_temp_names_are_unique_and_recognised():
     assert len(names) == 100 and all(is_temp_name(n) and is_temp_name(f"x/ab/{n}") for n in names)
     assert not any(is_temp_name(n) for n in ("nightly.tmp", f"{key_of(0).hex()}.tso", "a.tso.b.tmp",
                                               temp_name(key_of(0)) + ".tmp"))
+
+
+def test_a_symlinked_lock_note_is_refused_and_its_target_kept(tmp_path):  # probe 8.7 (held; keep it)
+    root = tmp_path / "d"
+    DiskTier(path=root).close()
+    target = tmp_path / "precious"
+    target.write_text("keep me")
+    (root / ".lock").unlink()
+    (root / ".lock").symlink_to(target)
+    with pytest.raises(tierstore.ConfigError, match=".lock"):
+        DiskTier(path=root)
+    assert target.read_text() == "keep me"
+    DiskTier(path=root, read_only=True).close()  # a read-only view never writes the note

@@ -111,12 +111,12 @@ def check_objects(tier: Tier, repair: bool) -> dict[str, int]:
     counts = {"objects": len(keys), "ok": 0, "corrupt": 0, "missing": 0, "unreadable": 0, "removed": 0}
     for i in range(0, len(keys), _BATCH):
         batch = keys[i:i + _BATCH]
-        sizes = dict(zip(batch, tier.pin(batch, touch=False)))
+        sizes = tier.pin(batch, touch=False)
         try:
-            verdicts = tier._map(lambda k: _verdict(tier, k, sizes[k]), batch)
+            verdicts = tier._map(lambda item: _verdict(tier, *item), list(zip(batch, sizes, strict=True)))
         finally:
-            tier.unpin(k for k, s in sizes.items() if s is not None)
-        for key, verdict in zip(batch, verdicts):
+            tier.unpin(k for k, s in zip(batch, sizes, strict=True) if s is not None)
+        for key, verdict in zip(batch, verdicts, strict=True):
             counts[verdict] += 1
             if verdict == "corrupt" and repair:
                 counts["removed"] += tier.delete_many([key])

@@ -15,6 +15,7 @@ import errno
 import fcntl
 import os
 import socket
+from collections.abc import Sequence
 
 from ..errors import ConfigError, LockedError
 
@@ -109,6 +110,47 @@ class DirLock:
             if fd == self._note_fd:
                 self._note_fd = None
                 os.close(fd)
+
+
+def open_dir(path: str) -> int:
+    """A descriptor of directory ``path`` (:class:`ConfigError` naming it if that fails)."""
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"directory {path!r} cannot be opened: {exc}") from None
+
+
+def lock_first_free(paths: Sequence[str], dir_mode: int, file_mode: int) -> tuple[int, DirLock, str]:
+    """Open and lock the first of ``paths`` no other process holds, creating it (with exactly
+    ``dir_mode``) if missing; return its descriptor, lock and path. Raises :class:`LockedError` when
+    every one is held, :class:`ConfigError` when one cannot be created or opened."""
+    refused: list[LockedError] = []
+    for path in paths:
+        _make_dir(path, dir_mode)
+        fd = open_dir(path)
+        try:
+            return fd, DirLock(fd, path, file_mode), path
+        except BaseException as exc:
+            os.close(fd)
+            if not isinstance(exc, LockedError):
+                raise
+            refused.append(exc)
+    if len(refused) == 1:
+        raise refused[0]
+    raise LockedError(errno.EWOULDBLOCK, f"all {len(refused)} directories are in use: "
+                      + "; ".join(str(e) for e in refused))
+
+
+def _make_dir(path: str, mode: int) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.mkdir(path, mode)
+        os.chmod(path, mode)  # ours: exactly the mode asked for, whatever the umask
+    except FileExistsError:
+        if not os.path.isdir(path):
+            raise ConfigError(f"path {path!r} is not a writable directory: it is a file") from None
+    except OSError as exc:
+        raise ConfigError(f"path {path!r} is not a writable directory: {exc}") from None
 
 
 def holder(dir_fd: int) -> str:

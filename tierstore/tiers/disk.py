@@ -30,7 +30,7 @@ skips puts.
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import logging
 import os
 import re
@@ -46,13 +46,13 @@ import xxhash
 
 from .. import objformat
 from ..config import check_tier_options
-from ..errors import ClosedError, ConfigError, CorruptObjectError, InvalidInputError, LockedError
+from ..errors import ClosedError, ConfigError, CorruptObjectError, InvalidInputError
 from ..iov import read_into as _read_into
 from ..iov import writev_all
 from ..keys import ChunkKey, check_key
 from ..tensors import TensorDict, byte_alias, fill_out, validate_tensors
 from .base import Tier
-from .dirlock import DirLock
+from .dirlock import DirLock, lock_first_free, open_dir
 from .layout import PERMISSIONS, is_temp_name, key_from_name, object_relpath, temp_name
 
 log = logging.getLogger("tierstore")
@@ -118,8 +118,12 @@ class DiskTier(Tier):
         self._pool_lock = threading.Lock()
         self._worker = threading.local()
         self._lock: DirLock | None = None
-        self._root_fd = -1
-        self.path = self._open_root(opts["path"], instances)
+        base = opts["path"]
+        if read_only:
+            self._root_fd, self.path = open_dir(base), base
+        else:
+            self._root_fd, self._lock, self.path = lock_first_free(
+                [base] + [f"{base}.{i}" for i in range(1, instances)], self._dir_mode, self._file_mode)
         try:
             self._rebuild_index()
         except BaseException:
@@ -127,44 +131,6 @@ class DiskTier(Tier):
             raise
 
     # ------------------------------------------------------------------ open: directory, lock, index
-    def _open_root(self, base: str, instances: int) -> str:
-        """Open (and lock, unless read-only) the first directory of ``base``, ``base.1`` … no one holds."""
-        refused: list[LockedError] = []
-        for path in [base] + [f"{base}.{i}" for i in range(1, instances)]:
-            if not self.read_only:
-                self._make_root(path)
-            try:
-                self._root_fd = os.open(path, _DIR_FLAGS)
-            except OSError as exc:
-                what = "does not exist" if self.read_only else "cannot be opened"
-                raise ConfigError(f"disk tier path {path!r} {what}: {exc}") from None
-            if self.read_only:
-                return path
-            try:
-                self._lock = DirLock(self._root_fd, path, self._file_mode)
-                return path
-            except BaseException as exc:
-                os.close(self._root_fd)
-                self._root_fd = -1
-                if not isinstance(exc, LockedError):
-                    raise
-                refused.append(exc)
-        if len(refused) == 1:
-            raise refused[0]
-        raise LockedError(errno.EWOULDBLOCK, f"all {len(refused)} disk tier directories are in use: "
-                          + "; ".join(str(e) for e in refused))
-
-    def _make_root(self, path: str) -> None:
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            os.mkdir(path, self._dir_mode)
-            os.chmod(path, self._dir_mode)  # ours: exactly the mode asked for, whatever the umask
-        except FileExistsError:
-            if not os.path.isdir(path):
-                raise ConfigError(f"disk tier path {path!r} is not a writable directory: it is a file") from None
-        except OSError as exc:
-            raise ConfigError(f"disk tier path {path!r} is not a writable directory: {exc}") from None
-
     def _open_folder(self, sub: str, create: bool = False) -> int:
         """A descriptor of fan-out folder ``sub``; never follows a symlink (``OSError`` ELOOP/ENOTDIR)."""
         try:
@@ -172,10 +138,8 @@ class DiskTier(Tier):
         except FileNotFoundError:
             if not create:
                 raise
-        try:
+        with contextlib.suppress(FileExistsError):  # a racing writer made it
             os.mkdir(sub, self._dir_mode, dir_fd=self._root_fd)
-        except FileExistsError:
-            pass  # a racing writer made it
         fd = os.open(sub, _DIR_FLAGS | _O_NOFOLLOW, dir_fd=self._root_fd)
         self._fix_mode(fd, self._dir_mode)
         return fd
@@ -243,10 +207,8 @@ class DiskTier(Tier):
                           if _LEGACY_TEMP_NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False))
         finally:
             os.close(fd)
-        try:
+        with contextlib.suppress(OSError):  # fails while it holds files that are not ours
             os.rmdir(_LEGACY_TMP_DIR, dir_fd=self._root_fd)
-        except OSError:
-            pass  # holds files that are not ours
         return removed
 
     def _trim_to_capacity(self) -> None:
@@ -319,10 +281,8 @@ class DiskTier(Tier):
             return
         now = time.time_ns()
         if now - st.st_mtime_ns > _TOUCH_EVERY_NS:
-            try:
+            with contextlib.suppress(OSError):
                 os.utime(fd, ns=(now, now))
-            except OSError:
-                pass
 
     def _load(self, key: ChunkKey, size: int, device, borrow: bool = False) -> TensorDict | None:
         fd, st = self._open_object(key)
