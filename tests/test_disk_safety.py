@@ -265,3 +265,18 @@ def test_a_symlinked_lock_note_is_refused_and_its_target_kept(tmp_path):  # prob
         DiskTier(path=root)
     assert target.read_text() == "keep me"
     DiskTier(path=root, read_only=True).close()  # a read-only view never writes the note
+
+
+def test_an_older_version_holding_the_lock_file_is_respected(tmp_path):
+    import fcntl
+
+    root = tmp_path / "d"
+    DiskTier(path=root).close()
+    fd = os.open(root / ".lock", os.O_RDWR)  # what versions before the directory lock did
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(LockedError):
+            DiskTier(path=root)
+    finally:
+        os.close(fd)
+    DiskTier(path=root).close()

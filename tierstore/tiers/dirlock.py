@@ -1,10 +1,12 @@
 """One owning process per directory: an ``flock`` on the directory itself, released when the process dies.
 
 The lock is taken on a descriptor of the directory, not on a file inside it, so deleting or replacing a
-lock file cannot let a second owner in (``rm .lock`` while the owner runs). ``.lock`` only tells a refused
-opener who holds the directory (``"<pid> <hostname>"``). Where a directory cannot be locked (NFS emulates
-``flock`` with POSIX locks, which need a descriptor open for writing), the lock falls back to ``.lock``
-itself and re-checks after locking that the name still refers to the locked file, retrying otherwise.
+lock file cannot let a second owner in (``rm .lock`` while the owner runs). ``.lock`` tells a refused
+opener who holds the directory (``"<pid> <hostname>"``), and is flock'ed as well: older versions lock
+only that file, so a mixed-version pair still excludes each other. Where a directory cannot be locked
+(NFS emulates ``flock`` with POSIX locks, which need a descriptor open for writing), ``.lock`` is the only
+lock; it is re-checked after locking that the name still refers to the locked file (retrying otherwise),
+but there removing ``.lock`` while the owner runs does let a second owner in.
 
 The descriptors are close-on-exec, but a ``fork``ed child shares the lock until it exits.
 """
@@ -39,77 +41,65 @@ class DirLock:
 
     def __init__(self, dir_fd: int, path: str, file_mode: int = 0o600):
         self.path = path
-        self._dir_fd = dir_fd
-        self._note_fd: int | None = None  # the fallback lock when a directory cannot be flock'ed
+        self._locked_dir_fd: int | None = dir_fd
+        self._note_fd: int | None = None
         try:
             fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self._locked_fd = dir_fd
         except OSError as exc:
             if exc.errno in _BUSY:
                 raise self._locked() from None
             if exc.errno not in _NO_DIR_LOCK:
                 raise ConfigError(f"directory {path!r} cannot be locked: {exc}") from None
-            self._note_fd = self._lock_note_file(file_mode)
-            self._locked_fd = self._note_fd
+            self._locked_dir_fd = None  # this filesystem cannot: the note file is the lock
         try:
-            self._write_note(file_mode)
+            self._note_fd = self._lock_note_file(dir_fd, file_mode)
         except BaseException:
             self.release()
             raise
-
-    def _open_note(self, file_mode: int) -> int:
         try:
-            return os.open(NOTE_NAME, os.O_RDWR | os.O_CREAT | _O_CLOEXEC | _O_NOFOLLOW, file_mode,
-                           dir_fd=self._dir_fd)
-        except OSError as exc:
-            raise ConfigError(f"directory {self.path!r}: cannot open {NOTE_NAME}: {exc}") from None
+            os.fchmod(self._note_fd, file_mode)
+            os.ftruncate(self._note_fd, 0)
+            os.pwrite(self._note_fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        except OSError:
+            pass  # the lock itself is what counts; the note is for humans
 
-    def _lock_note_file(self, file_mode: int) -> int:
+    def _lock_note_file(self, dir_fd: int, file_mode: int) -> int:
         while True:
-            fd = self._open_note(file_mode)
+            try:
+                fd = os.open(NOTE_NAME, os.O_RDWR | os.O_CREAT | _O_CLOEXEC | _O_NOFOLLOW, file_mode, dir_fd=dir_fd)
+            except OSError as exc:
+                raise ConfigError(f"directory {self.path!r}: cannot open {NOTE_NAME}: {exc}") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 st = os.fstat(fd)
-                now = os.stat(NOTE_NAME, dir_fd=self._dir_fd, follow_symlinks=False)
+                now = os.stat(NOTE_NAME, dir_fd=dir_fd, follow_symlinks=False)
             except OSError as exc:
                 os.close(fd)
                 if exc.errno == errno.ENOENT:
                     continue  # unlinked after we opened it: lock the file that is there now
                 if exc.errno in _BUSY:
-                    raise self._locked() from None
+                    raise self._locked(dir_fd) from None
                 raise ConfigError(f"directory {self.path!r}: cannot lock {NOTE_NAME}: {exc}") from None
             if (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino):
                 return fd
             os.close(fd)  # replaced after we opened it: lock the file that is there now
 
-    def _write_note(self, file_mode: int) -> None:
-        fd = self._note_fd if self._note_fd is not None else self._open_note(file_mode)
-        try:
-            os.fchmod(fd, file_mode)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
-        except OSError:
-            pass  # the lock itself is what counts; the note is for humans
-        finally:
-            if fd != self._note_fd:
-                os.close(fd)
-
-    def _locked(self) -> LockedError:
+    def _locked(self, dir_fd: int | None = None) -> LockedError:
+        who = holder(self._locked_dir_fd if dir_fd is None else dir_fd)
         return LockedError(errno.EWOULDBLOCK,
-                           f"directory {self.path!r} is in use by {holder(self._dir_fd)}; a directory belongs "
+                           f"directory {self.path!r} is in use by {who}; a directory belongs "
                            "to one process at a time (open it with read_only=True to inspect it)")
 
     def release(self) -> None:
         """Unlock (idempotent). The caller still owns and closes ``dir_fd``."""
-        fd, self._locked_fd = self._locked_fd, None
-        if fd is None:
-            return
+        note_fd, self._note_fd = self._note_fd, None
+        dir_fd, self._locked_dir_fd = self._locked_dir_fd, None
         try:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+            if dir_fd is not None:
+                fcntl.flock(dir_fd, fcntl.LOCK_UN)
         finally:
-            if fd == self._note_fd:
-                self._note_fd = None
-                os.close(fd)
+            if note_fd is not None:
+                os.close(note_fd)  # closing drops its flock
 
 
 def open_dir(path: str) -> int:
