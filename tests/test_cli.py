@@ -163,3 +163,14 @@ def test_stats_lists_every_instance_directory(tmp_path, capsys):
     tiers = json.loads((tmp_path / "s.json").read_text())["tiers"]
     assert {name: t["objects"] for name, t in tiers.items()} == {"disk": 1, "disk.1": 2}
     assert tiers["disk.1"]["path"] == str(tmp_path / "d.1")
+
+
+def test_repair_leaves_a_read_only_disk_alone(config_file, tmp_path, capsys):
+    victim = tmp_path / "disk" / object_relpath(key_of(2))
+    victim.write_bytes(victim.read_bytes()[:-1])
+    cfg = json.loads(config_file.read_text())
+    cfg["tiers"][1]["read_only"] = True
+    config_file.write_text(json.dumps(cfg))
+    assert main(["gc", "--config", str(config_file)]) == 0
+    assert main(["verify", "--repair", "--config", str(config_file)]) == 1
+    assert "1 corrupt (0 removed)" in capsys.readouterr().out and victim.exists()

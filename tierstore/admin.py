@@ -106,7 +106,9 @@ def run_stats(args: argparse.Namespace) -> int:
 
 def check_objects(tier: Tier, repair: bool) -> dict[str, int]:
     """Read every object of ``tier`` once: counts of ``ok``, ``corrupt``, ``missing`` (vanished since
-    listed) and ``unreadable`` (I/O errors: not judged). With ``repair`` corrupt objects are deleted."""
+    listed) and ``unreadable`` (I/O errors: not judged). With ``repair`` corrupt objects are deleted
+    (not from a disk directory the config marks ``read_only``: it belongs to someone else)."""
+    repair = repair and not getattr(tier, "read_only", False)
     keys = tier.keys()
     counts = {"objects": len(keys), "ok": 0, "corrupt": 0, "missing": 0, "unreadable": 0, "removed": 0}
     for i in range(0, len(keys), _BATCH):
