@@ -59,7 +59,8 @@ def open_persistent_tiers(config: Any, writable: bool) -> Iterator[list[Tier]]:
     each lock and raises :class:`LockedError` (after closing what it opened) if a process holds one.
     """
     from .config import parse_config
-    from .tiers import tier_class
+    from .tiers.disk import DiskTier
+    from .tiers.remote import RemoteTier
 
     cfg = parse_config(config)
     with ExitStack() as stack:
@@ -72,10 +73,10 @@ def open_persistent_tiers(config: Any, writable: bool) -> Iterator[list[Tier]]:
                     path = base if i == 0 else f"{base}.{i}"
                     if os.path.isdir(path):  # capacity None: an inspection never trims
                         opts["read_only"] = tc.options.get("read_only", False) or not writable
-                        tiers.append(stack.enter_context(tier_class("disk")(
+                        tiers.append(stack.enter_context(DiskTier(
                             name=tc.name if i == 0 else f"{tc.name}.{i}", path=path, **opts)))
             elif tc.kind == "remote":
-                tiers.append(stack.enter_context(tier_class("remote")(name=tc.name, **tc.options)))
+                tiers.append(stack.enter_context(RemoteTier(name=tc.name, **tc.options)))
         yield tiers
 
 

@@ -13,12 +13,13 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import ConfigError
 from .sizes import parse_size
 from .tiers.layout import PERMISSIONS
 
+E = TypeVar("E", bound=enum.Enum)
 ENV_CONFIG = "TIERSTORE_CONFIG"
 DEFAULT_ROOT = "~/.cache/tierstore"
 
@@ -53,7 +54,7 @@ class StoreConfig:
     max_in_flight: int = 8
 
 
-def default_config(root: str = DEFAULT_ROOT) -> dict:
+def default_config(root: str = DEFAULT_ROOT) -> dict[str, Any]:
     """The embedded default: a host tier and a disk tier under ``root``, sized from free RAM and disk.
 
     Several processes on one host can each open it: the disk tier takes the first of ``disk``, ``disk.1``
@@ -76,7 +77,7 @@ def default_config(root: str = DEFAULT_ROOT) -> dict:
     }
 
 
-def read_config(config: Mapping | str | os.PathLike | None) -> dict:
+def read_config(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
     """Turn ``None`` (``$TIERSTORE_CONFIG`` or the default), a path or a mapping into a plain dict."""
     if config is None:
         config = os.environ.get(ENV_CONFIG) or None
@@ -104,7 +105,7 @@ def read_config(config: Mapping | str | os.PathLike | None) -> dict:
     raise ConfigError(f"config must be a mapping, a file path or None, got {type(config).__name__}")
 
 
-def parse_config(config: Mapping | str | os.PathLike | None = None) -> StoreConfig:
+def parse_config(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> StoreConfig:
     """Validate a configuration and return it as a :class:`StoreConfig`."""
     raw = read_config(config)
     unknown = set(raw) - _STORE_KEYS
@@ -128,7 +129,7 @@ def parse_config(config: Mapping | str | os.PathLike | None = None) -> StoreConf
     )
 
 
-def _enum(cls, value, key: str):
+def _enum(cls: type[E], value: Any, key: str) -> E:
     try:
         return cls(value)
     except ValueError:
@@ -136,7 +137,7 @@ def _enum(cls, value, key: str):
         raise ConfigError(f"{key}: {value!r} is not one of {allowed}") from None
 
 
-def _positive_int(value, key: str) -> int:
+def _positive_int(value: Any, key: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{key}: expected a positive integer, got {value!r}")
     return value
@@ -276,7 +277,7 @@ def _check_writable(path: str, key: str, read_only: bool) -> None:
         raise ConfigError(f"{key}: {str(p)!r} does not exist (read_only tiers open an existing directory)")
 
 
-def _check_url(url, key: str) -> None:
+def _check_url(url: Any, key: str) -> None:
     import fsspec
 
     if not isinstance(url, str) or not url:

@@ -51,7 +51,8 @@ def read_into(fd: int, bufs: Sequence[Any], hasher: Any = None, skip: int = 0) -
     views = [mv for mv in (memoryview(b).cast("B") for b in bufs) if len(mv)]
     total, i, off = 0, 0, 0
     while i < len(views):
-        batch, room, j, o = [], PIECE, i, off
+        batch: list[memoryview] = []
+        room, j, o = PIECE, i, off
         while j < len(views) and room > 0 and len(batch) < IOV_MAX:
             take = min(len(views[j]) - o, room)
             batch.append(views[j][o:o + take])

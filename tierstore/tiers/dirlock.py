@@ -47,7 +47,7 @@ class DirLock:
             fcntl.flock(dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             if exc.errno in _BUSY:
-                raise self._locked() from None
+                raise self._locked(dir_fd) from None
             if exc.errno not in _NO_DIR_LOCK:
                 raise ConfigError(f"directory {path!r} cannot be locked: {exc}") from None
             self._locked_dir_fd = None  # this filesystem cannot: the note file is the lock
@@ -84,8 +84,8 @@ class DirLock:
                 return fd
             os.close(fd)  # replaced after we opened it: lock the file that is there now
 
-    def _locked(self, dir_fd: int | None = None) -> LockedError:
-        who = holder(self._locked_dir_fd if dir_fd is None else dir_fd)
+    def _locked(self, dir_fd: int) -> LockedError:
+        who = holder(dir_fd)
         return LockedError(errno.EWOULDBLOCK,
                            f"directory {self.path!r} is in use by {who}; a directory belongs "
                            "to one process at a time (open it with read_only=True to inspect it)")

@@ -100,7 +100,7 @@ class DiskTier(Tier):
 
     kind = "disk"
 
-    def __init__(self, name: str | None = None, capacity: int | None = None, path: str | os.PathLike | None = None,
+    def __init__(self, name: str | None = None, capacity: int | None = None, path: str | os.PathLike[str] | None = None,
                  durable: bool = False, read_only: bool = False, codec: str = "none", io_threads: int = 4,
                  permissions: str = "private", instances: int = 1):
         if path is None:
@@ -213,6 +213,7 @@ class DiskTier(Tier):
 
     def _trim_to_capacity(self) -> None:
         """The directory holds more than the (lowered) capacity: drop least-recently-used objects."""
+        assert self.capacity is not None
         with self._cond:
             victims = []
             excess = self._lru.currsize - self.capacity
