@@ -280,3 +280,37 @@ def test_an_older_version_holding_the_lock_file_is_respected(tmp_path):
     finally:
         os.close(fd)
     DiskTier(path=root).close()
+
+
+@pytest.fixture
+def fast_switching():
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(old)
+
+
+def test_a_removed_folder_is_recreated_once_by_racing_writers(tmp_path, fast_switching):
+    import threading
+
+    root = tmp_path / "d"
+    t = DiskTier(path=root, io_threads=8)
+    keys = [k for k in (key_of(i) for i in range(20_000)) if k.hex().startswith("ab")][:16]
+    (root / "ab").rmdir()  # e.g. a cleanup script removed the empty folder
+    start = threading.Barrier(8)
+    results: list[bool] = []
+
+    def writer(i: int) -> None:
+        start.wait()
+        results.extend(t.put(k, chunk(j)) for j, k in enumerate(keys) if j % 8 == i)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert results == [True] * 16 and t.stats()["errors"] == 0
+    assert stat.S_IMODE((root / "ab").stat().st_mode) == 0o700
+    for j, k in enumerate(keys):
+        assert_same(t.get(k), chunk(j))
+    t.close()
