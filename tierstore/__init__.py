@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib
 
 from .errors import (CapacityError, ClosedError, ConfigError, CorruptObjectError, InvalidInputError,
-                     InvalidTypeError, LockedError, MissingKeyError, TierstoreError, TierTimeoutError)
+                     InvalidTypeError, LockedError, MissingKeyError, TierstoreError, TierTimeoutError,
+                     UnsupportedObjectError)
 from .keys import ChunkKey
 
 __version__ = "0.1.0"
@@ -39,6 +40,6 @@ def __getattr__(name: str):
 
 __all__ = [
     "ChunkKey", "TierstoreError", "ConfigError", "InvalidInputError", "InvalidTypeError",
-    "CorruptObjectError", "MissingKeyError", "CapacityError", "LockedError", "TierTimeoutError",
+    "CorruptObjectError", "UnsupportedObjectError", "MissingKeyError", "CapacityError", "LockedError", "TierTimeoutError",
     "ClosedError", *_LAZY,
 ]

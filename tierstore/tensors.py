@@ -33,7 +33,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def validate_tensors(tensors) -> None:
-    """Raise a clear error unless ``tensors`` is a non-empty ``Mapping[str, Tensor]`` of known dtypes."""
+    """Raise a clear error unless ``tensors`` is a non-empty ``Mapping[str, Tensor]`` of dense tensors
+    with data (not on the ``meta`` device) and known dtypes.
+
+    The size limits of a storable chunk are the object format's: see :func:`tierstore.objformat.validate_chunk`.
+    """
     if not isinstance(tensors, Mapping):
         raise InvalidTypeError(f"expected a Mapping[str, torch.Tensor], got {type(tensors).__name__}")
     if not tensors:
@@ -45,6 +49,8 @@ def validate_tensors(tensors) -> None:
             raise InvalidTypeError(f"value for {name!r} is {type(t).__name__}, not a torch.Tensor")
         if t.is_sparse or t.layout != torch.strided:
             raise InvalidInputError(f"tensor {name!r} has layout {t.layout}; only dense tensors are stored")
+        if t.is_meta:
+            raise InvalidInputError(f"tensor {name!r} is on the meta device: it has no data to store")
         dtype_name(t.dtype)
 
 
@@ -59,10 +65,14 @@ def byte_alias(t: torch.Tensor) -> torch.Tensor:
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous CPU copy of ``t`` (no copy when already so)."""
+    """A flat uint8 view of a contiguous CPU copy of ``t`` (no copy when already so).
+
+    A conjugate or negative view (``x.conj()``, ``x.conj().imag``) is resolved first: the bytes are its
+    values, as ``copy_`` into a plain tensor would give them.
+    """
     if t.device.type != "cpu":
         t = t.cpu()
-    return byte_alias(t.contiguous())
+    return byte_alias(t.resolve_conj().resolve_neg().contiguous())
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

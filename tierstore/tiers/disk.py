@@ -43,6 +43,7 @@ from ..errors import ClosedError, ConfigError, CorruptObjectError, InvalidInputE
 from ..keys import ChunkKey
 from ..iov import IOV_MAX, advance
 from ..tensors import TensorDict, byte_alias, fill_out
+from . import objfile
 from .base import Tier
 from .layout import TMP_SUFFIX, key_from_name, object_relpath
 
@@ -54,8 +55,6 @@ _HEX = "0123456789abcdef"
 _FANOUT = [a + b for a in _HEX for b in _HEX]
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-#: reads are hashed in steps of this size (L2-sized: the bytes are hashed while still in cache)
-_PIECE = 256 << 10
 #: a hit refreshes the file's mtime (the LRU order after a restart) at most this often
 _TOUCH_EVERY_NS = 1_000_000_000
 
@@ -74,43 +73,6 @@ def _writev_all(fd: int, bufs: Sequence) -> int:
             raise OSError(errno.EIO, "writev wrote nothing")
         total += n
         i = advance(views, i, n)
-    return total
-
-
-def _read_into(fd: int, bufs: Sequence, hasher=None, skip: int = 0) -> int:
-    """Fill ``bufs`` in order from the current position; returns the bytes read (short only at EOF).
-
-    Reads go in steps of about :data:`_PIECE` bytes and each step is hashed (after the first ``skip``
-    bytes of the stream) right away, while it is still in cache: checksumming then costs little on top of
-    the read itself, where hashing a whole multi-MiB buffer afterwards would stream it from RAM again.
-    """
-    views = [mv for mv in (memoryview(b).cast("B") for b in bufs) if len(mv)]
-    total, i, off = 0, 0, 0
-    while i < len(views):
-        batch, room, j, o = [], _PIECE, i, off
-        while j < len(views) and room > 0 and len(batch) < IOV_MAX:
-            take = min(len(views[j]) - o, room)
-            batch.append(views[j][o:o + take])
-            room -= take
-            j, o = (j + 1, 0) if o + take == len(views[j]) else (j, o + take)
-        n = os.readv(fd, batch)
-        if n == 0:
-            break  # end of file
-        for b in batch:
-            if n <= 0:
-                break
-            m = min(len(b), n)
-            if hasher is not None:
-                if skip >= m:
-                    skip -= m
-                else:
-                    hasher.update(b[skip:m])
-                    skip = 0
-            n -= m
-            total += m
-            off += m
-            if off == len(views[i]):
-                i, off = i + 1, 0
     return total
 
 
@@ -305,17 +267,6 @@ class DiskTier(Tier):
             os.makedirs(self._tmp, exist_ok=True)
             return os.open(tmp, flags, 0o644)
 
-    def _open_object(self, key: ChunkKey) -> tuple[int, os.stat_result]:
-        fd = os.open(self._object_path(key), os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptObjectError("not a regular file")
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, st
-
     def _touch(self, fd: int, st: os.stat_result) -> None:
         """Refresh mtime on a hit so the LRU order rebuilt after a restart follows use, not creation."""
         if self.read_only:
@@ -328,24 +279,12 @@ class DiskTier(Tier):
                 pass
 
     def _load(self, key: ChunkKey, size: int, device, borrow: bool = False) -> TensorDict | None:
-        fd, st = self._open_object(key)
+        fd, st = objfile.open_object(self._object_path(key))
         try:
-            buf = torch.empty(st.st_size, dtype=torch.uint8)
-            mv = memoryview(buf.numpy())
-            h = xxhash.xxh3_128()
-            got = _read_into(fd, [mv], h, skip=objformat.PREFIX_SIZE)
-            if got != st.st_size:
-                raise CorruptObjectError(f"short read: {got} of {st.st_size} bytes")
-            hdr = objformat.parse_header(mv, key, object_size=st.st_size)
-            if h.digest() != bytes(mv[16:32]):
-                raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
+            tensors = objfile.read_object(fd, st, key)  # views over one buffer when uncompressed
             self._touch(fd, st)
         finally:
             os.close(fd)
-        if hdr.codec == "none":
-            tensors = objformat.tensors_from_payload(buf[hdr.payload_offset:], hdr)  # views over buf
-        else:
-            tensors = objformat.decode(buf, key)
         device = torch.device(device)
         if device.type != "cpu":
             tensors = {n: t.to(device) for n, t in tensors.items()}
@@ -354,28 +293,19 @@ class DiskTier(Tier):
     def _load_into(self, key: ChunkKey, size: int, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
         """Read the payload straight into caller-owned ``out`` (contiguous CPU tensors): no allocation.
 
-        Names, shapes and dtypes must match the stored chunk exactly (else :class:`InvalidInputError`,
-        nothing read). The checksum is verified after the read: on :class:`CorruptObjectError` ``out``
-        holds unspecified bytes. Compressed objects and non-CPU or non-contiguous ``out`` tensors go
-        through :meth:`_load` and a copy.
+        The checksum is verified after the read: on :class:`CorruptObjectError` ``out`` holds unspecified
+        bytes. Compressed objects, non-CPU or non-contiguous ``out`` tensors, and an ``out`` that differs
+        from what the (not yet verified) header says go through :meth:`_load` and a copy, so a damaged
+        object is a miss and only an intact one that differs raises :class:`InvalidInputError`.
         """
-        if not all(t.device.type == "cpu" and t.is_contiguous() for t in out.values()):
-            data = self._load(key, size, "cpu")
-            return None if data is None else fill_out(out, data)
-        fd, st = self._open_object(key)
+        fd, st = objfile.open_object(self._object_path(key))
         try:
-            head = os.pread(fd, 8 << 10, 0)
-            if len(head) >= objformat.PREFIX_SIZE:
-                hlen = objformat.PREFIX.unpack_from(head)[2]
-                if objformat.PREFIX_SIZE + hlen > len(head) and hlen <= objformat.MAX_HEADER:
-                    head = os.pread(fd, objformat.PREFIX_SIZE + hlen, 0)
-            hdr = objformat.parse_header(head, key, object_size=st.st_size)
-            if hdr.codec != "none":
-                os.close(fd)
-                fd = -1
-                data = self._load(key, size, "cpu")
-                return None if data is None else fill_out(out, data)
-            _check_out(out, hdr)
+            head, hdr = objfile.read_header(fd, st, key)
+            if (hdr.codec != "none" or not _matches(out, hdr)
+                    or not all(t.device.type == "cpu" and t.is_contiguous() for t in out.values())):
+                data = objfile.read_object(fd, st, key)
+                self._touch(fd, st)
+                return fill_out(out, data)
             segments: list[memoryview] = []
             pos = 0
             for s in hdr.tensors:
@@ -388,15 +318,14 @@ class DiskTier(Tier):
                 segments.append(memoryview(bytearray(hdr.raw_size - pos)))
             os.lseek(fd, hdr.payload_offset, os.SEEK_SET)
             h = xxhash.xxh3_128(memoryview(head)[objformat.PREFIX_SIZE:hdr.payload_offset])
-            got = _read_into(fd, segments, h)
+            got = objfile.read_into(fd, segments, h)
             if got != hdr.raw_size:
                 raise CorruptObjectError(f"short read: {got} of {hdr.raw_size} payload bytes")
             if h.digest() != head[16:32]:
                 raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
             self._touch(fd, st)
         finally:
-            if fd >= 0:
-                os.close(fd)
+            os.close(fd)
         return dict(out)
 
     def _drop(self, key: ChunkKey) -> None:
@@ -467,15 +396,10 @@ class DiskTier(Tier):
                 "codec": self.codec}
 
 
-def _check_out(out: Mapping[str, torch.Tensor], hdr: objformat.Header) -> None:
-    names = {s.name for s in hdr.tensors}
-    if set(out) != names:
-        raise InvalidInputError(f"out has tensors {sorted(out)}, the chunk has {sorted(names)}")
-    for s in hdr.tensors:
-        dst = out[s.name]
-        if tuple(dst.shape) != s.shape or dst.dtype != s.dtype:
-            raise InvalidInputError(
-                f"out[{s.name!r}] is {tuple(dst.shape)} {dst.dtype}, the chunk holds {s.shape} {s.dtype}")
+def _matches(out: Mapping[str, torch.Tensor], hdr: objformat.Header) -> bool:
+    """Whether ``out`` has exactly the header's names, shapes and dtypes."""
+    return set(out) == {s.name for s in hdr.tensors} and all(
+        tuple(out[s.name].shape) == s.shape and out[s.name].dtype == s.dtype for s in hdr.tensors)
 
 
 def _scandir(path: str) -> list[os.DirEntry]:
