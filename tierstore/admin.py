@@ -38,23 +38,32 @@ def run_stats(args) -> int:
     return 0
 
 
-def _check_all(store) -> dict:
-    """Read every object of every tier once; corrupt ones are counted and dropped by the tier."""
+def _check_all(store, repair: bool = False) -> dict:
+    """Read every object of every tier once. Damaged objects are removed from private tiers; from shared
+    ones (a remote prefix) only with ``repair``. Unsupported ones (newer format, unknown dtype) stay."""
     result = {}
     for tier in store.tiers:
         keys = tier.keys()
-        before = tier.stats()["corrupt"]
-        ok = 0
+        outcomes: list[str] = []
         for i in range(0, len(keys), 64):
-            ok += sum(r is not None for r in tier.get_many(keys[i:i + 64]))
-        result[tier.name] = {"objects": len(keys), "ok": ok, "corrupt": tier.stats()["corrupt"] - before}
+            outcomes += tier.verify_many(keys[i:i + 64], repair=repair)
+        result[tier.name] = {"objects": len(keys), **{o: outcomes.count(o) for o in
+                                                      ("ok", "corrupt", "unsupported", "missing", "error")},
+                             "removed": outcomes.count("corrupt") if repair or not tier.shared else 0}
     return result
+
+
+def add_verify_arguments(p) -> None:
+    add_arguments(p)
+    p.add_argument("--repair", action="store_true",
+                   help="also remove damaged objects from shared (remote) tiers; private tiers always drop them")
 
 
 def run_verify(args) -> int:
     with _open(args) as store:
-        result = _check_all(store)
-    lines = [f"{name}: {r['objects']} objects, {r['ok']} ok, {r['corrupt']} corrupt (removed)"
+        result = _check_all(store, repair=args.repair)
+    lines = [f"{name}: {r['objects']} objects, {r['ok']} ok, {r['corrupt']} corrupt ({r['removed']} removed), "
+             f"{r['unsupported']} unsupported (kept), {r['error']} unreadable"
              for name, r in result.items()]
     _emit(args, result, lines)
     return 1 if any(r["corrupt"] for r in result.values()) else 0
@@ -68,18 +77,19 @@ def add_gc_arguments(p) -> None:
 
 def run_gc(args) -> int:
     # Opening a disk tier already removes its stale temp files (it owns the directory); a shared remote
-    # prefix may have live writers, so only old temp files go. Verification drops corrupt objects.
+    # prefix may have live writers, so only old temp files go. Verification removes damaged objects
+    # everywhere (gc is an explicit repair); unsupported ones stay for the readers that can read them.
     from .tiers.remote import RemoteTier
 
     with _open(args) as store:
-        result = _check_all(store)
+        result = _check_all(store, repair=True)
         for tier in store.tiers:
             if isinstance(tier, RemoteTier):
                 result[tier.name]["stale_temp_removed"] = tier.remove_stale_temp(args.stale_after)
-    _emit(args, result, [f"{name}: kept {r['ok']}, removed {r['corrupt'] + r['objects'] - r['ok']}"
+    _emit(args, result, [f"{name}: kept {r['objects'] - r['removed']}, removed {r['removed']} damaged"
                          + (f", {r['stale_temp_removed']} stale temp files" if "stale_temp_removed" in r else "")
                          for name, r in result.items()])
     return 0
 
 
-add_stats_arguments = add_verify_arguments = add_arguments
+add_stats_arguments = add_arguments

@@ -14,8 +14,8 @@ import sys
 VERBS = {
     "demo": ("tierstore.demo", "multi-round chat with a small transformer, KV served from the store"),
     "stats": ("tierstore.admin", "print per-tier statistics of a store"),
-    "verify": ("tierstore.admin", "re-check every stored object's checksum"),
-    "gc": ("tierstore.admin", "remove stale temp files and corrupt objects"),
+    "verify": ("tierstore.admin", "re-check every stored object's checksum (--repair: remove damaged shared ones)"),
+    "gc": ("tierstore.admin", "remove stale temp files and damaged objects"),
 }
 BENCHES = {
     "tiers": ("tierstore.bench.tiers", "put/get throughput of each tier vs plain copies and I/O"),

@@ -78,9 +78,11 @@ def assert_same(a: dict, b: dict) -> None:
                                b[name].view(torch.uint8) if b[name].dim() else b[name].reshape(1).view(torch.uint8)), name
 
 
-def reencode(data: bytes, edit: Callable[[dict], None] | None = None, version: int | None = None) -> bytes:
+def reencode(data: bytes, edit: Callable[[dict], None] | None = None, version: int | None = None,
+             payload: bytes | None = None) -> bytes:
     """A copy of the encoded object ``data`` whose JSON header ``edit`` changed in place (and whose
-    prefix says ``version``), with a valid checksum: what another writer could have published."""
+    prefix says ``version``, whose payload is ``payload``), with a valid checksum: what another writer
+    could have published."""
     import json
 
     import xxhash
@@ -93,7 +95,7 @@ def reencode(data: bytes, edit: Callable[[dict], None] | None = None, version: i
         edit(raw)
     h = json.dumps(raw, separators=(",", ":")).encode()
     h += b" " * (-(objformat.PREFIX_SIZE + len(h)) % objformat.ALIGN)
-    payload = bytes(data[hdr.payload_offset:])
+    payload = bytes(data[hdr.payload_offset:]) if payload is None else payload
     digest = xxhash.xxh3_128(h + payload).digest()
     prefix = objformat.PREFIX.pack(objformat.MAGIC, objformat.VERSION if version is None else version, len(h), digest)
     return prefix + h + payload
