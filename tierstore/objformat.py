@@ -41,7 +41,7 @@ import zstandard
 
 from .errors import CorruptObjectError, InvalidInputError, UnsupportedObjectError
 from .keys import ChunkKey
-from .tensors import DTYPES, TensorDict, byte_view, dtype_name, validate_tensors
+from .tensors import DTYPES, TensorDict, byte_view, dtype_name, shape_is_valid, validate_tensors
 
 MAGIC = b"TIERSTOR"
 VERSION = 1
@@ -274,6 +274,8 @@ def _validate_header(raw: Any, payload_offset: int) -> Header:
         offset, nb = _int(item, "offset"), _int(item, "nbytes")
         if dtype is not None and nb != math.prod(shape) * dtype.itemsize:
             raise CorruptObjectError(f"tensor {name!r}: nbytes {nb} != numel x itemsize")
+        if dtype is not None and not shape_is_valid(shape, dtype):  # huge dims around a zero
+            raise CorruptObjectError(f"tensor {name!r}: shape {shape} overflows torch's sizes")
         if offset % ALIGN or offset < end or offset + nb > raw_size:
             raise CorruptObjectError(f"tensor {name!r}: offset {offset} misaligned, overlapping or out of range")
         end = offset + nb

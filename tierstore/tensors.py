@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -52,6 +53,18 @@ def validate_tensors(tensors) -> None:
         if t.is_meta:
             raise InvalidInputError(f"tensor {name!r} is on the meta device: it has no data to store")
         dtype_name(t.dtype)
+
+
+def shape_is_valid(shape: Sequence[int], dtype: torch.dtype) -> bool:
+    """Whether torch can make a ``dtype`` tensor of ``shape`` (non-negative ints): sizes and strides
+    must fit in int64. Asked of a meta tensor (no memory) when the dims are large enough to matter."""
+    if math.prod(max(d, 1) for d in shape) * dtype.itemsize < 1 << 62:
+        return True
+    try:
+        torch.empty(tuple(shape), dtype=dtype, device="meta")
+    except (RuntimeError, TypeError, OverflowError, ValueError):
+        return False
+    return True
 
 
 def nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
