@@ -198,6 +198,12 @@ def test_deeply_nested_index_json(sharded):
         tw.load(d)
 
 
+@pytest.mark.parametrize("dtype", [[], {}, ["F32"]])
+def test_unhashable_dtype_is_rejected(tmp_path, dtype):  # found by tests/test_fuzz_parsers.py
+    h = {"a": {"dtype": dtype, "shape": [1], "data_offsets": [0, 4]}}
+    expect_bad(write_raw(tmp_path / "d.safetensors", h, bytes(4)), "unknown dtype", "a")
+
+
 @pytest.mark.parametrize("shape", [[2**64, 0], [2**63, 0], [0, 2**62, 2**62], [2**40, 2**40, 0]])
 def test_shape_overflowing_torch_is_rejected_at_validation(tmp_path, shape):
     h = {"a": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}

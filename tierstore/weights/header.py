@@ -177,7 +177,7 @@ def _tensor_info(file: str, name, entry, data_start: int) -> TensorInfo:
     if extra:
         raise CheckpointError(file, f"unexpected fields {sorted(extra)}", name)
     code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if code not in DTYPES:
+    if not isinstance(code, str) or code not in DTYPES:
         raise CheckpointError(file, f"unknown dtype {code!r} (known: {', '.join(sorted(DTYPES))})", name)
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise CheckpointError(file, f"shape must be a list of non-negative ints, got {shape!r}", name)
