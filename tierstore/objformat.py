@@ -115,9 +115,8 @@ def _spec_bound(name: str, ndim: int) -> int:
     return 12 * len(name) + 14 * ndim + 160
 
 
-def validate_chunk(tensors: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
-    """Refuse a chunk the format cannot read back; return its tensor entries (names, dtypes, shapes,
-    64-byte aligned offsets into the raw payload, sizes).
+def validate_chunk(tensors: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a chunk the format cannot read back.
 
     The one check of what a chunk may be, shared by ``put`` (store and tiers, before any tier is
     touched) and :func:`encode`: :func:`~tierstore.tensors.validate_tensors`, then at most
@@ -128,27 +127,35 @@ def validate_chunk(tensors: Mapping[str, torch.Tensor]) -> list[dict[str, Any]]:
         InvalidTypeError, InvalidInputError: naming the offending tensor.
     """
     validate_tensors(tensors)
-    specs: list[dict[str, Any]] = []
-    offset = bound = 0
+    raw_size = bound = 0
     for name, t in tensors.items():
         if t.dim() > MAX_DIMS:
             raise InvalidInputError(f"tensor {name!r} has {t.dim()} dims; the object format allows {MAX_DIMS}")
-        if any(d > MAX_RAW for d in t.shape):
+        if t.dim() and max(t.shape) > MAX_RAW:
             raise InvalidInputError(f"tensor {name!r} has a dimension over {MAX_RAW}: {tuple(t.shape)}")
+        raw_size = _align(raw_size) + t.numel() * t.element_size()
+        bound += _spec_bound(name, t.dim())
+    if raw_size > MAX_RAW:
+        raise InvalidInputError(f"chunk holds {raw_size} bytes; the object format allows {MAX_RAW}")
+    if bound + 2 * ALIGN + 256 > MAX_HEADER:  # close to the cap: measure exactly
+        specs, _ = _layout(tensors)
+        size = len(_header_bytes(ChunkKey(bytes(32)), "none", raw_size, MAX_RAW, specs))
+        if size > MAX_HEADER:
+            raise InvalidInputError(f"chunk of {len(specs)} tensors needs a {size}-byte header; the object "
+                                    f"format allows {MAX_HEADER} (store fewer or shorter-named tensors)")
+
+
+def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[dict[str, Any]], int]:
+    """Header entries of ``tensors`` (64-byte aligned offsets into the raw payload) and the raw size."""
+    specs: list[dict[str, Any]] = []
+    offset = 0
+    for name, t in tensors.items():
         offset = _align(offset)
         nb = t.numel() * t.element_size()
         specs.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
                       "offset": offset, "nbytes": nb})
         offset += nb
-        bound += _spec_bound(name, t.dim())
-    if offset > MAX_RAW:
-        raise InvalidInputError(f"chunk holds {offset} bytes; the object format allows {MAX_RAW}")
-    if bound + 2 * ALIGN + 256 > MAX_HEADER:  # close to the cap: measure exactly
-        size = len(_header_bytes(ChunkKey(bytes(32)), "none", offset, MAX_RAW, specs))
-        if size > MAX_HEADER:
-            raise InvalidInputError(f"chunk of {len(specs)} tensors needs a {size}-byte header; the object "
-                                    f"format allows {MAX_HEADER} (store fewer or shorter-named tensors)")
-    return specs
+    return specs, offset
 
 
 def _header_bytes(key: ChunkKey, codec: str, raw_size: int, stored_size: int,
@@ -168,7 +175,8 @@ def encode(key: ChunkKey, tensors: Mapping[str, torch.Tensor], codec: str = "non
     """
     if codec not in CODECS:
         raise InvalidInputError(f"unknown codec {codec!r}; expected one of {CODECS}")
-    specs = validate_chunk(tensors)
+    validate_chunk(tensors)
+    specs, raw_size = _layout(tensors)
     payload: list[Any] = []
     pos = 0
     for spec, t in zip(specs, tensors.values()):
@@ -177,7 +185,6 @@ def encode(key: ChunkKey, tensors: Mapping[str, torch.Tensor], codec: str = "non
         if spec["nbytes"]:
             payload.append(memoryview(byte_view(t).numpy()))
         pos = spec["offset"] + spec["nbytes"]
-    raw_size = pos
     if codec == "zstd":  # the frame records its content size, which the reader requires
         payload = [zstandard.ZstdCompressor(level=level).compress(b"".join(payload))]
     stored_size = sum(len(p) for p in payload)
