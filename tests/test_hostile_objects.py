@@ -215,10 +215,10 @@ def test_readers_never_delete_from_a_shared_prefix_only_repair_does(tmp_path, ca
         assert remote["corrupt"] == 1 and remote["unsupported"] == 1
     assert damaged.exists() and newer.exists()
     assert main(["verify", "--config", str(cfg_path)]) == 1  # reports, keeps
-    assert "1 corrupt (0 removed), 1 unsupported (kept)" in capsys.readouterr().out
+    assert "1 corrupt (kept; --repair removes them), 1 unsupported (kept)" in capsys.readouterr().out
     assert damaged.exists()
     assert main(["verify", "--repair", "--config", str(cfg_path)]) == 1
-    assert "1 corrupt (1 removed)" in capsys.readouterr().out
+    assert "1 corrupt (1 removed), 1 unsupported (kept)" in capsys.readouterr().out
     assert not damaged.exists() and newer.exists()
     assert main(["gc", "--config", str(cfg_path)]) == 0
     assert newer.exists()  # a newer reader may need it

@@ -12,22 +12,18 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Sequence
-from typing import Any
 
 import xxhash
 
 from .. import objformat
 from ..errors import CorruptObjectError
-from ..iov import IOV_MAX
+from ..iov import read_into
 from ..keys import ChunkKey
 from ..tensors import TensorDict
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-#: reads are hashed in steps of this size (L2-sized: the bytes are hashed while still in cache)
-PIECE = 256 << 10
 #: the first read of an object: its prefix and header, and all of a small object
 HEAD_READ = 64 << 10
 
@@ -54,43 +50,6 @@ def open_object(path: str) -> tuple[int, os.stat_result]:
         os.close(fd)
         raise
     return fd, st
-
-
-def read_into(fd: int, bufs: Sequence[Any], hasher: Any = None, skip: int = 0) -> int:
-    """Fill ``bufs`` in order from the current position; returns the bytes read (short only at EOF).
-
-    Reads go in steps of about :data:`PIECE` bytes and each step is hashed (after the first ``skip``
-    bytes of the stream) right away, while it is still in cache: checksumming then costs little on top of
-    the read itself, where hashing a whole multi-MiB buffer afterwards would stream it from RAM again.
-    """
-    views = [mv for mv in (memoryview(b).cast("B") for b in bufs) if len(mv)]
-    total, i, off = 0, 0, 0
-    while i < len(views):
-        batch, room, j, o = [], PIECE, i, off
-        while j < len(views) and room > 0 and len(batch) < IOV_MAX:
-            take = min(len(views[j]) - o, room)
-            batch.append(views[j][o:o + take])
-            room -= take
-            j, o = (j + 1, 0) if o + take == len(views[j]) else (j, o + take)
-        n = os.readv(fd, batch)
-        if n == 0:
-            break  # end of file
-        for b in batch:
-            if n <= 0:
-                break
-            m = min(len(b), n)
-            if hasher is not None:
-                if skip >= m:
-                    skip -= m
-                else:
-                    hasher.update(b[skip:m])
-                    skip = 0
-            n -= m
-            total += m
-            off += m
-            if off == len(views[i]):
-                i, off = i + 1, 0
-    return total
 
 
 def read_header(fd: int, st: os.stat_result, key: ChunkKey) -> tuple[bytes, objformat.Header]:
