@@ -179,7 +179,7 @@ def encode(key: ChunkKey, tensors: Mapping[str, torch.Tensor], codec: str = "non
     specs, raw_size = _layout(tensors)
     payload: list[Any] = []
     pos = 0
-    for spec, t in zip(specs, tensors.values()):
+    for spec, t in zip(specs, tensors.values(), strict=True):
         if spec["offset"] > pos:
             payload.append(bytes(spec["offset"] - pos))
         if spec["nbytes"]:

@@ -33,7 +33,7 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise InvalidInputError(f"unsupported dtype {dtype}") from None
 
 
-def validate_tensors(tensors) -> None:
+def validate_tensors(tensors: object) -> None:
     """Raise a clear error unless ``tensors`` is a non-empty ``Mapping[str, Tensor]`` of dense tensors
     with data (not on the ``meta`` device) and known dtypes.
 

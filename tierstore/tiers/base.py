@@ -249,10 +249,7 @@ class Tier(ABC):
         :class:`InvalidInputError` (``out`` does not match an intact chunk) propagates.
         """
         try:
-            if out is not None:
-                data = self._load_into(key, size, out)
-            else:
-                data = self._load(key, size, device, borrow)
+            data = self._load_into(key, size, out) if out is not None else self._load(key, size, device, borrow)
             return data, OK if data is not None else MISSING
         except UnsupportedObjectError as exc:
             self._count("unsupported")
@@ -286,12 +283,12 @@ class Tier(ABC):
         keys = [check_key(k) for k in keys]
         unique = list(dict.fromkeys(keys))
         self.contains_many(unique)  # a shared tier also checks objects this process has not indexed
-        held = [(k, size) for k, size in zip(unique, self.pin(unique, touch=False)) if size is not None]
+        held = [(k, size) for k, size in zip(unique, self.pin(unique, touch=False), strict=True) if size is not None]
         try:
             outcomes = self._map(lambda ks: self._read_checked(*ks, "cpu", borrow=True, repair=repair)[1], held)
         finally:
             self.unpin(k for k, _ in held)
-        outcome = dict(zip((k for k, _ in held), outcomes))
+        outcome = dict(zip((k for k, _ in held), outcomes, strict=True))
         return [outcome.get(k, MISSING) for k in keys]
 
     def _forget(self, key: ChunkKey, remove: bool = True) -> None:

@@ -18,9 +18,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .cache import RangeCache, read_bytes
-from .header import (MAX_HEADER_SIZE, PREFIX_SIZE, CheckpointError, CheckpointNotFoundError, ShardHeader,
-                     TensorInfo, header_length, parse_header)
-from .sources import FsspecSource, LocalFileSource, Source, filesystem, is_local, local_path
+from .header import (
+    MAX_HEADER_SIZE,
+    PREFIX_SIZE,
+    CheckpointError,
+    CheckpointNotFoundError,
+    ShardHeader,
+    TensorInfo,
+    header_length,
+    parse_header,
+)
+from .sources import (
+    FsspecSource,
+    LocalFileSource,
+    Source,
+    filesystem,
+    is_local,
+    local_path,
+)
 
 INDEX_SUFFIX = ".safetensors.index.json"
 MAX_INDEX_SIZE = 64 * 1024 * 1024
