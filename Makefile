@@ -28,7 +28,7 @@ $(ESTAMP): pyproject.toml adapters/vllm/pyproject.toml
 	touch $(ESTAMP)
 
 # the engine adapters' packages (adapters/<engine>/tierstore_<engine>/), once they exist
-MYPY_TARGETS := tierstore $(wildcard adapters/*/tierstore_*)
+MYPY_TARGETS := tierstore $(patsubst %/__init__.py,%,$(wildcard adapters/*/tierstore_*/__init__.py))
 
 .PHONY: venv engines-venv demo test test-fast test-engines lint lint-ruff lint-mypy bench clean
 venv: $(STAMP)
