@@ -36,6 +36,7 @@ EXPECTED = {
     "register_kv_caches": "(self, kv_caches: dict[str, torch.Tensor])",
     "get_block_ids_with_load_errors": "(self) -> set[int]",
     "shutdown": "(self)",
+    "requires_piecewise_for_cudagraph": "(extra_config: dict[str, typing.Any]) -> bool",
 }
 
 
