@@ -64,6 +64,9 @@ def add_gc_arguments(p) -> None:
     add_arguments(p)
     p.add_argument("--stale-after", type=float, default=3600.0, metavar="SECONDS",
                    help="remove remote temp files older than this (crashed writers; default 3600)")
+    p.add_argument("--older-than", type=float, default=None, metavar="SECONDS",
+                   help="also remove remote objects last written longer ago than this, by any writer "
+                        "(the age bound of a shared prefix without a bucket lifecycle rule)")
 
 
 def run_gc(args) -> int:
@@ -76,8 +79,11 @@ def run_gc(args) -> int:
         for tier in store.tiers:
             if isinstance(tier, RemoteTier):
                 result[tier.name]["stale_temp_removed"] = tier.remove_stale_temp(args.stale_after)
+                if args.older_than is not None:
+                    result[tier.name]["expired_removed"] = tier.remove_older_than(args.older_than)
     _emit(args, result, [f"{name}: kept {r['ok']}, removed {r['corrupt'] + r['objects'] - r['ok']}"
                          + (f", {r['stale_temp_removed']} stale temp files" if "stale_temp_removed" in r else "")
+                         + (f", {r['expired_removed']} expired objects" if "expired_removed" in r else "")
                          for name, r in result.items()])
     return 0
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from .errors import ConfigError
 from .sizes import parse_size
+from .remote_options import check_remote_options
 
 ENV_CONFIG = "TIERSTORE_CONFIG"
 DEFAULT_ROOT = "~/.cache/tierstore"
@@ -37,7 +38,8 @@ _TIER_KEYS: dict[str, set[str]] = {
     "device": {"device", "capacity"},
     "host": {"capacity", "pinned", "pool", "slot_size"},
     "disk": {"path", "capacity", "durable", "read_only", "codec", "io_threads"},
-    "remote": {"url", "storage_options", "compression", "capacity", "max_in_flight", "list_on_open"},
+    "remote": {"url", "storage_options", "compression", "max_in_flight", "list_on_open", "timeout",
+               "capacity"},  # refused with an explanation (remote_options.CAPACITY_REFUSED)
 }
 _SIZE_KEYS = {"capacity", "slot_size"}
 _REQUIRED = {"disk": {"path"}, "remote": {"url"}}
@@ -156,6 +158,8 @@ def _parse_tier(entry, where: str) -> TierConfig:
     missing = _REQUIRED.get(kind, set()) - set(options)
     if missing:
         raise ConfigError(f"{where}: a {kind} tier needs {', '.join(sorted(missing))}")
+    if kind == "remote":
+        check_remote_options(where, **options)
     for key in _SIZE_KEYS & set(options):
         if options[key] is not None:
             options[key] = parse_size(options[key], key=f"{where}.{key}")
@@ -164,12 +168,6 @@ def _parse_tier(entry, where: str) -> TierConfig:
     if kind == "disk":
         options["path"] = _check_writable(options["path"], f"{where}.path",
                                           read_only=bool(options.get("read_only")))
-    if kind == "remote":
-        _check_url(options["url"], f"{where}.url")
-        if options.get("storage_options") is not None and not isinstance(options["storage_options"], Mapping):
-            raise ConfigError(f"{where}.storage_options: expected a mapping")
-        if options.get("compression") not in (None, "none", "zstd"):
-            raise ConfigError(f"{where}.compression: {options['compression']!r} is not one of none | zstd")
     if kind == "disk" and options.get("codec", "none") not in ("none", "zstd"):
         raise ConfigError(f"{where}.codec: {options['codec']!r} is not one of none | zstd")
     name = entry.get("name", kind)
@@ -197,17 +195,3 @@ def _check_writable(path, key: str, read_only: bool) -> str:
     if read_only and not p.is_dir():
         raise ConfigError(f"{key}: {str(p)!r} does not exist (read_only tiers open an existing directory)")
     return str(p)
-
-
-def _check_url(url, key: str) -> None:
-    import fsspec
-
-    if not isinstance(url, str) or not url:
-        raise ConfigError(f"{key}: expected an fsspec URL such as s3://bucket/prefix, got {url!r}")
-    protocol = url.split("://", 1)[0] if "://" in url else "file"
-    if protocol not in fsspec.available_protocols():
-        raise ConfigError(f"{key}: unknown URL scheme {protocol!r} in {url!r}")
-    try:
-        fsspec.get_filesystem_class(protocol)
-    except (ImportError, ValueError) as exc:
-        raise ConfigError(f"{key}: scheme {protocol!r} needs a package that is not installed: {exc}") from None

@@ -86,6 +86,8 @@ class TierTests:
     checksummed: bool = False
     #: rounds per thread in the race test (slow remote backends may lower it)
     race_iterations: int = 200
+    #: the tier takes a capacity and evicts (shared remote tiers do not: their capacity tests are skipped)
+    bounded: bool = True
 
     @pytest.fixture(autouse=True)
     def _tmp(self, tmp_path):
@@ -108,9 +110,19 @@ class TierTests:
         raise NotImplementedError
 
     def tier(self, capacity: int | None = 64 * MiB) -> Tier:
-        t = self.make_tier(capacity)
+        t = self.make_tier(capacity if self.bounded else None)
         self._open.append(t)
         return t
+
+    def bounded_tier(self, capacity: int) -> Tier:
+        """A tier of ``capacity`` bytes for a test of eviction; skips the test for unbounded tiers."""
+        if not self.bounded:
+            pytest.skip("tier has no capacity")
+        return self.tier(capacity)
+
+    @staticmethod
+    def fits(t: Tier) -> bool:
+        return t.capacity is None or t.used_bytes <= t.capacity
 
     # round trips -----------------------------------------------------------
     @pytest.mark.parametrize("dtype", sorted(DTYPES.values(), key=str), ids=str)
@@ -197,18 +209,18 @@ class TierTests:
         assert t.used_bytes == 0 and len(t) == 0
 
     def test_capacity_never_exceeded_and_lru_order(self):
-        t = self.tier(capacity=5 * 8192 + 4096)
+        t = self.bounded_tier(5 * 8192 + 4096)
         for i in range(5):
             assert t.put(key_of(i), chunk(i, 8000))
         assert t.get(key_of(0)) is not None  # LRU order now 1, 2, 3, 4, 0
         for i in (5, 6):
             assert t.put(key_of(i), chunk(i, 8000))
-            assert t.used_bytes <= t.capacity
+            assert self.fits(t)
         assert [i for i in range(7) if t.contains(key_of(i))] == [0, 3, 4, 5, 6]
         assert t.stats()["evictions"] == 2
 
     def test_oversize_is_skipped_not_stored(self):
-        t = self.tier(capacity=4096)
+        t = self.bounded_tier(4096)
         t.put(key_of(0), chunk(0, 1024))
         assert not t.put(key_of(1), chunk(1, 1 << 16))
         assert not t.contains(key_of(1))
@@ -216,7 +228,7 @@ class TierTests:
         assert t.stats()["skipped"] == 1
 
     def test_pinned_keys_are_not_evicted(self):
-        t = self.tier(capacity=3 * 8192)
+        t = self.bounded_tier(3 * 8192)
         t.put(key_of(0), chunk(0, 8000))
         t.pin([key_of(0)])
         for i in range(1, 6):
@@ -228,7 +240,7 @@ class TierTests:
         assert not t.contains(key_of(0))
 
     def test_put_waits_briefly_for_pins_then_skips(self):
-        t = self.tier(capacity=12000)  # one 8000-byte chunk (plus any object header) fits, two do not
+        t = self.bounded_tier(12000)  # one 8000-byte chunk (plus any object header) fits, two do not
         t.pin_wait = 0.3
         t.put(key_of(0), chunk(0, 8000))
         t.pin([key_of(0)])
@@ -240,7 +252,7 @@ class TierTests:
         assert not t.contains(key_of(0)) and t.contains(key_of(1))
 
     def test_internal_reads_leave_lru_order_alone(self):
-        t = self.tier(capacity=3 * 8192 + 4096)
+        t = self.bounded_tier(3 * 8192 + 4096)
         for i in range(3):
             t.put(key_of(i), chunk(i, 8000))
         with t.borrowed(key_of(0)) as value:  # write-back / eviction copies are not "use"
@@ -249,7 +261,7 @@ class TierTests:
         assert not t.contains(key_of(0)) and t.contains(key_of(1))
 
     def test_before_evict_sees_the_victim(self):
-        t = self.tier(capacity=2 * 8192)
+        t = self.bounded_tier(2 * 8192)
         seen = []
 
         def hook(tier, key):
@@ -306,10 +318,10 @@ class TierTests:
                 got = t.get(k)
                 if got is not None:
                     assert_same(got, value)
-                assert t.used_bytes <= t.capacity
+                assert self.fits(t)
 
         run_threads(worker, 6)
-        assert t.used_bytes <= t.capacity
+        assert self.fits(t)
         assert t.stats()["reserved_bytes"] == 0
 
     def test_racing_overwrites_deletes_and_reads(self):
@@ -343,7 +355,7 @@ class TierTests:
         run_threads(worker, nworkers)
         stats = t.stats()
         assert stats["reserved_bytes"] == 0 and stats["pinned"] == 0
-        assert t.used_bytes <= t.capacity
+        assert self.fits(t)
         for k in t.keys():  # the index and storage agree after the storm
             assert t.get(k) is not None
 
@@ -367,5 +379,5 @@ class TierTests:
         assert len(t) == 0  # nothing stored by a failed call
 
     def test_negative_capacity_rejected(self):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError):  # an unbounded tier refuses any capacity
             self.make_tier(-1)

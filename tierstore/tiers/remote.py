@@ -19,19 +19,30 @@ Rules this tier keeps:
   accounting, pins and counters.
 * **Degrade, don't fail.** Any storage or network error on a read is a miss, on a write a skipped put; it
   is counted (``errors``) and logged once. A bad object is a counted miss (``corrupt``) and is removed.
-* **Capacity** is optional (``None`` = unbounded). With one, LRU eviction runs over the objects this
-  process knows (its listing and what it has written or found), and an evicted object is deleted.
+* **Never stuck.** Every storage request has a deadline (``timeout``, 5 s by default): on asynchronous
+  filesystems (s3, gcs, http …) the request is cancelled when it passes, and S3 clients also get bounded
+  connect/read timeouts and retries (:data:`S3_CLIENT_DEFAULTS`, overridable in ``storage_options``).
+  A timeout, connection failure or 5xx answer makes the tier fail fast (a miss, no I/O) for a back-off
+  that doubles while the storage stays down. ``close()`` waits for in-flight requests at most ``timeout``.
+  Local paths (``file://``) block as the mount does: use NFS ``soft`` mounts with ``timeo``.
+* **No capacity.** The prefix is shared, so a per-process LRU over it would delete other writers' fresh
+  objects (it did: review C5). The tier never evicts; bound the prefix with bucket lifecycle rules, or
+  :meth:`RemoteTier.remove_older_than` (``tierstore gc --older-than``), which deletes by age for every
+  writer alike.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import errno
 import os
+import re
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -42,6 +53,7 @@ import torch
 from .. import objformat
 from ..errors import ClosedError, ConfigError, InvalidInputError, TierstoreError
 from ..keys import ChunkKey
+from ..remote_options import check_remote_options
 from ..tensors import TensorDict
 from .base import Tier
 from .layout import TMP_SUFFIX, key_from_name, object_relpath
@@ -60,21 +72,37 @@ class _Unavailable(OSError):
 #: errno values for which a hard link cannot be made but ``os.replace`` works (FAT, some FUSE/SMB mounts)
 _NO_LINK = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV, errno.ENOSYS}
 
+#: seconds one storage request may take by default (``timeout``); a KV chunk later than this is worth less
+#: than recomputing it
+DEFAULT_TIMEOUT = 5.0
+#: botocore client settings for s3:// unless ``storage_options["config_kwargs"]`` sets them (botocore's
+#: own defaults are 60 s connect and read timeouts with 5 attempts: minutes against a silent endpoint)
+S3_CLIENT_DEFAULTS: dict[str, Any] = {"connect_timeout": 2, "read_timeout": 4,
+                                      "retries": {"max_attempts": 3, "mode": "standard"}}
+#: the temp file a ``file://`` publish stages in, ``<64 hex>.tso.<32 hex>.tmp`` (see ``_publish_local``)
+_TEMP_NAME = re.compile(r"(?P<key>[0-9a-f]{64})\.tso\.[0-9a-f]{32}" + re.escape(TMP_SUFFIX))
 
-def _check_url(url) -> None:
-    """Raise :class:`ConfigError` unless every protocol in ``url`` is one fsspec can load."""
-    if not isinstance(url, str) or not url:
-        raise ConfigError(f"remote tier needs `url` (an fsspec URL such as s3://bucket/prefix), got {url!r}")
-    for part in url.split("::"):
-        protocol, _ = fsspec.core.split_protocol(part)
-        if protocol is None:
-            continue  # a plain local path
-        if protocol not in fsspec.available_protocols():
-            raise ConfigError(f"remote tier url {url!r}: unknown scheme {protocol!r}")
-        try:
-            fsspec.get_filesystem_class(protocol)
-        except ImportError as exc:
-            raise ConfigError(f"remote tier url {url!r}: scheme {protocol!r} needs a package: {exc}") from None
+
+def _with_client_defaults(url: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` plus :data:`S3_CLIENT_DEFAULTS` for an ``s3://`` URL (the user's values win)."""
+    options = dict(options)
+    protocol, _ = fsspec.core.split_protocol(url.split("::")[-1])
+    if protocol in ("s3", "s3a"):
+        options["config_kwargs"] = {**S3_CLIENT_DEFAULTS, **(options.get("config_kwargs") or {})}
+    return options
+
+
+def _server_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is an HTTP 5xx answer: the service is failing, not the request."""
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if seen is None:
+            return False
+        status = (getattr(seen, "response", None) or {}).get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(status, int) and status >= 500:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _mtime(info: Mapping) -> float:
@@ -104,20 +132,27 @@ class RemoteTier(Tier):
 
     Parameters
     ----------
-    name, capacity:
-        As for every tier; ``capacity=None`` (the default) means unbounded.
+    name:
+        As for every tier. There is no ``capacity`` (passing one raises :class:`ConfigError`): see the
+        module docstring.
     url:
         Any fsspec URL: ``s3://bucket/prefix``, ``file:///mnt/nfs/kv``, ``memory://kv``, ``gs://…``.
         An unknown scheme, or one whose package is missing, raises :class:`ConfigError` before any I/O.
     storage_options:
         Keyword arguments for the filesystem (``endpoint_url``, ``key``, ``secret``, ``config_kwargs`` …).
+        For ``s3://``, ``config_kwargs`` defaults to :data:`S3_CLIENT_DEFAULTS` key by key.
     compression:
         ``None``/``"none"`` or ``"zstd"`` for objects this tier writes; it reads either.
     max_in_flight:
         Concurrent storage requests of this tier (all callers together).
     list_on_open:
-        Rebuild the index by listing the prefix at open. Without it the index fills lazily, as lookups
-        find objects in storage.
+        Rebuild the index by listing the prefix at open (bounded by :attr:`list_timeout`). Without it the
+        index fills lazily, as lookups find objects in storage.
+    timeout:
+        Seconds one storage request may take (default :data:`DEFAULT_TIMEOUT`). A get or lookup of a key
+        this process has not seen makes one request (a HEAD), a get of a known key one GET, a put one PUT
+        (plus a HEAD for an unseen key): against a silent endpoint each returns a miss/``False`` within
+        ``timeout``, and later calls return at once while the tier backs off.
     """
 
     kind = "remote"
@@ -125,22 +160,21 @@ class RemoteTier(Tier):
     #: seconds to fail fast after a connection error or timeout (doubling while down, up to the max)
     retry_after: float = 1.0
     max_retry_after: float = 30.0
+    #: seconds the listing at open may take (at least ``timeout``); a prefix too large to list in that
+    #: time starts with an empty index that fills as lookups find objects (or use ``list_on_open=False``)
+    list_timeout: float = 30.0
 
-    def __init__(self, name: str | None = None, capacity: int | None = None, url: str | None = None,
+    def __init__(self, name: str | None = None, capacity: None = None, url: str | None = None,
                  storage_options: Mapping[str, Any] | None = None, compression: str | None = None,
-                 max_in_flight: int = 8, list_on_open: bool = True):
-        _check_url(url)
-        if compression not in (None, "none", "zstd"):
-            raise ConfigError(f"remote tier compression must be null, 'none' or 'zstd', got {compression!r}")
-        if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1:
-            raise ConfigError(f"remote tier max_in_flight must be a positive int, got {max_in_flight!r}")
-        if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise ConfigError(f"remote tier storage_options must be a mapping, got {storage_options!r}")
-        super().__init__(name, capacity)
-        self.url = url
+                 max_in_flight: int = 8, list_on_open: bool = True, timeout: float | None = DEFAULT_TIMEOUT):
+        check_remote_options(f"remote tier {name or self.kind!r}", url, storage_options, compression,
+                             max_in_flight, timeout, capacity, list_on_open)
+        super().__init__(name, None)
+        self.url: str = url  # type: ignore[assignment]  # checked above
         self.codec = compression or "none"
         self.max_in_flight = max_in_flight
-        options = dict(storage_options or {})
+        self.timeout = float(DEFAULT_TIMEOUT if timeout is None else timeout)
+        options = _with_client_defaults(self.url, storage_options or {})
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **options)
         except (ValueError, TypeError, ImportError) as exc:
@@ -148,6 +182,7 @@ class RemoteTier(Tier):
         self.root = root.rstrip("/")
         self._local = isinstance(self.fs, LocalFileSystem)
         self._s3 = type(self.fs).__module__.startswith("s3fs")
+        self._async = bool(getattr(self.fs, "async_impl", False))
         self._create_mode = True  # whether pipe_file takes mode="create" (cleared if the fs rejects it)
         self._health = threading.Lock()
         self._down_until = 0.0
@@ -155,6 +190,7 @@ class RemoteTier(Tier):
         self._worker = threading.local()
         self._pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix=f"tierstore-{self.name}",
                                         initializer=self._mark_worker)
+        self._in_flight: set[Future[Any]] = set()  # pool tasks not finished yet (close waits for them)
         if list_on_open:
             self._rebuild_index()
 
@@ -170,31 +206,44 @@ class RemoteTier(Tier):
         items = list(items)
         if len(items) <= 1 or self.max_in_flight == 1 or getattr(self._worker, "active", False):
             return [fn(x) for x in items]
+        futures = []
         try:
-            futures = [self._pool.submit(fn, x) for x in items]
+            for x in items:
+                future = self._pool.submit(fn, x)
+                self._in_flight.add(future)
+                future.add_done_callback(self._in_flight.discard)
+                futures.append(future)
         except RuntimeError:  # pool shut down by a racing close()
+            for future in futures:
+                future.cancel()
             raise ClosedError(f"tier {self.name!r} is closed") from None
-        return [f.result() for f in futures]
+        try:
+            return [f.result() for f in futures]
+        except concurrent.futures.CancelledError:  # queued work dropped by a racing close()
+            raise ClosedError(f"tier {self.name!r} is closed") from None
 
-    def _io(self, fn: Callable[..., R], *args, **kwargs) -> R:
-        """Call a filesystem function; non-``OSError`` failures (botocore, aiohttp …) become ``OSError``.
+    def _io(self, name: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Call the filesystem method ``name`` within ``timeout`` (default :attr:`timeout`) seconds.
 
-        A connection failure or timeout marks the storage unreachable for ``retry_after`` seconds (doubling
-        while it stays down, up to ``max_retry_after``): until then calls fail at once instead of each
-        waiting for the network, so a dead endpoint costs the caller a miss, not a stall.
+        Non-``OSError`` failures (botocore, aiohttp …) become ``OSError``. A connection failure, timeout or
+        5xx answer marks the storage unreachable for ``retry_after`` seconds (doubling while it stays down,
+        up to ``max_retry_after``): until then calls fail at once instead of each waiting for the network,
+        so a dead endpoint costs the caller a miss, not a stall.
         """
         now = time.monotonic()
         if now < self._down_until:
             raise _Unavailable(f"{self.url} is unreachable; next attempt in {self._down_until - now:.1f}s")
         try:
-            out = fn(*args, **kwargs)
+            out = self._call(name, timeout or self.timeout, *args, **kwargs)
         except (FileNotFoundError, FileExistsError, TierstoreError):
             self._mark_up()  # the storage answered
             raise
         except (ConnectionError, TimeoutError) as exc:
             self._mark_down(exc)
             raise
-        except OSError:
+        except OSError as exc:
+            if _server_error(exc):
+                self._mark_down(exc)
             raise
         except _PROGRAMMING_ERRORS as exc:
             raise OSError(f"{type(exc).__name__}: {exc}") from exc
@@ -203,6 +252,18 @@ class RemoteTier(Tier):
             raise OSError(f"{type(exc).__name__}: {exc}") from exc
         self._mark_up()
         return out
+
+    def _call(self, name: str, timeout: float, *args: Any, **kwargs: Any) -> Any:
+        """``fs.<name>(*args, **kwargs)``; on an asynchronous filesystem, cancelled after ``timeout`` s."""
+        if not self._async:
+            return getattr(self.fs, name)(*args, **kwargs)
+        coro = getattr(self.fs, "_" + name)(*args, **kwargs)
+        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self.fs.loop)
+        try:
+            return future.result(timeout + 1.0)  # the extra second covers a busy event loop
+        except TimeoutError as exc:
+            future.cancel()
+            raise TimeoutError(f"{self.url}: {name} got no answer within {timeout:g}s") from exc
 
     def _mark_down(self, exc: BaseException) -> None:
         with self._health:
@@ -235,16 +296,6 @@ class RemoteTier(Tier):
             if key is not None and info.get("type", "file") == "file" and isinstance(info.get("size"), int):
                 found.append((_mtime(info), key, info["size"]))
         found.sort(key=lambda f: f[0])
-        if self.capacity is not None:  # keep the newest objects that fit; the rest stay unindexed
-            kept, total = [], 0
-            for entry in reversed(found):
-                if total + entry[2] <= self.capacity:
-                    kept.append(entry)
-                    total += entry[2]
-            if len(kept) < len(found):
-                self._log_once("overfull", "%d objects under %s exceed the capacity; indexing the newest %d",
-                               len(found), self.url, len(kept))
-            found = kept[::-1]
         with self._cond:
             for _, key, size in found:
                 self._index_add(key, size)
@@ -252,7 +303,7 @@ class RemoteTier(Tier):
     def _list_root(self) -> dict[str, dict]:
         """Every file under the root with its details (empty if the root does not exist yet)."""
         try:
-            return self._io(self.fs.find, self.root, detail=True)
+            return self._io("find", self.root, detail=True, timeout=max(self.list_timeout, self.timeout))
         except FileNotFoundError:
             return {}
         finally:  # a listing cache would go stale as other processes publish; lookups must hit storage
@@ -263,21 +314,54 @@ class RemoteTier(Tier):
 
     def remove_stale_temp(self, older_than: float = 3600.0) -> int:
         """Delete temp files that crashed writers left under the root (``file://`` publishes stage in
-        them), modified more than ``older_than`` seconds ago; returns how many. Temp files of unknown
-        age are kept: a live writer may still be filling one."""
-        if older_than < 0:
-            raise InvalidInputError(f"older_than must be >= 0 seconds, got {older_than!r}")
+        them), modified more than ``older_than`` seconds ago; returns how many.
+
+        Only this tier's own temp names are touched (``<ab>/<64 hex>.tso.<32 hex>.tmp``, in the fan-out
+        folder of that key), never another ``*.tmp`` under the prefix, never through a symlink. Temp files
+        of unknown age are kept: a live writer may still be filling one.
+        """
+        return self._remove_old(older_than, lambda rel: self._own_name(rel, temp=True))
+
+    def remove_older_than(self, older_than: float) -> int:
+        """Delete chunk objects modified more than ``older_than`` seconds ago, whoever wrote them; returns
+        how many. The explicit, writer-independent bound on a shared prefix (``tierstore gc
+        --older-than``) where no bucket lifecycle rule does it; only this tier's object names are touched.
+        """
+        return self._remove_old(older_than, lambda rel: self._own_name(rel, temp=False))
+
+    def _own_name(self, rel: str, temp: bool) -> ChunkKey | None:
+        """The key if ``rel`` (a path under the root) is where this tier puts an object (``temp=False``)
+        or a temp file of one (``temp=True``)."""
+        folder, _, base = rel.partition("/")
+        if temp:
+            match = _TEMP_NAME.fullmatch(base)
+            key = ChunkKey.from_hex(match["key"]) if match else None
+        else:
+            key = key_from_name(base)
+        return key if key is not None and rel.startswith(key.hex()[:2] + "/") and "/" not in base else None
+
+    def _remove_old(self, older_than: float, own: Callable[[str], ChunkKey | None]) -> int:
+        if not isinstance(older_than, (int, float)) or isinstance(older_than, bool) or not older_than >= 0:
+            raise InvalidInputError(f"older_than must be a number of seconds >= 0, got {older_than!r}")
         self._check_open()
-        listing = self._list_root()
         cutoff = time.time() - older_than
         removed = 0
-        for path, info in listing.items():
-            if path.endswith(TMP_SUFFIX) and 0 < _mtime(info) < cutoff:
-                try:
-                    self._io(self.fs.rm_file, path)
-                    removed += 1
-                except FileNotFoundError:
-                    pass  # its writer finished or another gc got there first
+        for path, info in self._list_root().items():
+            rel = path[len(self.root):].lstrip("/")
+            key = own(rel)
+            if key is None or not 0 < _mtime(info) < cutoff or info.get("type", "file") != "file":
+                continue
+            if self._local and (os.path.islink(path) or os.path.islink(os.path.dirname(path))):
+                continue
+            try:
+                self._io("rm_file", path)
+                removed += 1
+            except FileNotFoundError:
+                pass  # its writer finished or another gc got there first
+            if not path.endswith(TMP_SUFFIX):
+                with self._cond:
+                    if key in self._lru and key not in self._busy and key not in self._pins:
+                        self._lru.remove(key)
         return removed
 
     def _stat(self, key: ChunkKey) -> int | None:
@@ -286,10 +370,15 @@ class RemoteTier(Tier):
         try:
             if self._s3:  # one HEAD; fs.info would add a LIST for every miss
                 bucket, name, _ = self.fs.split_path(path)
-                return self._io(self.fs.call_s3, "head_object", self.fs.kwargs, Bucket=bucket,
-                                Key=name)["ContentLength"]
-            info = self._io(self.fs.info, path)
+                return self._io("call_s3", "head_object", self.fs.kwargs, Bucket=bucket, Key=name)["ContentLength"]
+            info = self._io("info", path)
         except FileNotFoundError:
+            return None
+        except PermissionError as exc:
+            # S3 answers a HEAD of a missing key with 403, not 404, when the caller may not list the bucket
+            # (least-privilege credentials): a miss, not an error storm. A real denial shows on GET/PUT.
+            self._log_once("head-403", "lookup of %s denied (%s): treating as a miss; grant s3:ListBucket to "
+                           "tell misses from denials", self.url, exc)
             return None
         return info["size"] if info.get("type", "file") == "file" else None
 
@@ -327,7 +416,7 @@ class RemoteTier(Tier):
     def _publish(self, path: str, data: bytes) -> None:
         if self._create_mode:
             try:
-                self._io(self.fs.pipe_file, path, data, mode="create")
+                self._io("pipe_file", path, data, mode="create")
                 return
             except OSError as exc:
                 if not isinstance(exc.__cause__, TypeError):
@@ -335,9 +424,9 @@ class RemoteTier(Tier):
                 self._create_mode = False  # an fs without mode=: check, then write (same content anyway)
                 self._log_once("create-mode", "%s has no create-only writes; checking existence first",
                                type(self.fs).__name__)
-        if self._io(self.fs.exists, path):
+        if self._io("exists", path):
             raise FileExistsError(path)
-        self._io(self.fs.pipe_file, path, data)
+        self._io("pipe_file", path, data)
 
     def _publish_local(self, path: str, enc: objformat.Encoded) -> None:
         """Write a unique temp file next to ``path``, then link it into place (fails if it exists)."""
@@ -370,7 +459,7 @@ class RemoteTier(Tier):
     def _read(self, path: str) -> torch.Tensor | bytes:
         """The whole object: a fresh uint8 tensor for local files (decoded without a copy), else bytes."""
         if not self._local:
-            return self._io(self.fs.cat_file, path)
+            return self._io("cat_file", path)
         with open(path, "rb") as f:
             buf = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
             n = f.readinto(memoryview(buf.numpy())) if buf.numel() else 0
@@ -385,12 +474,15 @@ class RemoteTier(Tier):
 
     def _drop(self, key: ChunkKey) -> None:
         try:
-            self._io(self.fs.rm_file, self._path(key))
+            self._io("rm_file", self._path(key))
         except FileNotFoundError:
             pass
 
     def _close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Stop the pool without waiting for stuck work: queued tasks are cancelled and running ones are
+        given at most ``timeout`` seconds (their requests end by then on asynchronous filesystems)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        concurrent.futures.wait(self._in_flight.copy(), timeout=self.timeout)
 
     def stats(self) -> dict:
         return {**super().stats(), "url": self.url, "compression": self.codec}
