@@ -21,7 +21,8 @@ import tierstore
 from tierstore.errors import ClosedError
 from tierstore.bench.s3shim import S3Shim
 from tierstore.testing.tiers import assert_same, chunk, key_of
-from tierstore.tiers.remote import DEFAULT_TIMEOUT, S3_CLIENT_DEFAULTS, RemoteTier
+from tierstore.tiers.remote import RemoteTier
+from tierstore.tiers.remote_storage import DEFAULT_TIMEOUT, S3_CLIENT_DEFAULTS
 
 SLACK = 4.0  # seconds on top of a deadline: thread start-up and a busy two-core CI machine
 
@@ -83,7 +84,7 @@ def test_sick_endpoint_is_a_bounded_miss_then_fails_fast_then_recovers(prefix, s
     url, options, _ = prefix
     with open_store(url, options, list_on_open=False) as store:  # key 1 is known to no index here
         tier = remote_tier(store)
-        tier.retry_after = 3.0  # long enough that the calls below all fall inside one back-off
+        tier.storage.retry_after = 3.0  # long enough that the calls below all fall inside one back-off
         shim.set_fault(mode)
         got, took = within(DEFAULT_TIMEOUT + SLACK, lambda: store.get(key_of(1)))
         assert got is None
@@ -95,7 +96,7 @@ def test_sick_endpoint_is_a_bounded_miss_then_fails_fast_then_recovers(prefix, s
         assert shim.stats()["requests"] == requests  # backing off: no request reached the endpoint
         assert tier.stats()["errors"] >= 1 and tier.stats()["corrupt"] == 0
         shim.set_fault("pass")
-        time.sleep(tier.retry_after + 0.2)
+        time.sleep(tier.storage.retry_after + 0.2)
         got, _ = within(DEFAULT_TIMEOUT + SLACK, lambda: store.get(key_of(1)))
         assert_same(got, chunk(1))  # healed: the same store hits again
 
@@ -152,7 +153,7 @@ def test_tier_close_does_not_wait_for_stuck_requests(prefix, shim):
 def test_server_errors_back_off(prefix, shim):
     url, options, _ = prefix
     with RemoteTier(url=url, storage_options=options, list_on_open=False) as tier:
-        tier.retry_after = 3.0
+        tier.storage.retry_after = 3.0
         shim.set_fault("status", status=503)
         assert within(DEFAULT_TIMEOUT + SLACK, lambda: tier.get(key_of(1)))[0] is None
         requests = shim.stats()["requests"]

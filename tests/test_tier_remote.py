@@ -266,7 +266,7 @@ def test_unreachable_endpoint_degrades(caplog):
 
 def test_failing_storage_fails_fast_then_recovers(monkeypatch):
     with RemoteTier(url=memory_url()) as t:
-        t.retry_after = 0.5  # long enough that a loaded machine still calls again inside it
+        t.storage.retry_after = 0.5  # long enough that a loaded machine still calls again inside it
         assert t.put(key_of(0), chunk(0))
         calls = []
         real_cat = t.fs.cat_file

@@ -19,12 +19,10 @@ Rules this tier keeps:
   accounting, pins and counters.
 * **Degrade, don't fail.** Any storage or network error on a read is a miss, on a write a skipped put; it
   is counted (``errors``) and logged once. A bad object is a counted miss (``corrupt``) and is removed.
-* **Never stuck.** Every storage request has a deadline (``timeout``, 5 s by default): on asynchronous
-  filesystems (s3, gcs, http …) the request is cancelled when it passes, and S3 clients also get bounded
-  connect/read timeouts and retries (:data:`S3_CLIENT_DEFAULTS`, overridable in ``storage_options``).
-  A timeout, connection failure or 5xx answer makes the tier fail fast (a miss, no I/O) for a back-off
-  that doubles while the storage stays down. ``close()`` waits for in-flight requests at most ``timeout``.
-  Local paths (``file://``) block as the mount does: use NFS ``soft`` mounts with ``timeo``.
+* **Never stuck.** Every storage request has a deadline (``timeout``, 5 s by default) and a sick
+  endpoint makes the tier fail fast for a back-off (:mod:`tierstore.tiers.remote_storage`); ``close()``
+  waits for in-flight requests at most ``timeout``. Local paths (``file://``) block as the mount does:
+  use NFS ``soft`` mounts with ``timeo``.
 * **No capacity.** The prefix is shared, so a per-process LRU over it would delete other writers' fresh
   objects (it did: review C5). The tier never evicts; bound the prefix with bucket lifecycle rules, or
   :meth:`RemoteTier.remove_older_than` (``tierstore gc --older-than``), which deletes by age for every
@@ -33,7 +31,6 @@ Rules this tier keeps:
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import errno
 import os
@@ -51,58 +48,22 @@ from fsspec.implementations.local import LocalFileSystem
 import torch
 
 from .. import objformat
-from ..errors import ClosedError, ConfigError, InvalidInputError, TierstoreError
+from ..errors import ClosedError, ConfigError, InvalidInputError
 from ..keys import ChunkKey
 from ..remote_options import check_remote_options
 from ..tensors import TensorDict
 from .base import Tier
 from .layout import TMP_SUFFIX, key_from_name, object_relpath
+from .remote_storage import DEFAULT_TIMEOUT, GuardedStorage, with_client_defaults
 
 T = TypeVar("T")
 R = TypeVar("R")
 
-#: exceptions from a filesystem call that are bugs or bad arguments, not an unreachable storage
-_PROGRAMMING_ERRORS = (TypeError, ValueError, AttributeError, LookupError, NotImplementedError, AssertionError)
-
-
-class _Unavailable(OSError):
-    """The storage failed recently; raised without I/O until the back-off expires."""
-
-
 #: errno values for which a hard link cannot be made but ``os.replace`` works (FAT, some FUSE/SMB mounts)
 _NO_LINK = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV, errno.ENOSYS}
 
-#: seconds one storage request may take by default (``timeout``); a KV chunk later than this is worth less
-#: than recomputing it
-DEFAULT_TIMEOUT = 5.0
-#: botocore client settings for s3:// unless ``storage_options["config_kwargs"]`` sets them (botocore's
-#: own defaults are 60 s connect and read timeouts with 5 attempts: minutes against a silent endpoint)
-S3_CLIENT_DEFAULTS: dict[str, Any] = {"connect_timeout": 2, "read_timeout": 4,
-                                      "retries": {"max_attempts": 3, "mode": "standard"}}
 #: the temp file a ``file://`` publish stages in, ``<64 hex>.tso.<32 hex>.tmp`` (see ``_publish_local``)
 _TEMP_NAME = re.compile(r"(?P<key>[0-9a-f]{64})\.tso\.[0-9a-f]{32}" + re.escape(TMP_SUFFIX))
-
-
-def _with_client_defaults(url: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """``options`` plus :data:`S3_CLIENT_DEFAULTS` for an ``s3://`` URL (the user's values win)."""
-    options = dict(options)
-    protocol, _ = fsspec.core.split_protocol(url.split("::")[-1])
-    if protocol in ("s3", "s3a"):
-        options["config_kwargs"] = {**S3_CLIENT_DEFAULTS, **(options.get("config_kwargs") or {})}
-    return options
-
-
-def _server_error(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) is an HTTP 5xx answer: the service is failing, not the request."""
-    seen: BaseException | None = exc
-    for _ in range(4):
-        if seen is None:
-            return False
-        status = (getattr(seen, "response", None) or {}).get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if isinstance(status, int) and status >= 500:
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
 
 
 def _mtime(info: Mapping) -> float:
@@ -140,7 +101,7 @@ class RemoteTier(Tier):
         An unknown scheme, or one whose package is missing, raises :class:`ConfigError` before any I/O.
     storage_options:
         Keyword arguments for the filesystem (``endpoint_url``, ``key``, ``secret``, ``config_kwargs`` …).
-        For ``s3://``, ``config_kwargs`` defaults to :data:`S3_CLIENT_DEFAULTS` key by key.
+        For ``s3://``, ``config_kwargs`` defaults to ``remote_storage.S3_CLIENT_DEFAULTS`` key by key.
     compression:
         ``None``/``"none"`` or ``"zstd"`` for objects this tier writes; it reads either.
     max_in_flight:
@@ -157,9 +118,6 @@ class RemoteTier(Tier):
 
     kind = "remote"
     overwrites = False
-    #: seconds to fail fast after a connection error or timeout (doubling while down, up to the max)
-    retry_after: float = 1.0
-    max_retry_after: float = 30.0
     #: seconds the listing at open may take (at least ``timeout``); a prefix too large to list in that
     #: time starts with an empty index that fills as lookups find objects (or use ``list_on_open=False``)
     list_timeout: float = 30.0
@@ -174,19 +132,17 @@ class RemoteTier(Tier):
         self.codec = compression or "none"
         self.max_in_flight = max_in_flight
         self.timeout = float(DEFAULT_TIMEOUT if timeout is None else timeout)
-        options = _with_client_defaults(self.url, storage_options or {})
+        options = with_client_defaults(self.url, storage_options or {})
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **options)
         except (ValueError, TypeError, ImportError) as exc:
             raise ConfigError(f"remote tier url {url!r}: {exc}") from None
         self.root = root.rstrip("/")
+        self.storage = GuardedStorage(self.fs, self.url, self.timeout, self._log_down)
+        self._io = self.storage.call
         self._local = isinstance(self.fs, LocalFileSystem)
         self._s3 = type(self.fs).__module__.startswith("s3fs")
-        self._async = bool(getattr(self.fs, "async_impl", False))
         self._create_mode = True  # whether pipe_file takes mode="create" (cleared if the fs rejects it)
-        self._health = threading.Lock()
-        self._down_until = 0.0
-        self._backoff = 0.0
         self._worker = threading.local()
         self._pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix=f"tierstore-{self.name}",
                                         initializer=self._mark_worker)
@@ -222,64 +178,9 @@ class RemoteTier(Tier):
         except concurrent.futures.CancelledError:  # queued work dropped by a racing close()
             raise ClosedError(f"tier {self.name!r} is closed") from None
 
-    def _io(self, name: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
-        """Call the filesystem method ``name`` within ``timeout`` (default :attr:`timeout`) seconds.
-
-        Non-``OSError`` failures (botocore, aiohttp …) become ``OSError``. A connection failure, timeout or
-        5xx answer marks the storage unreachable for ``retry_after`` seconds (doubling while it stays down,
-        up to ``max_retry_after``): until then calls fail at once instead of each waiting for the network,
-        so a dead endpoint costs the caller a miss, not a stall.
-        """
-        now = time.monotonic()
-        if now < self._down_until:
-            raise _Unavailable(f"{self.url} is unreachable; next attempt in {self._down_until - now:.1f}s")
-        try:
-            out = self._call(name, timeout or self.timeout, *args, **kwargs)
-        except (FileNotFoundError, FileExistsError, TierstoreError):
-            self._mark_up()  # the storage answered
-            raise
-        except (ConnectionError, TimeoutError) as exc:
-            self._mark_down(exc)
-            raise
-        except OSError as exc:
-            if _server_error(exc):
-                self._mark_down(exc)
-            raise
-        except _PROGRAMMING_ERRORS as exc:
-            raise OSError(f"{type(exc).__name__}: {exc}") from exc
-        except Exception as exc:  # botocore / aiohttp / gcsfs network errors
-            self._mark_down(exc)
-            raise OSError(f"{type(exc).__name__}: {exc}") from exc
-        self._mark_up()
-        return out
-
-    def _call(self, name: str, timeout: float, *args: Any, **kwargs: Any) -> Any:
-        """``fs.<name>(*args, **kwargs)``; on an asynchronous filesystem, cancelled after ``timeout`` s."""
-        if not self._async:
-            return getattr(self.fs, name)(*args, **kwargs)
-        coro = getattr(self.fs, "_" + name)(*args, **kwargs)
-        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self.fs.loop)
-        try:
-            return future.result(timeout + 1.0)  # the extra second covers a busy event loop
-        except TimeoutError as exc:
-            future.cancel()
-            raise TimeoutError(f"{self.url}: {name} got no answer within {timeout:g}s") from exc
-
-    def _mark_down(self, exc: BaseException) -> None:
-        with self._health:
-            now = time.monotonic()
-            if now < self._down_until:
-                return  # concurrent failures of one outage extend nothing
-            self._backoff = min(max(2 * self._backoff, self.retry_after), self.max_retry_after)
-            self._down_until = now + self._backoff
+    def _log_down(self, exc: BaseException, seconds: float) -> None:
         self._log_once("down", "%s unreachable (%s: %s); requests fail fast for %.1fs at a time",
-                       self.url, type(exc).__name__, exc, self._backoff)
-
-    def _mark_up(self) -> None:
-        if self._backoff:
-            with self._health:
-                self._backoff = 0.0
-                self._down_until = 0.0
+                       self.url, type(exc).__name__, exc, seconds)
 
     # ------------------------------------------------------------------ index
     def _rebuild_index(self) -> None:
