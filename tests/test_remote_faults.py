@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 import tierstore
-from tierstore.errors import ClosedError
 from tierstore.bench.s3shim import S3Shim
+from tierstore.errors import ClosedError
 from tierstore.testing.tiers import assert_same, chunk, key_of
 from tierstore.tiers.remote import RemoteTier
 from tierstore.tiers.remote_storage import DEFAULT_TIMEOUT, S3_CLIENT_DEFAULTS

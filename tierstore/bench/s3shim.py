@@ -166,7 +166,7 @@ class S3Shim:
         self.endpoint_url = f"http://127.0.0.1:{self.port}"
         self._lock = threading.Lock()
 
-    def _command(self, op: str, **args: Any) -> dict:
+    def _command(self, op: str, **args: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         with self._lock:
             self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
@@ -174,7 +174,8 @@ class S3Shim:
             answer = self.proc.stdout.readline()
         if not answer:
             raise RuntimeError(f"s3 shim exited (code {self.proc.poll()})")
-        return json.loads(answer)
+        stats: dict[str, Any] = json.loads(answer)
+        return stats
 
     def set_fault(self, mode: str = "pass", *, status: int = 503, delay: float = 0.0,
                   methods: Iterable[str] | None = None) -> None:
@@ -184,7 +185,7 @@ class S3Shim:
         self._command("fault", mode=mode, status=status, delay=delay,
                       methods=None if methods is None else [m.upper() for m in methods])
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Requests seen so far: ``requests``, ``by_method``, ``gets`` (per path), ``bytes_out``, ``faults``."""
         return self._command("stats")
 
@@ -192,7 +193,7 @@ class S3Shim:
         """Zero the counters."""
         self._command("reset")
 
-    def storage_options(self, base: dict) -> dict:
+    def storage_options(self, base: dict[str, Any]) -> dict[str, Any]:
         return {**base, "endpoint_url": self.endpoint_url}
 
     def close(self) -> None:

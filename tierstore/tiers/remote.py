@@ -66,7 +66,7 @@ _NO_LINK = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EX
 _TEMP_NAME = re.compile(r"(?P<key>[0-9a-f]{64})\.tso\.[0-9a-f]{32}" + re.escape(TMP_SUFFIX))
 
 
-def _mtime(info: Mapping) -> float:
+def _mtime(info: Mapping[str, Any]) -> float:
     """Modification time of a listing entry across fsspec implementations (0 when unknown)."""
     for field in ("LastModified", "mtime", "updated", "created"):
         v = info.get(field)
@@ -201,10 +201,12 @@ class RemoteTier(Tier):
             for _, key, size in found:
                 self._index_add(key, size)
 
-    def _list_root(self) -> dict[str, dict]:
+    def _list_root(self) -> dict[str, dict[str, Any]]:
         """Every file under the root with its details (empty if the root does not exist yet)."""
         try:
-            return self._io("find", self.root, detail=True, timeout=max(self.list_timeout, self.timeout))
+            listing: dict[str, dict[str, Any]] = self._io("find", self.root, detail=True,
+                                                          timeout=max(self.list_timeout, self.timeout))
+            return listing
         except FileNotFoundError:
             return {}
         finally:  # a listing cache would go stale as other processes publish; lookups must hit storage
@@ -271,7 +273,8 @@ class RemoteTier(Tier):
         try:
             if self._s3:  # one HEAD; fs.info would add a LIST for every miss
                 bucket, name, _ = self.fs.split_path(path)
-                return self._io("call_s3", "head_object", self.fs.kwargs, Bucket=bucket, Key=name)["ContentLength"]
+                head = self._io("call_s3", "head_object", self.fs.kwargs, Bucket=bucket, Key=name)
+                return int(head["ContentLength"])
             info = self._io("info", path)
         except FileNotFoundError:
             return None
@@ -314,7 +317,7 @@ class RemoteTier(Tier):
                 raise OSError(f"no space left under {self.url}: {exc}") from exc
             raise
 
-    def _publish(self, path: str, data: bytes) -> None:
+    def _publish(self, path: str, data: bytes | bytearray) -> None:
         if self._create_mode:
             try:
                 self._io("pipe_file", path, data, mode="create")
@@ -360,7 +363,8 @@ class RemoteTier(Tier):
     def _read(self, path: str) -> torch.Tensor | bytes:
         """The whole object: a fresh uint8 tensor for local files (decoded without a copy), else bytes."""
         if not self._local:
-            return self._io("cat_file", path)
+            data: bytes = self._io("cat_file", path)
+            return data
         with open(path, "rb") as f:
             buf = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
             n = f.readinto(memoryview(buf.numpy())) if buf.numel() else 0
@@ -385,5 +389,5 @@ class RemoteTier(Tier):
         self._pool.shutdown(wait=False, cancel_futures=True)
         concurrent.futures.wait(self._in_flight.copy(), timeout=self.timeout)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {**super().stats(), "url": self.url, "compression": self.codec}
