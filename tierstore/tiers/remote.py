@@ -10,7 +10,10 @@ Rules this tier keeps:
   ``If-None-Match: *``; on a local/shared mount a unique temp file in the same folder hard-linked into
   place (falls back to ``os.replace`` where links are unsupported); elsewhere one ``pipe_file`` with
   ``mode="create"``. A reader never sees part of an object, and two processes publishing the same key at
-  once is harmless — the second finds the object there and counts it as a success.
+  once is harmless — the second finds the object there and counts it as a success. A put of a key this
+  process has not seen looks it up first (one HEAD): on a shared prefix another engine has often
+  published it already, and a HEAD costs less than encoding and uploading it again; the conditional
+  publish, not the HEAD, is what keeps the first object.
 * **Sharing.** The index is rebuilt by listing at open (``list_on_open``); keys missing from the index are
   looked up in storage (one HEAD each, concurrently) every time — negative results are never cached, since
   another process may publish a key at any moment.
@@ -325,7 +328,9 @@ class RemoteTier(Tier):
             except OSError as exc:
                 if not isinstance(exc.__cause__, TypeError):
                     raise
-                self._create_mode = False  # an fs without mode=: check, then write (same content anyway)
+                # an fs without mode=: check, then write. A writer racing in between may have its object
+                # replaced by ours, whole (pipe_file publishes at once); both are valid values of the key
+                self._create_mode = False
                 self._log_once("create-mode", "%s has no create-only writes; checking existence first",
                                type(self.fs).__name__)
         if self._io("exists", path):
