@@ -186,3 +186,18 @@ def test_client_timeouts_default_and_can_be_overridden(s3_server):
         assert tier.fs.config_kwargs == {**S3_CLIENT_DEFAULTS, "read_timeout": 30}
         assert tier.timeout == 60
     assert options["config_kwargs"] == {"read_timeout": 30}  # the caller's mapping is not modified
+
+
+def test_fault_shim_stops_itself(s3_server):
+    """The proxy never outlives its bound: ``lifetime`` seconds, or its parent closing the control pipe."""
+    timed = S3Shim(s3_server.endpoint_url, latency=0.0, bandwidth=0, lifetime=1.0)
+    orphan = S3Shim(s3_server.endpoint_url, latency=0.0, bandwidth=0)
+    try:
+        orphan.set_fault("blackhole")
+        assert orphan.proc.stdin is not None
+        orphan.proc.stdin.close()  # what the parent's exit does
+        assert orphan.proc.wait(10) == 0
+        assert timed.proc.wait(10) == 0
+    finally:
+        timed.close()
+        orphan.close()

@@ -153,7 +153,7 @@ def serve(upstream: str, port: int, latency: float, bandwidth: float, lifetime: 
 class S3Shim:
     """Run the shim in a subprocess in front of ``upstream``; a context manager."""
 
-    def __init__(self, upstream: str, latency: float = 0.020, bandwidth: float = 90e6, lifetime: float = 3600.0):
+    def __init__(self, upstream: str, latency: float = 0.020, bandwidth: float = 90e6, lifetime: float = 6 * 3600.0):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tierstore.bench.s3shim", "--upstream", upstream, "--port", "0",
              "--latency-ms", str(latency * 1000), "--mbps", str(bandwidth / 1e6), "--lifetime", str(lifetime)],
@@ -218,6 +218,6 @@ if __name__ == "__main__":
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--latency-ms", type=float, default=20.0)
     ap.add_argument("--mbps", type=float, default=90.0, help="MB/s per connection, 0 = unlimited")
-    ap.add_argument("--lifetime", type=float, default=3600.0, help="exit after this many seconds")
+    ap.add_argument("--lifetime", type=float, default=6 * 3600.0, help="exit after this many seconds")
     a = ap.parse_args()
     serve(a.upstream.rstrip("/"), a.port, a.latency_ms / 1000, a.mbps * 1e6, a.lifetime)
