@@ -86,7 +86,7 @@ def serve(upstream: str, port: int, latency: float, bandwidth: float, lifetime: 
             await request.writer.write(b"HTTP/%d.%d 100 Continue\r\n\r\n" % request.version)
         body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        assert session is not None
+        assert session is not None  # opened by main() before the server starts
         async with session.request(request.method, upstream + request.path_qs, headers=headers,
                                    data=body or None, allow_redirects=False) as up:
             out_headers = {k: v for k, v in up.headers.items() if k.lower() not in _HOP}
@@ -137,7 +137,7 @@ def serve(upstream: str, port: int, latency: float, bandwidth: float, lifetime: 
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", port)
         await site.start()
-        bound = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        bound = runner.addresses[0][1]
         print(bound, flush=True)
         try:
             await asyncio.wait_for(control(runner, site, bound), lifetime)

@@ -47,16 +47,16 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from .. import objformat
+from ..config import check_tier_options
 from ..errors import ClosedError, ConfigError, InvalidInputError
 from ..keys import ChunkKey
-from ..remote_options import check_remote_options
 from ..tensors import TensorDict
 from .base import Tier
-from .layout import TMP_SUFFIX, key_from_name, object_relpath
+from .layout import PERMISSIONS, TMP_SUFFIX, key_from_name, object_relpath
 from .remote_storage import DEFAULT_TIMEOUT, GuardedStorage, with_client_defaults
 
 T = TypeVar("T")
@@ -117,6 +117,9 @@ class RemoteTier(Tier):
         this process has not seen makes one request (a HEAD), a get of a known key one GET, a put one PUT
         (plus a HEAD for an unseen key): against a silent endpoint each returns a miss/``False`` within
         ``timeout``, and later calls return at once while the tier backs off.
+    permissions:
+        For a local or mounted path: ``"private"`` (folders 0700, objects 0600) or ``"group"`` (0770,
+        0660) for the folders and objects this tier creates.
     """
 
     kind = "remote"
@@ -127,14 +130,18 @@ class RemoteTier(Tier):
 
     def __init__(self, name: str | None = None, capacity: None = None, url: str | None = None,
                  storage_options: Mapping[str, Any] | None = None, compression: str | None = None,
-                 max_in_flight: int = 8, list_on_open: bool = True, timeout: float | None = DEFAULT_TIMEOUT):
-        check_remote_options(f"remote tier {name or self.kind!r}", url, storage_options, compression,
-                             max_in_flight, timeout, capacity, list_on_open)
+                 max_in_flight: int = 8, list_on_open: bool = True, timeout: float = DEFAULT_TIMEOUT,
+                 permissions: str = "private"):
+        check_tier_options("remote", {"url": url, "capacity": capacity, "compression": compression,
+                                      "max_in_flight": max_in_flight, "storage_options": storage_options,
+                                      "list_on_open": list_on_open, "timeout": timeout,
+                                      "permissions": permissions}, where=f"remote tier {name or self.kind!r}")
         super().__init__(name, None)
+        self._dir_mode, self._file_mode = PERMISSIONS[permissions]
         self.url: str = url  # type: ignore[assignment]  # checked above
         self.codec = compression or "none"
         self.max_in_flight = max_in_flight
-        self.timeout = float(DEFAULT_TIMEOUT if timeout is None else timeout)
+        self.timeout = float(timeout)
         options = with_client_defaults(self.url, storage_options or {})
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **options)
@@ -341,10 +348,10 @@ class RemoteTier(Tier):
         """Write a unique temp file next to ``path``, then link it into place (fails if it exists)."""
         tmp = f"{path}.{uuid.uuid4().hex}{TMP_SUFFIX}"
         try:
-            f = open(tmp, "xb")
+            f = open(tmp, "xb", opener=self._create_file)  # noqa: SIM115 - closed by the `with f:` below
         except FileNotFoundError:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            f = open(tmp, "xb")
+            self._make_folders(os.path.dirname(path))
+            f = open(tmp, "xb", opener=self._create_file)  # noqa: SIM115
         try:
             with f:
                 for part in enc.parts:
@@ -365,6 +372,24 @@ class RemoteTier(Tier):
             except FileNotFoundError:
                 pass
 
+    def _create_file(self, path: str, flags: int) -> int:
+        fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), self._file_mode)
+        os.fchmod(fd, self._file_mode)  # exactly the configured mode, whatever the umask
+        return fd
+
+    def _make_folders(self, folder: str) -> None:
+        """Create ``folder`` and its missing parents with the configured directory mode."""
+        missing = []
+        while folder and not os.path.isdir(folder):
+            missing.append(folder)
+            folder = os.path.dirname(folder)
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, self._dir_mode)
+                os.chmod(d, self._dir_mode)
+            except FileExistsError:
+                pass  # a concurrent writer made it
+
     def _read(self, path: str) -> torch.Tensor | bytes:
         """The whole object: a fresh uint8 tensor for local files (decoded without a copy), else bytes."""
         if not self._local:
@@ -372,10 +397,10 @@ class RemoteTier(Tier):
             return data
         with open(path, "rb") as f:
             buf = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
-            n = f.readinto(memoryview(buf.numpy())) if buf.numel() else 0
+            n = f.readinto(buf.numpy().data) if buf.numel() else 0
         return buf[:n]
 
-    def _load(self, key: ChunkKey, size: int, device, borrow: bool = False) -> TensorDict | None:
+    def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
         tensors = objformat.decode(self._read(self._path(key)), expected_key=key)
         device = torch.device(device)
         if device.type != "cpu":
