@@ -78,7 +78,8 @@ def remote_tier(store: tierstore.TieredStore) -> RemoteTier:
     return tier
 
 
-@pytest.mark.parametrize("mode", ["blackhole", "reset", "refuse", "status"])
+@pytest.mark.parametrize("mode", ["blackhole", *(pytest.param(m, marks=pytest.mark.slow)
+                                                 for m in ("reset", "refuse", "status"))])
 def test_sick_endpoint_is_a_bounded_miss_then_fails_fast_then_recovers(prefix, shim, mode):
     """Probe rows 7.2-7.4: a blackhole blocked one get for 408 s, resets for 48.8 s (default settings)."""
     url, options, _ = prefix
@@ -188,6 +189,7 @@ def test_client_timeouts_default_and_can_be_overridden(s3_server):
     assert options["config_kwargs"] == {"read_timeout": 30}  # the caller's mapping is not modified
 
 
+@pytest.mark.slow  # starts two proxies
 def test_fault_shim_stops_itself(s3_server):
     """The proxy never outlives its bound: ``lifetime`` seconds, or its parent closing the control pipe."""
     timed = S3Shim(s3_server.endpoint_url, latency=0.0, bandwidth=0, lifetime=1.0)
