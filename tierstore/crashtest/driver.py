@@ -56,8 +56,10 @@ class ComboReport:
     kills_at_open: int = 0
     checks: int = 0  #: times every key was checked (after each kill that let the writer report)
     acked_checked: int = 0  #: acknowledged keys checked, summed over checks
-    lost: int = 0
+    lost: int = 0  #: acknowledged keys found lost, summed over checks (a key lost for good counts at every check)
     wrong: int = 0
+    lost_keys: int = 0  #: distinct keys ever found lost
+    wrong_keys: int = 0
     live_wrong: int = 0  #: gets in a running writer that returned other bytes than its last put
     puts: int = 0
     acked_puts: int = 0
@@ -79,6 +81,8 @@ class _Combo:
         self.observed = os.path.join(self.dir, "observed.json")
         self.log = os.path.join(self.dir, "writer.log")
         self.report = ComboReport()
+        self.lost_keys: set[str] = set()
+        self.wrong_keys: set[str] = set()
 
 
 class CrashTest:
@@ -200,8 +204,13 @@ class CrashTest:
         r.acked_checked += verdict.checked
         r.lost += verdict.lost
         r.wrong += verdict.wrong
-        for failure in verdict.failures[:max(0, 20 - len(r.failures))]:
-            r.failures.append({"after_kill": r.kills, **failure})
+        for failure in verdict.failures:
+            for problem, keys in (("lost", combo.lost_keys), ("wrong", combo.wrong_keys)):
+                if problem in failure["problem"]:
+                    keys.add(failure["key"])
+            if len(r.failures) < 20:
+                r.failures.append({"after_kill": r.kills, **failure})
+        r.lost_keys, r.wrong_keys = len(combo.lost_keys), len(combo.wrong_keys)
 
     def _until_inside_flush(self, combo: _Combo, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -258,14 +267,18 @@ def _tail(path: str, lines: int = 5) -> str:
         return "no log"
 
 
+#: (column title, report field) of the summary table
+_COLUMNS = (("kills", "kills"), ("mid-flush", "kills_mid_flush"), ("at-open", "kills_at_open"), ("puts", "puts"),
+            ("acked", "acked_puts"), ("keys checked", "acked_checked"), ("lost", "lost"), ("wrong", "wrong"),
+            ("lost keys", "lost_keys"), ("wrong keys", "wrong_keys"),
+            ("live-wrong", "live_wrong"), ("flush-failed", "flush_failures"), ("errors", "errors"))
+
+
 def format_table(result: dict[str, Any]) -> str:
-    cols = [("config", 32), ("kills", 6), ("mid-flush", 9), ("at-open", 7), ("puts", 7), ("acked", 7),
-            ("keys checked", 12), ("lost", 5), ("wrong", 5), ("live-wrong", 10), ("flush-failed", 12), ("errors", 6)]
-    fields = ["kills", "kills_mid_flush", "kills_at_open", "puts", "acked_puts", "acked_checked", "lost", "wrong",
-              "live_wrong", "flush_failures", "errors"]
-    head = " ".join(f"{n:<{w}}" if i == 0 else f"{n:>{w}}" for i, (n, w) in enumerate(cols))
-    rows = [head]
-    for name, c in [*result["configs"].items(), ("total", result["totals"])]:
-        values = [len(c[f]) if isinstance(c[f], list) else c[f] for f in fields]
-        rows.append(" ".join([f"{name:<{cols[0][1]}}", *(f"{v:>{w}}" for v, (_, w) in zip(values, cols[1:]))]))
-    return "\n".join(rows)
+    """The report as a table: one row per setup and write policy, then the totals."""
+    widths = [max(len(title), 7) for title, _ in _COLUMNS]
+    lines = [f"{'config':<32}" + "".join(f" {t:>{w}}" for (t, _), w in zip(_COLUMNS, widths, strict=True))]
+    for name, row in [*result["configs"].items(), ("total", result["totals"])]:
+        cells = [len(v) if isinstance(v := row[column], list) else v for _, column in _COLUMNS]
+        lines.append(f"{name:<32}" + "".join(f" {c:>{w}}" for c, w in zip(cells, widths, strict=True)))
+    return "\n".join(lines)

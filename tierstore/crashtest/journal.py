@@ -155,5 +155,5 @@ class Journal:
                 verdict.failures.append({
                     "key": key, "acknowledged": acked, "may_hold": sorted(v or "missing" for v in values),
                     "found": {p: d or "missing" for p, d in places.items()},
-                    "problem": "wrong" if bad else "lost"})
+                    "problem": ", ".join(name for name, hit in (("lost", lost), ("wrong", bad)) if hit)})
         return verdict

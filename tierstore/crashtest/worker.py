@@ -4,7 +4,8 @@ The driver forks it from a process that has imported torch and tierstore but nev
 writer is fresh as far as the store is concerned (its own tiers, lock, threads and index) and starts in
 milliseconds. It first reads every key from every durable tier and writes what it found to
 ``observed.json``: that is the check of the previous incarnation's kill. Then its threads put, overwrite,
-read and flush their own keys, journaling each step (:mod:`tierstore.crashtest.journal`), until SIGKILL.
+read and flush their own keys and read each other's, journaling each step (:mod:`tierstore.crashtest.journal`),
+until SIGKILL.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -40,7 +41,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class WorkerSpec:
     """What one writer incarnation does (plain data: the driver forks, nothing is serialised)."""
 
-    config: Mapping  #: store config
+    config: Mapping[str, Any]  #: store config
     journal: str
     observed: str  #: where the check of what survived is written (JSON, atomically)
     keys: int  #: size of the key space; thread ``t`` owns keys ``t, t + threads, ...``
@@ -77,7 +78,7 @@ def observe(store: TieredStore, keys: list[ChunkKey]) -> dict[str, Observed]:
     for tier in store.tiers:
         if tier.kind in DURABLE_KINDS:
             found[tier.name] = {k.hex(): None if data is None else content_digest(data)
-                                for k, data in zip(keys, tier.get_many(keys))}
+                                for k, data in zip(keys, tier.get_many(keys), strict=True)}
     return found
 
 
@@ -157,6 +158,9 @@ class _Writer:
             index = rng.choice(own)
             if rng.random() < 0.2:
                 self._get(index, last.get(index))
+                continue
+            if rng.random() < 0.1:  # another thread's key: a promotion that may race that thread's put
+                self.store.get(self.keys[rng.randrange(self.spec.keys)])
                 continue
             seq, last[index] = self._put(tid, index, ack_first)
             if ack_first:
