@@ -2,8 +2,10 @@
 checker does catch a writer that acknowledges too early or stores other bytes than it journaled."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -64,6 +66,25 @@ def test_a_broken_writer_is_caught(tmp_path, sabotage):
     else:
         assert totals["lost"] + totals["wrong"] > 0
     assert result["configs"]["host+disk/write_through"]["failures"]
+
+
+def test_sigterm_stops_the_run_checks_and_reports_and_leaves_no_writer(tmp_path):
+    report, work = tmp_path / "report.json", tmp_path / "work"
+    proc = subprocess.Popen([sys.executable, "-m", "tierstore.cli", "crashtest", "--minutes", "5", "--dir", str(work),
+                             "--json", str(report), "--configs", "host+disk/write_through"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    journal = work / "host+disk.write_through" / "journal.jsonl"
+    deadline = time.monotonic() + 60
+    while not (journal.exists() and journal.stat().st_size > 0) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    result = json.loads(report.read_text())
+    assert result["interrupted"] and "(interrupted)" in out, err[-2000:]
+    assert result["configs"]["host+disk/write_through"]["checks"] >= 1  # the last state was still checked
+    size = journal.stat().st_size
+    time.sleep(0.5)
+    assert journal.stat().st_size == size  # no writer is left running
 
 
 def test_cli_rejects_an_unknown_config_and_a_used_directory(tmp_path, capsys):

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name}: error: {error}")
     print(("PASS" if result["ok"] else "FAIL") + f": {result['kills']} kills, {result['totals']['acked_checked']} "
           f"acknowledged keys checked, {result['totals']['lost']} lost, {result['totals']['wrong']} wrong "
-          f"in {result['elapsed_s']:.1f}s")
+          f"in {result['elapsed_s']:.1f}s" + (" (interrupted)" if result["interrupted"] else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -51,6 +51,8 @@ OPEN_TIMEOUT = 120.0
 
 @dataclass
 class ComboReport:
+    """The figures of one setup under one write policy."""
+
     kills: int = 0
     kills_mid_flush: int = 0
     kills_at_open: int = 0
@@ -76,7 +78,7 @@ class _Combo:
         self.setup = SETUPS[layout]
         self.dir = os.path.join(root, name.replace("/", "."))
         os.makedirs(self.dir, exist_ok=True)
-        self.config = {"tiers": self.setup.tiers(self.dir), "write_policy": self.policy}
+        self.tiers = self.setup.tiers(self.dir)
         self.journal = Journal(os.path.join(self.dir, "journal.jsonl"))
         self.observed = os.path.join(self.dir, "observed.json")
         self.log = os.path.join(self.dir, "writer.log")
@@ -115,29 +117,44 @@ class CrashTest:
         if threading.active_count() > 1:
             raise RuntimeError("the crash test forks writers: run it in a process without other threads")
         start = last_progress = time.monotonic()
+        interrupted = False
+        previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
             while (kills is None or self.kills < kills) and (seconds is None or time.monotonic() - start < seconds):
                 self._round(self.combos[self.kills % len(self.combos)])
                 if time.monotonic() - last_progress >= 2.0:
                     last_progress = time.monotonic()
                     self.progress(self._progress_line(last_progress - start))
-            for combo in self.combos:
-                self._check_only(combo)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: stop killing, still check and report what was done
+            interrupted = True
         finally:
-            if self._pid is not None:  # interrupted: never leave a writer behind
+            signal.signal(signal.SIGTERM, previous)
+            if self._pid is not None:  # never leave a writer behind
                 self._reap(kill=True)
-        result = self.report(time.monotonic() - start)
+        for combo in self.combos:
+            self._check_only(combo)
+        result = self.report(time.monotonic() - start, interrupted)
         self.progress(self._progress_line(result["elapsed_s"]))
         return result
 
     # ------------------------------------------------------------------ one incarnation
+    def _config(self, combo: _Combo) -> dict[str, Any]:
+        """The setup's store config with knobs drawn anew for each incarnation, as db_crashtest does."""
+        tiers = [dict(t) for t in combo.tiers]
+        for t in tiers:
+            if t["kind"] == "disk":
+                t.update(codec=self.rng.choice(["none", "zstd"]), io_threads=self.rng.choice([1, 4]))
+            elif t["kind"] == "remote":
+                t.update(compression=self.rng.choice(["none", "zstd"]), max_in_flight=self.rng.choice([1, 8]))
+        return {"tiers": tiers, "write_policy": combo.policy, "max_in_flight": self.rng.choice([1, 2, 8])}
+
     def _fork(self, combo: _Combo, check_only: bool = False) -> None:
         combo.journal.refresh()
         combo.journal.new_incarnation()
         if os.path.exists(combo.observed):
             os.unlink(combo.observed)
-        spec = WorkerSpec(config=combo.config, journal=combo.journal.path, observed=combo.observed, keys=self.keys,
-                          threads=self.threads, seed=self.rng.randrange(1 << 31),
+        spec = WorkerSpec(config=self._config(combo), journal=combo.journal.path, observed=combo.observed,
+                          keys=self.keys, threads=self.threads, seed=self.rng.randrange(1 << 31),
                           start_seq=combo.journal.last_seq + 1, write_once=combo.setup.write_once,
                           check_only=check_only, switch_interval=self.rng.choice([None, 1e-6]),
                           sabotage=self.sabotage)
@@ -230,8 +247,8 @@ class CrashTest:
         combo.report.errors.append(f"{what}: {detail}")
 
     # ------------------------------------------------------------------ reporting
-    def report(self, elapsed: float) -> dict[str, Any]:
-        """``{"kills", "elapsed_s", "seed", "root", "ok", "totals": {...}, "configs": {name: {...}}}``."""
+    def report(self, elapsed: float, interrupted: bool = False) -> dict[str, Any]:
+        """``{"kills", "elapsed_s", "seed", "root", "interrupted", "ok", "totals": {...}, "configs": {...}}``."""
         configs = {}
         for combo in self.combos:
             j, r = combo.journal, combo.report
@@ -243,14 +260,18 @@ class CrashTest:
         totals = {k: sum(c[k] for c in configs.values()) for k in counters}
         totals["errors"] = sum(len(c["errors"]) for c in configs.values())
         ok = not (totals["lost"] or totals["wrong"] or totals["live_wrong"] or totals["errors"])
-        return {"kills": self.kills, "elapsed_s": round(elapsed, 2), "seed": self.seed, "root": self.root, "ok": ok,
-                "totals": totals, "configs": configs}
+        return {"kills": self.kills, "elapsed_s": round(elapsed, 2), "seed": self.seed, "root": self.root,
+                "interrupted": interrupted, "ok": ok, "totals": totals, "configs": configs}
 
     def _progress_line(self, elapsed: float) -> str:
         r = [c.report for c in self.combos]
         return (f"[{elapsed:6.1f}s] kills {self.kills}  acknowledged keys checked {sum(x.acked_checked for x in r)}  "
                 f"lost {sum(x.lost for x in r)}  wrong {sum(x.wrong for x in r)}  "
                 f"errors {sum(len(x.errors) for x in r)}")
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _describe(status: int) -> str:

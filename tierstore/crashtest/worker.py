@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -91,6 +92,8 @@ def fork_worker(spec: WorkerSpec, log_path: str) -> int:
         return pid
     code = 1
     try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the driver, which then kills this writer
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         null_fd = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null_fd, 0)
