@@ -48,8 +48,8 @@ def test_killed_write_through_writers_lose_nothing_acknowledged(tmp_path):
                    "Remove this mark once the writeback branch has fixed them")
 @pytest.mark.parametrize("config", ["host+disk/write_back", "host+disk+remote/write_back", "disk+remote/write_back"])
 def test_killed_write_back_writers_lose_nothing_acknowledged(tmp_path, config):
-    proc, result = crashtest(tmp_path, "--kills", "12", "--configs", config)
-    assert_nothing_lost(proc, result, 12)
+    proc, result = crashtest(tmp_path, "--kills", "10", "--configs", config)
+    assert_nothing_lost(proc, result, 10)
     assert result["configs"][config]["kills_mid_flush"] > 0  # some kills landed inside flush()
 
 

@@ -6,8 +6,9 @@ journals every put and every acknowledgement; the driver SIGKILLs it at a random
 delay, inside a ``flush()``, or while it opens the store), then a fresh process opens the same directories
 and reads every key from every durable tier. An acknowledged key — ``put`` returned under write_through,
 a later ``flush()`` returned without raising under write_back — must hold exactly its last acknowledged
-value, or the value of a put that was still in flight at the kill; a key never acknowledged may also be
-missing. Anything else is *lost* or *wrong*. Host tiers are volatile: only disk and remote count.
+value, or the value of a later put that was not acknowledged (it may have landed before a kill); a key
+never acknowledged may also be missing. Anything else is *lost* or *wrong*. Host tiers are volatile:
+only disk and remote count.
 
 Modules: :mod:`.journal` (record format and the verdict), :mod:`.worker` (the writer), :mod:`.driver`
 (kills, checks, report).

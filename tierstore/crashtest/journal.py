@@ -107,7 +107,7 @@ class Journal:
             self.last_seq = max(self.last_seq, int(r["seq"]))
         elif op == "ack":
             self.acked.update(int(s) for s in r["seqs"])
-            self.open_flushes.discard(r.get("t"))
+            self.open_flushes.discard(r["t"])
         elif op == "flush":
             self.open_flushes.add(r["t"])
         elif op == "flush_failed":

@@ -62,7 +62,7 @@ def crash_key(index: int) -> ChunkKey:
 
 
 def make_chunk(seed: int) -> TensorDict:
-    """A deterministic two-tensor chunk of 1-64 KiB per tensor, its dtype and size drawn from ``seed``."""
+    """A deterministic two-tensor chunk of 0.5-64 KiB per tensor, its dtype and size drawn from ``seed``."""
     g = torch.Generator().manual_seed(seed)
     rows = int(torch.randint(4, 257, (1,), generator=g))
     dtype = _DTYPES[seed % len(_DTYPES)]
