@@ -87,6 +87,22 @@ def test_sigterm_stops_the_run_checks_and_reports_and_leaves_no_writer(tmp_path)
     assert journal.stat().st_size == size  # no writer is left running
 
 
+def test_a_writer_that_cannot_open_its_store_ends_the_run_with_its_error(tmp_path):
+    script = """if True:
+        import json, sys
+        from tierstore.crashtest import CrashTest
+        test = CrashTest(sys.argv[1], ("host+disk/write_through",), seed=1)
+        open(sys.argv[1] + "/host+disk.write_through/disk", "w").close()  # where the disk tier's directory goes
+        print(json.dumps(test.run(kills=5)))
+    """
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "work")], capture_output=True, text=True,
+                          timeout=240)
+    result = json.loads(proc.stdout)
+    errors = result["configs"]["host+disk/write_through"]["errors"]
+    assert result["kills"] == 0 and not result["ok"] and len(errors) >= 10  # it stopped instead of retrying forever
+    assert "exited before it reported" in errors[0] and "ConfigError" in errors[0], errors[0]
+
+
 def test_cli_rejects_an_unknown_config_and_a_used_directory(tmp_path, capsys):
     with pytest.raises(SystemExit, match="unknown config 'host\\+tape'"):
         main(["crashtest", "--kills", "1", "--configs", "host+tape"])

@@ -47,6 +47,8 @@ POLICIES = ("write_back", "write_through")
 COMBOS = tuple(f"{s}/{p}" for s in SETUPS for p in POLICIES)
 #: seconds a writer may take to open the store and report before the run counts it as an error
 OPEN_TIMEOUT = 120.0
+#: the run stops after this many writer failures (a writer that cannot open its store fails every time)
+MAX_ERRORS = 10
 
 
 @dataclass
@@ -120,8 +122,12 @@ class CrashTest:
         interrupted = False
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
+            rounds = 0
             while (kills is None or self.kills < kills) and (seconds is None or time.monotonic() - start < seconds):
-                self._round(self.combos[self.kills % len(self.combos)])
+                if sum(len(c.report.errors) for c in self.combos) >= MAX_ERRORS:
+                    break  # writers keep failing: the report says why
+                self._round(self.combos[rounds % len(self.combos)])
+                rounds += 1
                 if time.monotonic() - last_progress >= 2.0:
                     last_progress = time.monotonic()
                     self.progress(self._progress_line(last_progress - start))
