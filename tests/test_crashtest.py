@@ -35,12 +35,14 @@ def assert_nothing_lost(proc, result, kills):
     assert "PASS" in proc.stdout and "acknowledged keys checked" in proc.stdout
 
 
+@pytest.mark.slow  # runs the crash test's processes
 def test_killed_write_through_writers_lose_nothing_acknowledged(tmp_path):
     proc, result = crashtest(tmp_path, "--kills", "24", "--configs", WRITE_THROUGH)
     assert_nothing_lost(proc, result, 24)
     assert set(result["configs"]) == set(WRITE_THROUGH.split(","))
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason="write-back races of today's store.py: an overwrite during an in-flight "
                    "write-back leaves the old value on disk (review C4a); a retain get promotes the value it read "
                    "over a newer put of the same key, which write-back then copies down; eviction skips a pending "
@@ -52,6 +54,7 @@ def test_killed_write_back_writers_lose_nothing_acknowledged(tmp_path, config):
     assert_nothing_lost(proc, result, 10)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sabotage", ["ack-before-put", "corrupt-value"])
 def test_a_broken_writer_is_caught(tmp_path, sabotage):
     # the honest run of this setup passes above; these writers acknowledge a put before it is made, or
@@ -67,6 +70,7 @@ def test_a_broken_writer_is_caught(tmp_path, sabotage):
     assert result["configs"]["host+disk/write_through"]["failures"]
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_run_checks_and_reports_and_leaves_no_writer(tmp_path):
     report, work = tmp_path / "report.json", tmp_path / "work"
     proc = subprocess.Popen([sys.executable, "-m", "tierstore.cli", "crashtest", "--minutes", "5", "--dir", str(work),
@@ -86,6 +90,7 @@ def test_sigterm_stops_the_run_checks_and_reports_and_leaves_no_writer(tmp_path)
     assert journal.stat().st_size == size  # no writer is left running
 
 
+@pytest.mark.slow
 def test_a_writer_that_cannot_open_its_store_ends_the_run_with_its_error(tmp_path):
     script = """if True:
         import json, sys
