@@ -63,6 +63,9 @@ class _RemoteTierTests(TierTests):
     def damage(self, tier, key, how):
         damage_object(tier.fs, f"{tier.root}/{object_relpath(key)}", how)
 
+    def overwrite(self, tier, key, data):
+        tier.fs.pipe_file(f"{tier.root}/{object_relpath(key)}", data)
+
 
 class TestRemoteS3(_RemoteTierTests):
     race_iterations = 20  # every operation is an HTTP round trip to moto

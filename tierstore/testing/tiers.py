@@ -11,7 +11,7 @@ checksummed objects, :meth:`reopen` and :meth:`damage`)::
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import pytest
 import torch
@@ -77,6 +77,40 @@ def assert_same(a: Mapping[str, torch.Tensor] | None, b: Mapping[str, torch.Tens
             assert torch.equal(a[name].reshape(-1).view(torch.uint8), b[name].reshape(-1).view(torch.uint8)), name
 
 
+def reencode(data: bytes, edit: Callable[[dict], None] | None = None, version: int | None = None,
+             payload: bytes | None = None) -> bytes:
+    """A copy of the encoded object ``data`` whose JSON header ``edit`` changed in place (and whose
+    prefix says ``version``, whose payload is ``payload``), with a valid checksum: what another writer
+    could have published."""
+    import json
+
+    import xxhash
+
+    from .. import objformat
+
+    hdr = objformat.parse_header(data)
+    raw = json.loads(bytes(data[objformat.PREFIX_SIZE:hdr.payload_offset]))
+    if edit is not None:
+        edit(raw)
+    h = json.dumps(raw, separators=(",", ":")).encode()
+    h += b" " * (-(objformat.PREFIX_SIZE + len(h)) % objformat.ALIGN)
+    payload = bytes(data[hdr.payload_offset:]) if payload is None else payload
+    digest = xxhash.xxh3_128(h + payload).digest()
+    prefix = objformat.PREFIX.pack(objformat.MAGIC, objformat.VERSION if version is None else version, len(h), digest)
+    return prefix + h + payload
+
+
+def unsupported_object(key: ChunkKey, what: str) -> bytes:
+    """An intact object this reader cannot represent: ``what`` is ``"version"`` (a newer format) or
+    ``"dtype"`` (a dtype this torch lacks)."""
+    from .. import objformat
+
+    data = objformat.encode(key, {"x": torch.arange(16, dtype=torch.int32)}).tobytes()
+    if what == "version":
+        return reencode(data, version=objformat.VERSION + 1)
+    return reencode(data, lambda h: h["tensors"][0].update(dtype="float99_e9m9"))
+
+
 class TierTests:
     """Behaviour every tier shares. Subclasses set the class attributes and implement the hooks."""
 
@@ -105,6 +139,10 @@ class TierTests:
 
     def damage(self, tier: Tier, key: ChunkKey, how: str) -> None:
         """Corrupt the stored object: ``how`` is ``"flip"`` (one payload bit) or ``"truncate"``."""
+        raise NotImplementedError
+
+    def overwrite(self, tier: Tier, key: ChunkKey, data: bytes) -> None:
+        """Replace the stored object's bytes with ``data``, behind the tier's back (checksummed tiers)."""
         raise NotImplementedError
 
     def tier(self, capacity: int | None = 64 * MiB) -> Tier:
@@ -278,8 +316,26 @@ class TierTests:
         assert t.get(key_of(0)) is None
         assert t.stats()["corrupt"] == 1
         assert_same(t.get(key_of(1)), chunk(1))
+        if t.shared:  # a reader never deletes from shared storage; an explicit repair does
+            assert t.contains(key_of(0))
+            assert t.verify_many([key_of(0), key_of(1)], repair=True) == ["corrupt", "ok"]
+        assert not t.contains(key_of(0))
         assert t.put(key_of(0), chunk(0))  # a fresh put heals it
         assert_same(t.get(key_of(0)), chunk(0))
+
+    @pytest.mark.parametrize("what", ["version", "dtype"])
+    def test_unsupported_object_is_a_miss_and_never_removed(self, what):
+        if not self.checksummed:
+            pytest.skip("tier keeps no checksummed objects")
+        t = self.tier()
+        t.put(key_of(0), chunk(0))
+        self.overwrite(t, key_of(0), unsupported_object(key_of(0), what))
+        assert t.get(key_of(0)) is None
+        assert t.get(key_of(0), out={"x": torch.empty(16, dtype=torch.int32)}) is None
+        stats = t.stats()
+        assert stats["unsupported"] == 2 and stats["corrupt"] == 0
+        assert t.verify_many([key_of(0)], repair=True) == ["unsupported"]
+        assert t.contains(key_of(0))  # still stored, for the readers that can read it
 
     # persistence ------------------------------------------------------------
     def test_persistence_across_reopen(self):

@@ -18,7 +18,10 @@ Rules this tier keeps:
   thread pool of ``max_in_flight`` workers shared by all callers of the tier; the base class keeps the
   accounting, pins and counters.
 * **Degrade, don't fail.** Any storage or network error on a read is a miss, on a write a skipped put; it
-  is counted (``errors``) and logged once. A bad object is a counted miss (``corrupt``) and is removed.
+  is counted (``errors``) and logged once. A damaged object is a counted miss (``corrupt``), one this
+  reader cannot represent (newer format, unknown dtype) a counted miss (``unsupported``); neither is
+  deleted by a reader (``shared = True``): this process forgets it, and ``tierstore verify --repair``
+  removes damaged ones.
 * **Capacity** is optional (``None`` = unbounded). With one, LRU eviction runs over the objects this
   process knows (its listing and what it has written or found), and an evicted object is deleted.
 """
@@ -44,6 +47,7 @@ from ..config import check_tier_options
 from ..errors import ClosedError, ConfigError, InvalidInputError, TierstoreError
 from ..keys import ChunkKey
 from ..tensors import TensorDict
+from . import objfile
 from .base import Tier
 from .layout import PERMISSIONS, TMP_SUFFIX, key_from_name, object_relpath
 
@@ -126,6 +130,7 @@ class RemoteTier(Tier):
 
     kind = "remote"
     overwrites = False
+    shared = True
     #: seconds to fail fast after a connection error or timeout (doubling while down, up to the max)
     retry_after: float = 1.0
     max_retry_after: float = 30.0
@@ -387,18 +392,21 @@ class RemoteTier(Tier):
             except FileExistsError:
                 pass  # a concurrent writer made it
 
-    def _read(self, path: str) -> torch.Tensor | bytes:
-        """The whole object: a fresh uint8 tensor for local files (decoded without a copy), else bytes."""
-        if not self._local:
-            data: bytes = self._io(self.fs.cat_file, path)
-            return data
-        with open(path, "rb") as f:
-            buf = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
-            n = f.readinto(buf.numpy().data) if buf.numel() else 0
-        return buf[:n]
+    def _read(self, path: str) -> bytes:
+        """The whole object in one GET: what is allocated is bounded by the object's real size."""
+        data: bytes = self._io(self.fs.cat_file, path)
+        return data
 
     def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
-        tensors = objformat.decode(self._read(self._path(key)), expected_key=key)
+        path = self._path(key)
+        if self._local:  # a mount: read like the disk tier (no symlinks, no FIFOs, sizes checked first)
+            fd, st = objfile.open_object(path)
+            try:
+                tensors = objfile.read_object(fd, st, key)
+            finally:
+                os.close(fd)
+        else:
+            tensors = objformat.decode(self._read(path), expected_key=key)
         device = torch.device(device)
         if device.type != "cpu":
             tensors = {name: t.to(device) for name, t in tensors.items()}
