@@ -208,18 +208,52 @@ class Tier(ABC):
         self._check_open()
         keys = list(keys)
         present = self.contains_many(keys)
-        sizes = self.pin(k for k, p in zip(keys, present) if p)
-        size_of = dict(zip((k for k, p in zip(keys, present) if p), sizes))
+        pinned = [k for k, p in zip(keys, present) if p]
+        size_of = {k: s for k, s in zip(pinned, self.pin(pinned)) if s is not None}
         try:
-            results = self._map(lambda k: None if size_of.get(k) is None
+            results = self._map(lambda k: None if k not in size_of
                                 else self._load_checked(k, size_of[k], device), keys)
-        finally:
-            self.unpin(k for k, s in size_of.items() if s is not None)
+        finally:  # one unpin per pin: a key listed twice was pinned twice
+            self.unpin(k for k in pinned if k in size_of)
         hits = sum(r is not None for r in results)
         with self._cond:
             self._counts["hits"] += hits
             self._counts["misses"] += len(results) - hits
             self._counts["bytes_out"] += sum(size_of[k] for k, r in zip(keys, results) if r is not None)
+        return results
+
+    def get_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[Mapping[str, torch.Tensor]]
+                      ) -> list[TensorDict | InvalidInputError | None]:
+        """Fill ``outs[i]`` from ``keys[i]`` for every key held, on the tier's I/O parallelism.
+
+        Returns per key ``outs[i]`` as a dict (a hit), ``None`` (a miss) or the
+        :class:`InvalidInputError` raised because ``outs[i]`` does not match the stored chunk (nothing
+        else is affected). A key may appear more than once (each with its own ``out``).
+        """
+        self._check_open()
+        keys = list(keys)
+        present = self.contains_many(keys)
+        pinned = [k for k, p in zip(keys, present) if p]
+        size_of = {k: s for k, s in zip(pinned, self.pin(pinned)) if s is not None}
+
+        def one(i: int) -> TensorDict | InvalidInputError | None:
+            key = keys[i]
+            if key not in size_of:
+                return None
+            try:
+                return self._load_checked(key, size_of[key], "cpu", out=outs[i])
+            except InvalidInputError as exc:
+                return exc
+
+        try:
+            results = self._map(one, range(len(keys)))
+        finally:
+            self.unpin(k for k in pinned if k in size_of)
+        hits = [i for i, r in enumerate(results) if isinstance(r, dict)]
+        with self._cond:
+            self._counts["hits"] += len(hits)
+            self._counts["misses"] += len(results) - len(hits)
+            self._counts["bytes_out"] += sum(size_of[keys[i]] for i in hits)
         return results
 
     def _load_checked(self, key: ChunkKey, size: int, device, borrow: bool = False,
