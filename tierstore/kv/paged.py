@@ -35,6 +35,7 @@ writes straight into the cache's blocks.
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from collections.abc import Sequence
@@ -191,14 +192,11 @@ class _Plan:
     def __init__(self, cache, layout, block_ids, start, end, block_size, layer):
         layout = _layout(layout)
         _check_cache(cache, layout)
+        self._source = cache
         bs, nblocks, layers = _geometry(cache, layout, block_size)
-        if layout is PagedLayout.VLLM_CPU:
-            b, h, _, two_d = cache.shape
-            try:
-                cache = cache.view(b, h, 2, bs, two_d // 2)
-            except RuntimeError:
-                raise InvalidInputError("a vllm_cpu KV cache must be contiguous in its last two dims") from None
-        self.cache, self.layout = cache, layout
+        self.layout, self.block_size = layout, bs
+        self._bind(cache)
+        cache = self.cache
         if layer is not None and not layout.multi_layer:
             raise InvalidInputError(f"{layout.value} caches hold one layer; pass that layer's tensor, not layer=")
         if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < layers):
@@ -218,10 +216,34 @@ class _Plan:
         for part, size in zip(self.parts, lead_shape):
             flat = flat * size + part
         self.flat_index = flat
+
+    def _bind(self, cache: torch.Tensor) -> None:
+        """Index ``cache`` (its ``vllm_cpu`` 5-D view) and, where the strides allow, its flat row view."""
+        if self.layout is PagedLayout.VLLM_CPU:
+            b, h, _, two_d = cache.shape
+            try:
+                cache = cache.view(b, h, 2, self.block_size, two_d // 2)
+            except RuntimeError:
+                raise InvalidInputError("a vllm_cpu KV cache must be contiguous in its last two dims") from None
+        self.cache = cache
+        lead = _RANKS[self.layout][1]
         try:  # a flat (rows, *row_shape) view exists unless the strides interleave (e.g. vLLM HND)
             self.flat = cache.view(-1, *cache.shape[lead:])
         except RuntimeError:
             self.flat = None
+
+    def rebind(self, cache: torch.Tensor) -> "_Plan":
+        """The same token rows in another cache of identical shape, strides, dtype and device (the next
+        layer of a per-layer layout): no new index computation."""
+        ref = self._source
+        if (cache.shape != ref.shape or cache.stride() != ref.stride() or cache.dtype != ref.dtype
+                or cache.device != ref.device):
+            raise InvalidInputError(f"every layer's cache must match the first: {tuple(cache.shape)} "
+                                    f"{cache.dtype} on {cache.device} vs {tuple(ref.shape)} {ref.dtype} on {ref.device}")
+        other = copy.copy(self)
+        other._source = cache
+        other._bind(cache)
+        return other
 
     def result_shape(self) -> tuple[int, ...]:
         return self.order + self.tail
