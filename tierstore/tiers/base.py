@@ -236,17 +236,12 @@ class Tier(ABC):
         pinned = [k for k, p in zip(keys, present) if p]
         size_of = {k: s for k, s in zip(pinned, self.pin(pinned)) if s is not None}
 
-        def one(i: int) -> TensorDict | InvalidInputError | None:
-            key = keys[i]
-            if key not in size_of:
-                return None
-            try:
-                return self._load_checked(key, size_of[key], "cpu", out=outs[i])
-            except InvalidInputError as exc:
-                return exc
-
         try:
-            results = self._map(one, range(len(keys)))
+            results: list[TensorDict | InvalidInputError | None] = [None] * len(keys)
+            todo = [i for i, k in enumerate(keys) if k in size_of]
+            loaded = self._load_many_into([(keys[i], size_of[keys[i]], outs[i]) for i in todo])
+            for i, r in zip(todo, loaded):
+                results[i] = r
         finally:
             self.unpin(k for k in pinned if k in size_of)
         hits = [i for i, r in enumerate(results) if isinstance(r, dict)]
@@ -256,9 +251,26 @@ class Tier(ABC):
             self._counts["bytes_out"] += sum(size_of[keys[i]] for i in hits)
         return results
 
+    def _load_many_into(self, work: list[tuple[ChunkKey, int, Mapping[str, torch.Tensor]]]
+                        ) -> list[TensorDict | InvalidInputError | None]:
+        """Fill each ``(key, size, out)`` of pinned keys (see :meth:`get_many_into`). Tiers with a faster
+        batched read path override this."""
+        def one(item: tuple[ChunkKey, int, Mapping[str, torch.Tensor]]) -> TensorDict | InvalidInputError | None:
+            try:
+                return self._load_checked(*item[:2], "cpu", out=item[2])
+            except InvalidInputError as exc:
+                return exc
+
+        return self._map(one, work)
+
     def _load_checked(self, key: ChunkKey, size: int, device, borrow: bool = False,
-                      out: Mapping[str, torch.Tensor] | None = None) -> TensorDict | None:
+                      out: Mapping[str, torch.Tensor] | None = None,
+                      reader: Callable[[], TensorDict | None] | None = None) -> TensorDict | None:
+        """Load through ``reader`` (default: :meth:`_load_into` / :meth:`_load`) turning a vanished,
+        corrupt or unreadable object into a miss (counted; a corrupt one is removed)."""
         try:
+            if reader is not None:
+                return reader()
             if out is not None:
                 return self._load_into(key, size, out)
             return self._load(key, size, device, borrow)

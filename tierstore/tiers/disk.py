@@ -44,6 +44,7 @@ from ..keys import ChunkKey
 from ..iov import IOV_MAX, advance
 from ..tensors import TensorDict, byte_alias, fill_out
 from .base import Tier
+from .disk_batch import BatchedReader
 from .layout import TMP_SUFFIX, key_from_name, object_relpath
 
 log = logging.getLogger("tierstore")
@@ -155,6 +156,7 @@ class DiskTier(Tier):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._worker = threading.local()
+        self._batched = BatchedReader(self)
         if read_only:
             if not os.path.isdir(self.path):
                 raise ConfigError(f"disk tier path {self.path!r} does not exist "
@@ -435,6 +437,10 @@ class DiskTier(Tier):
             except RuntimeError:  # shut down by a racing close()
                 raise ClosedError(f"tier {self.name!r} is closed") from None
         return [f.result() for f in futures]
+
+    def _load_many_into(self, work):
+        """Batched ``get_many_into``: :mod:`~tierstore.tiers.disk_batch` (parsed-header fast path)."""
+        return self._batched.load_many_into(work)
 
     def _mark_worker(self) -> None:
         self._worker.active = True
