@@ -21,7 +21,7 @@ def store(tmp_path):
         yield s
 
 
-def make_caches(layout: PagedLayout, blocks: int, fill=torch.randn, seed=0):
+def make_caches(layout: PagedLayout, blocks: int, fill=torch.randn, seed=0, BS=BS):
     torch.manual_seed(seed)
     shape = {PagedLayout.VLLM: (2, blocks, BS, H, D), PagedLayout.FLASHINFER: (blocks, 2, BS, H, D),
              PagedLayout.VLLM_CPU: (blocks, H, BS, 2 * D), PagedLayout.MLA: (blocks, BS, LAT),
@@ -33,7 +33,7 @@ def make_caches(layout: PagedLayout, blocks: int, fill=torch.randn, seed=0):
     return [fill(shape) for _ in range(LAYERS)]
 
 
-def kw(layout):
+def kw(layout, BS=BS):
     return {"block_size": BS} if layout in (PagedLayout.SGLANG_PAGE_FIRST, PagedLayout.SGLANG_MLA_PAGE_FIRST) else {}
 
 
@@ -88,6 +88,32 @@ def test_save_and_load_into_interoperate_and_windows_split(store, monkeypatch, l
     assert kv.load_into(tokens, dst, layout, table) == n
     assert all(torch.equal(a, b) for a, b in zip(gather_layers(dst, layout, table, 0, n), layers))
     assert kv.stats()["load_misses"] == 0
+
+
+@pytest.mark.parametrize("layout", list(PagedLayout))
+def test_block_aligned_chunks_move_whole_blocks_exactly(store, layout, monkeypatch):
+    bs, n = 8, 3 * C  # chunks of 16 tokens are two whole blocks each
+    coarse = []
+    original = transfer._coarsen
+
+    def spy(flat, index, run):
+        got = original(flat, index, run)
+        coarse.append(got[1] is not index)
+        return got
+
+    monkeypatch.setattr(transfer, "_coarsen", spy)
+    kv = kv_for(store, layout, layers_per_object=2)
+    table = torch.randperm(12, generator=torch.Generator().manual_seed(3))[:n // bs].tolist()
+    src = make_caches(layout, 12, BS=bs)
+    tokens = list(range(7, 7 + n))
+    assert kv.save_from(tokens, src, layout, table, **kw(layout, bs)) == n
+    dst = make_caches(layout, 12, fill=torch.zeros, BS=bs)
+    assert kv.load_into(tokens, dst, layout, table, **kw(layout, bs)) == n
+    got = gather_layers(dst, layout, table, 0, n, **kw(layout, bs))
+    want = gather_layers(src, layout, table, 0, n, **kw(layout, bs))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    if layout in (PagedLayout.VLLM, PagedLayout.FLASHINFER, PagedLayout.MLA):
+        assert coarse and all(coarse)  # whole blocks, not single rows
 
 
 def test_layerwise_layers_complete_in_order_before_later_layers_are_read(store, monkeypatch):

@@ -138,13 +138,13 @@ class PagedTransfer:
         every piece's tokens, in piece order."""
         plans = [self.plan(layer, p.a, p.b) for p in pieces]
         index = plans[0].flat_index if len(plans) == 1 else torch.cat([p.flat_index for p in plans])
-        return plans[0].flat, index
+        return _coarsen(plans[0].flat, index, self.block_size)
 
     def scatter(self, layer: int, pieces: list[Piece], staged: list[torch.Tensor]) -> None:
         """Write each piece's tokens from its staged canonical chunk tensor into the cache's blocks."""
         flat, index = self._window(layer, pieces)
         if flat is not None and all(p.whole for p in pieces) and _adjacent(staged):
-            rows = _span(staged).view(-1, *flat.shape[1:])
+            rows = _span(staged).view(index.numel(), *flat.shape[1:])
             flat.index_copy_(0, index, rows.to(self.device, non_blocking=True))
             return
         for p, t in zip(pieces, staged):
@@ -156,7 +156,7 @@ class PagedTransfer:
         """Copy each piece's tokens (whole chunks) out of the cache into its staged canonical tensor."""
         flat, index = self._window(layer, pieces)
         if flat is not None and _adjacent(staged):
-            rows = _span(staged).view(-1, *flat.shape[1:])
+            rows = _span(staged).view(index.numel(), *flat.shape[1:])
             if rows.device == flat.device:
                 torch.index_select(flat, 0, index, out=rows)
             else:
@@ -168,6 +168,23 @@ class PagedTransfer:
     def synchronize(self) -> None:
         first = self.pool if self.pool is not None else self.caches[0]
         wait_for_copies(first)
+
+
+def _coarsen(flat: torch.Tensor | None, index: torch.Tensor, run: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Copy whole blocks instead of single rows where possible: when ``index`` is made of aligned runs of
+    ``run`` consecutive rows (block-aligned tokens of the layouts whose block rows are adjacent), return
+    the cache's rows grouped ``run`` at a time and the index of the groups (``index_copy_`` / ``index_select``
+    cost is per row)."""
+    if flat is None or run <= 1 or index.numel() % run or flat.shape[0] % run:
+        return flat, index
+    runs = index.view(-1, run)
+    first = runs[:, 0]
+    if bool((first % run).any()) or not bool((runs == first[:, None] + torch.arange(run, device=index.device)).all()):
+        return flat, index
+    try:
+        return flat.view(flat.shape[0] // run, run, *flat.shape[1:]), first // run
+    except RuntimeError:
+        return flat, index
 
 
 def _adjacent(tensors: list[torch.Tensor]) -> bool:
