@@ -13,9 +13,9 @@ import sys
 
 VERBS = {
     "demo": ("tierstore.demo", "multi-round chat with a small transformer, KV served from the store"),
-    "stats": ("tierstore.admin", "print per-tier statistics of a store"),
-    "verify": ("tierstore.admin", "re-check every stored object's checksum"),
-    "gc": ("tierstore.admin", "remove stale temp files and corrupt objects"),
+    "stats": ("tierstore.admin", "print what each disk and remote tier holds (read-only; fine beside an engine)"),
+    "verify": ("tierstore.admin", "re-check every stored object's checksum (read-only unless --repair)"),
+    "gc": ("tierstore.admin", "remove stale temp files and corrupt objects (refused while a process owns a disk)"),
 }
 BENCHES = {
     "tiers": ("tierstore.bench.tiers", "put/get throughput of each tier vs plain copies and I/O"),

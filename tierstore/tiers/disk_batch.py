@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -32,6 +31,7 @@ import xxhash
 
 from .. import objformat
 from ..errors import CorruptObjectError, InvalidInputError
+from ..iov import read_into
 from ..keys import ChunkKey
 from ..tensors import TensorDict
 
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 #: remembered headers (a few hundred bytes each)
 HEADER_CACHE = 16384
 _HEAD_GUESS = 8 << 10
-_O_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
 
 Work = tuple[ChunkKey, int, Mapping[str, torch.Tensor]]
 
@@ -87,11 +86,8 @@ class BatchedReader:
             known = self._headers.get(key)
             if known is not None:
                 self._headers.move_to_end(key)
-        fd = os.open(self.tier._object_path(key), _O_FLAGS)
+        fd, st = self.tier._open_object(key)  # O_NOFOLLOW, a regular file
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptObjectError("not a regular file")
             if known is not None and known[1].object_size == st.st_size:
                 raw, hdr = known
             else:
@@ -101,8 +97,7 @@ class BatchedReader:
             head = bytearray(hdr.payload_offset)
             segments = [memoryview(head), *_segments(out, hdr)]
             h = xxhash.xxh3_128()
-            from .disk import _read_into
-            got = _read_into(fd, segments, h, skip=objformat.PREFIX_SIZE)
+            got = read_into(fd, segments, h, skip=objformat.PREFIX_SIZE)
             if got != hdr.object_size:
                 raise CorruptObjectError(f"short read: {got} of {hdr.object_size} bytes")
             if head != raw:  # replaced since its header was remembered: read it the careful way

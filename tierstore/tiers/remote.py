@@ -40,11 +40,12 @@ from fsspec.implementations.local import LocalFileSystem
 import torch
 
 from .. import objformat
+from ..config import check_tier_options
 from ..errors import ClosedError, ConfigError, InvalidInputError, TierstoreError
 from ..keys import ChunkKey
 from ..tensors import TensorDict
 from .base import Tier
-from .layout import TMP_SUFFIX, key_from_name, object_relpath
+from .layout import PERMISSIONS, TMP_SUFFIX, key_from_name, object_relpath
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -118,6 +119,9 @@ class RemoteTier(Tier):
     list_on_open:
         Rebuild the index by listing the prefix at open. Without it the index fills lazily, as lookups
         find objects in storage.
+    permissions:
+        For a local or mounted path: ``"private"`` (folders 0700, objects 0600) or ``"group"`` (0770,
+        0660) for the folders and objects this tier creates.
     """
 
     kind = "remote"
@@ -128,15 +132,13 @@ class RemoteTier(Tier):
 
     def __init__(self, name: str | None = None, capacity: int | None = None, url: str | None = None,
                  storage_options: Mapping[str, Any] | None = None, compression: str | None = None,
-                 max_in_flight: int = 8, list_on_open: bool = True):
+                 max_in_flight: int = 8, list_on_open: bool = True, permissions: str = "private"):
         _check_url(url)
-        if compression not in (None, "none", "zstd"):
-            raise ConfigError(f"remote tier compression must be null, 'none' or 'zstd', got {compression!r}")
-        if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1:
-            raise ConfigError(f"remote tier max_in_flight must be a positive int, got {max_in_flight!r}")
-        if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise ConfigError(f"remote tier storage_options must be a mapping, got {storage_options!r}")
+        check_tier_options("remote", {"compression": compression, "max_in_flight": max_in_flight,
+                                      "storage_options": storage_options, "list_on_open": list_on_open,
+                                      "permissions": permissions}, where=f"remote tier {name or self.kind!r}")
         super().__init__(name, capacity)
+        self._dir_mode, self._file_mode = PERMISSIONS[permissions]
         self.url = url
         self.codec = compression or "none"
         self.max_in_flight = max_in_flight
@@ -343,10 +345,10 @@ class RemoteTier(Tier):
         """Write a unique temp file next to ``path``, then link it into place (fails if it exists)."""
         tmp = f"{path}.{uuid.uuid4().hex}{TMP_SUFFIX}"
         try:
-            f = open(tmp, "xb")
+            f = open(tmp, "xb", opener=self._create_file)
         except FileNotFoundError:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            f = open(tmp, "xb")
+            self._make_folders(os.path.dirname(path))
+            f = open(tmp, "xb", opener=self._create_file)
         try:
             with f:
                 for part in enc.parts:
@@ -366,6 +368,24 @@ class RemoteTier(Tier):
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
+
+    def _create_file(self, path: str, flags: int) -> int:
+        fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), self._file_mode)
+        os.fchmod(fd, self._file_mode)  # exactly the configured mode, whatever the umask
+        return fd
+
+    def _make_folders(self, folder: str) -> None:
+        """Create ``folder`` and its missing parents with the configured directory mode."""
+        missing = []
+        while folder and not os.path.isdir(folder):
+            missing.append(folder)
+            folder = os.path.dirname(folder)
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, self._dir_mode)
+                os.chmod(d, self._dir_mode)
+            except FileExistsError:
+                pass  # a concurrent writer made it
 
     def _read(self, path: str) -> torch.Tensor | bytes:
         """The whole object: a fresh uint8 tensor for local files (decoded without a copy), else bytes."""
