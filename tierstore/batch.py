@@ -90,11 +90,8 @@ class BatchedStoreMixin:
             if not todo:
                 break
             sub = [keys[i] for i in todo]
-            got: list[Any]
-            if out is None:
-                got = tier.get_many(sub, device=device)
-            else:
-                got = tier.get_many_into(sub, [out[i] for i in todo])
+            got: list[Any] = (tier.get_many(sub, device=device) if out is None
+                              else tier.get_many_into(sub, [out[i] for i in todo]))
             rest, hits = [], []
             for i, r in zip(todo, got):
                 if isinstance(r, InvalidInputError):

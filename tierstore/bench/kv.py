@@ -259,11 +259,11 @@ def paged_rows(model, ns, root: Path, n: int, repeats: int) -> list[dict]:
             per_layer.save(toks, layers)
             store.flush()
 
-            def old() -> None:
+            def old(flat=flat) -> None:
                 got = flat.load(toks, n - 1)
                 scatter_layers(caches, "vllm", table, got)
 
-            def layerwise() -> tuple[float, float]:
+            def layerwise(per_layer=per_layer) -> tuple[float, float]:
                 t0 = time.perf_counter()
                 h = per_layer.load_into(toks, caches, "vllm", table, n_tokens=n - 1, layerwise=True)
                 h.wait_for_layer(0)
@@ -273,8 +273,8 @@ def paged_rows(model, ns, root: Path, n: int, repeats: int) -> list[dict]:
 
             timings = {
                 "load+scatter": statistics.median(_timed(old) for _ in range(repeats)),
-                "load_into": statistics.median(_timed(lambda: flat.load_into(toks, caches, "vllm", table,
-                                                                             n_tokens=n - 1))
+                "load_into": statistics.median(_timed(lambda flat=flat: flat.load_into(toks, caches, "vllm", table,
+                                                                                       n_tokens=n - 1))
                                                for _ in range(repeats)),
             }
             lw = [layerwise() for _ in range(repeats)]

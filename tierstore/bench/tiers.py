@@ -172,14 +172,16 @@ def _shim_rows(report: Report, s3, items, in_flight: int, latency: float = 0.020
         writer.put_many(items)
     per_chunk = sum(t.nbytes for t in items[0][1].values())
     with S3Shim(s3.endpoint_url, latency=latency, bandwidth=bandwidth) as shim:
-        options = shim.storage_options({**s3.storage_options, "config_kwargs": {"max_pool_connections": 2 * in_flight}})
+        pool = {"config_kwargs": {"max_pool_connections": 2 * in_flight}}
+        options = shim.storage_options({**s3.storage_options, **pool})
         cfg = {"tiers": [{"kind": "host", "capacity": 2 * per_chunk * len(items) + (64 << 20), "pinned": False},
                          {"kind": "remote", "url": url, "storage_options": options, "list_on_open": False,
                           "max_in_flight": in_flight}], "prefetch_policy": "transient"}
 
         def cold(fn):
             with tierstore.open(cfg) as store:
-                store.tier("remote").contains_many([ChunkKey.from_bytes(b"warm-up-%d" % i) for i in range(in_flight)])
+                warm = [ChunkKey.from_bytes(b"warm-up-%d" % i) for i in range(in_flight)]
+                store.tier("remote").contains_many(warm)
                 return median_time(lambda: fn(store), 1)  # connections are open; the keys are not indexed
 
         seq = report.add(f"cold lookup, {len(keys)} keys, one HEAD at a time", cold(

@@ -93,7 +93,8 @@ def _check_cache(cache, layout: PagedLayout) -> None:
     if layout in (PagedLayout.SGLANG_PAGE_FIRST, PagedLayout.SGLANG_PAGE_FIRST_DIRECT) and cache.shape[0] != 2:
         raise InvalidInputError(f"{layout.value} host pool must start with a K/V dim of 2, got {tuple(cache.shape)}")
     if layout is PagedLayout.VLLM_CPU and cache.shape[3] % 2:
-        raise InvalidInputError(f"vllm_cpu KV cache must be (blocks, heads, block_size, 2 * dim), got {tuple(cache.shape)}")
+        raise InvalidInputError(f"vllm_cpu KV cache must be (blocks, heads, block_size, 2 * dim), "
+                                f"got {tuple(cache.shape)}")
     if layout is PagedLayout.SGLANG_MLA_PAGE_FIRST and cache.shape[2] != 1:
         raise InvalidInputError(f"sglang MLA host pool must be (slots, layers, 1, latent), got {tuple(cache.shape)}")
 
@@ -232,14 +233,14 @@ class _Plan:
         except RuntimeError:
             self.flat = None
 
-    def rebind(self, cache: torch.Tensor) -> "_Plan":
+    def rebind(self, cache: torch.Tensor) -> _Plan:
         """The same token rows in another cache of identical shape, strides, dtype and device (the next
         layer of a per-layer layout): no new index computation."""
         ref = self._source
         if (cache.shape != ref.shape or cache.stride() != ref.stride() or cache.dtype != ref.dtype
                 or cache.device != ref.device):
-            raise InvalidInputError(f"every layer's cache must match the first: {tuple(cache.shape)} "
-                                    f"{cache.dtype} on {cache.device} vs {tuple(ref.shape)} {ref.dtype} on {ref.device}")
+            raise InvalidInputError(f"every layer's cache must match the first: {tuple(cache.shape)} {cache.dtype} "
+                                    f"on {cache.device} vs {tuple(ref.shape)} {ref.dtype} on {ref.device}")
         other = copy.copy(self)
         other._source = cache
         other._bind(cache)

@@ -21,7 +21,7 @@ import torch
 from ..errors import InvalidInputError, InvalidTypeError
 from ..keys import ChunkKey
 from ..tensors import wait_for_copies
-from .paged import PagedLayout, _layout, _Plan
+from .paged import _layout, _Plan
 
 #: bytes of staging per task (two tasks are in flight); a window holds as many chunks as fit
 STAGING_BYTES = 64 << 20
