@@ -25,6 +25,7 @@ import torch
 from ..errors import InvalidInputError, InvalidTypeError, MissingKeyError
 from ..keys import ChunkKey
 from .namespace import KVNamespace, prefix_keys, token_tensor
+from .paged import PagedLayout
 from .transfer import LayerwiseLoad, PagedTransfer, Piece, Staging, Task, run_load, run_save, task_bytes, windows
 
 log = logging.getLogger("tierstore.kv")
@@ -302,7 +303,8 @@ class KVCacheStore:
         return layers
 
     # ------------------------------------------------------------------ paged caches
-    def load_into(self, token_ids, caches, layout, block_ids, *, n_tokens: int | None = None, start: int = 0,
+    def load_into(self, token_ids, caches: Sequence[torch.Tensor] | torch.Tensor, layout: str | PagedLayout,
+                  block_ids: Sequence[int] | torch.Tensor, *, n_tokens: int | None = None, start: int = 0,
                   block_size: int | None = None, layerwise: bool = False) -> int | LayerwiseLoad:
         """Load cached KV of ``token_ids`` straight into the blocks of a paged KV cache.
 
@@ -355,7 +357,8 @@ class KVCacheStore:
         threading.Thread(target=background, name="tierstore-kv-load", daemon=True).start()
         return handle
 
-    def save_from(self, token_ids, caches, layout, block_ids, *, block_size: int | None = None) -> int:
+    def save_from(self, token_ids, caches: Sequence[torch.Tensor] | torch.Tensor, layout: str | PagedLayout,
+                  block_ids: Sequence[int] | torch.Tensor, *, block_size: int | None = None) -> int:
         """Store the KV of ``token_ids`` straight out of a paged KV cache; returns the tokens newly stored.
 
         The cache (as for :meth:`load_into`) must hold the KV of every token of ``token_ids`` in the

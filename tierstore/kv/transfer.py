@@ -15,13 +15,14 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..errors import InvalidInputError, InvalidTypeError
 from ..keys import ChunkKey
 from ..tensors import wait_for_copies
-from .paged import _layout, _Plan
+from .paged import PagedLayout, _layout, _Plan
 
 #: bytes of staging per task (two tasks are in flight); a window holds as many chunks as fit
 STAGING_BYTES = 64 << 20
@@ -89,7 +90,8 @@ class Task:
 class PagedTransfer:
     """The caches, layout and block table of one transfer, and the rows of any token range in them."""
 
-    def __init__(self, caches, layout, block_ids, block_size: int | None, dtype: torch.dtype, is_mla: bool):
+    def __init__(self, caches: Sequence[torch.Tensor] | torch.Tensor, layout: str | PagedLayout,
+                 block_ids: Sequence[int] | torch.Tensor, block_size: int | None, dtype: torch.dtype, is_mla: bool):
         self.layout = _layout(layout)
         if self.layout.is_mla != is_mla:
             raise InvalidInputError(f"layout {self.layout.value!r} does not match the namespace "
@@ -255,7 +257,7 @@ def windows(pieces: list[Piece], per_chunk_bytes: int, budget: int = STAGING_BYT
     return [pieces[i:i + size] for i in range(0, len(pieces), size)]
 
 
-def run_load(store, transfer: PagedTransfer, tasks: list[Task], staging: Staging, layer_name: Callable[[int], str],
+def run_load(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: Staging, layer_name: Callable[[int], str],
              valid: int, handle: LayerwiseLoad | None = None) -> tuple[int, int, int]:
     """Read ``tasks`` in order (the next one while the current one is scattered) into the cache.
 
@@ -289,18 +291,17 @@ def run_load(store, transfer: PagedTransfer, tasks: list[Task], staging: Staging
                 pieces = [task.pieces[k] for k in keep]
                 for j, staged in by_layer.items():
                     transfer.scatter(j, pieces, [staged[k] for k in keep])
+            transfer.synchronize()  # a CUDA copy out of this staging buffer must finish before it is reused
             if last_of_group[task.group] == i and handle is not None:
-                transfer.synchronize()
                 for j in range(*task.group):
                     handle.layer(j).set_result(valid)
-        transfer.synchronize()
     finally:
         for b in bufs:
             staging.release(b)
     return valid, read, missed
 
 
-def run_save(store, transfer: PagedTransfer, tasks: list[Task], staging: Staging,
+def run_save(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: Staging,
              layer_name: Callable[[int], str]) -> list[bool]:
     """Gather each task's chunks out of the cache into staging and store them with one ``put_many``."""
     size = max(task_bytes(t, transfer) for t in tasks)
