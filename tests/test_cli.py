@@ -51,8 +51,9 @@ def test_bench_tiers_smoke(tmp_path, capsys):
 
 
 def test_unknown_verb_exits_nonzero():
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as ei:
         main(["frobnicate"])
+    assert ei.value.code == 2  # argparse's usage error
 
 
 def test_gc_removes_stale_remote_temp_files_only(tmp_path, capsys):

@@ -24,7 +24,8 @@ def test_hex_roundtrip_equality_and_hash():
         k._digest = b"x" * 32
 
 
-@pytest.mark.parametrize("bad,exc", [("zz" * 32, InvalidInputError), ("ab", InvalidInputError), (b"x" * 32, InvalidTypeError)])
+@pytest.mark.parametrize("bad,exc", [("zz" * 32, InvalidInputError), ("ab", InvalidInputError),
+                                     (b"x" * 32, InvalidTypeError)])
 def test_from_hex_rejects(bad, exc):
     with pytest.raises(exc):
         ChunkKey.from_hex(bad)
@@ -57,11 +58,18 @@ def test_chain_is_order_and_domain_sensitive():
     assert a == ChunkKey.chain(None, b"ns", b"payload")
     assert a != ChunkKey.chain(None, b"nsp", b"ayload")  # framing: no ambiguous concatenation
     assert ChunkKey.chain(a, b"ns", b"x") != ChunkKey.chain(None, b"ns", b"x")
-    assert ChunkKey.chain(None, b"", b"") != ChunkKey.from_bytes(b"")
     with pytest.raises(InvalidTypeError):
         ChunkKey.chain("parent", b"ns", b"x")
 
 
+@pytest.mark.xfail(strict=True, reason="review repro 19: from_bytes and chain share a blake2b domain; the "
+                                       "objects branch separates them (then drop this marker)")
+def test_from_bytes_cannot_forge_a_chain_key():
+    framed = b"".join(len(p).to_bytes(8, "little") + p for p in (b"", b"ns", b"payload"))
+    assert ChunkKey.from_bytes(framed) != ChunkKey.chain(None, b"ns", b"payload")
+
+
+@pytest.mark.slow
 def test_keys_identical_across_processes_and_hash_seeds():
     code = ("import torch; from tierstore import ChunkKey;"
             "print(ChunkKey.from_tensors({'k': torch.arange(12, dtype=torch.float32).reshape(3, 4),"

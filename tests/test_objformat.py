@@ -98,7 +98,7 @@ def test_structural_damage_rejected():
         "bad version": ok[:8] + struct.pack("<I", 2) + ok[12:],
         "huge header": ok[:12] + struct.pack("<I", 2**31) + ok[16:],
     }
-    for name, data in cases.items():
+    for data in cases.values():
         with pytest.raises(CorruptObjectError):
             objformat.decode(bytes(data), KEY)
     not_json = rebuild(header())[:32] + b"{" * 32 + rebuild(header())[64:]

@@ -118,7 +118,7 @@ def test_batched_io_keeps_order(tmp_path, io_threads):
     items = [(key_of(i), chunk(i, 1000 + 8 * i)) for i in range(12)]
     assert t.put_many(items) == [True] * 12
     got = t.get_many([key_of(i) for i in range(13)])
-    for (_, value), g in zip(items, got):
+    for (_, value), g in zip(items, got[:12], strict=True):
         assert_same(g, value)
     assert got[12] is None
     assert t.used_bytes == sum(p.stat().st_size for p in _files(Path(t.path)))
@@ -153,7 +153,7 @@ def test_lru_order_rebuilt_from_mtime(tmp_path):
         t.put(key_of(i), chunk(i))
     t.close()
     now = time.time()
-    for age, i in zip((40, 10, 30, 20), range(4)):  # use order, oldest first: 0, 2, 3, 1
+    for age, i in zip((40, 10, 30, 20), range(4), strict=True):  # use order, oldest first: 0, 2, 3, 1
         os.utime(root / object_relpath(key_of(i)), (now - age, now - age))
     t = DiskTier(path=root)
     assert t.keys() == [key_of(i) for i in (0, 2, 3, 1)]
@@ -206,7 +206,8 @@ def test_hostile_files_are_misses(tmp_path):
     os.mkdir(root / object_relpath(key_of(5)))  # a directory with an object's name
     os.symlink(root / object_relpath(key_of(0)), root / object_relpath(key_of(6)))
     wrong_dir = "00" if not key_of(7).hex().startswith("00") else "01"
-    misplaced = [root / wrong_dir / f"{key_of(7).hex()}.tso", root / key_of(8).hex()[:2] / f"{key_of(8).hex().upper()}.tso"]
+    misplaced = [root / wrong_dir / f"{key_of(7).hex()}.tso",
+                 root / key_of(8).hex()[:2] / f"{key_of(8).hex().upper()}.tso"]
     for p in misplaced:
         p.write_bytes(good)
     t = DiskTier(path=root)
@@ -297,6 +298,7 @@ def _child(code: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=env)
 
 
+@pytest.mark.slow
 def test_lock_is_per_process_and_dies_with_it(tmp_path):
     root = tmp_path / "d"
     child = _child(f"""
@@ -332,6 +334,7 @@ def test_lock_is_per_process_and_dies_with_it(tmp_path):
             child.wait()
 
 
+@pytest.mark.slow
 def test_crash_mid_write_leaves_a_consistent_directory(tmp_path):
     root = tmp_path / "d"
     # the writer dies by SIGKILL twice: once right before a rename, once at an arbitrary moment

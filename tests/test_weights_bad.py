@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -167,9 +168,9 @@ def test_missing_shard_named_by_index(sharded):
 def test_index_names_tensor_absent_from_shard(sharded):
     d, paths, _ = sharded
     idx = os.path.join(d, "model.safetensors.index.json")
-    data = json.load(open(idx))
+    data = json.loads(Path(idx).read_text())
     data["weight_map"]["ghost.weight"] = os.path.basename(paths[0])
-    json.dump(data, open(idx, "w"))
+    Path(idx).write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match="absent from the shard") as ei:
         tw.load(d)
     assert ei.value.tensor == "ghost.weight" and ei.value.file == paths[0]
@@ -179,9 +180,9 @@ def test_index_names_tensor_absent_from_shard(sharded):
 def test_index_with_bad_entries(sharded, value):
     d, _, _ = sharded
     idx = os.path.join(d, "model.safetensors.index.json")
-    data = json.load(open(idx))
+    data = json.loads(Path(idx).read_text())
     data["weight_map"]["l0.w"] = value
-    json.dump(data, open(idx, "w"))
+    Path(idx).write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match="weight_map") as ei:
         tw.load(d)
     assert ei.value.tensor == "l0.w"
@@ -189,7 +190,7 @@ def test_index_with_bad_entries(sharded, value):
 
 def test_index_not_json(sharded):
     d, _, _ = sharded
-    open(os.path.join(d, "model.safetensors.index.json"), "w").write("{nope")
+    Path(d, "model.safetensors.index.json").write_text("{nope")
     with pytest.raises(CheckpointError, match="index"):
         tw.load(d)
 
@@ -228,7 +229,7 @@ def test_fuzzed_headers_never_crash(tmp_path, data):
     path = str(tmp_path / "f.safetensors")
     save_file({"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.arange(3, dtype=torch.int16),
                "c": torch.ones(2, 2, dtype=torch.bfloat16)}, path)
-    blob = bytearray(open(path, "rb").read())
+    blob = bytearray(Path(path).read_bytes())
     n = struct.unpack("<Q", blob[:8])[0]
     for _ in range(data.draw(st.integers(1, 3))):
         pos = data.draw(st.integers(0, 8 + n - 1))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
@@ -53,7 +54,7 @@ def test_publish_roundtrip_and_sharing(tmp_path):
     assert len(os.listdir(objs)) == 10
     for f in os.listdir(objs):  # every object is a plain safetensors file named by its digest
         load_file(os.path.join(objs, f))
-    index = json.load(open(r2["index"]))
+    index = json.loads(Path(r2["index"]).read_text())
     assert index["metadata"]["format"] == "tierstore-cas/1"
     assert same(tw.load(str(tmp_path / "pub" / "base")), base)
     assert same(tw.load(str(tmp_path / "pub" / "tuned")), tuned)

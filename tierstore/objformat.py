@@ -27,6 +27,7 @@ import math
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
@@ -35,6 +36,9 @@ import zstandard
 from .errors import CorruptObjectError, InvalidInputError
 from .keys import ChunkKey
 from .tensors import DTYPES, TensorDict, byte_view, dtype_name, validate_tensors
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 MAGIC = b"TIERSTOR"
 VERSION = 1
@@ -78,7 +82,7 @@ class Header:
 class Encoded:
     """An encoded object as a list of buffers to write in order (no concatenation needed)."""
 
-    parts: list
+    parts: list[bytes | memoryview]
     size: int
 
     def tobytes(self) -> bytes:
@@ -100,13 +104,13 @@ def encode(key: ChunkKey, tensors: Mapping[str, torch.Tensor], codec: str = "non
         views.append((offset, v))
         offset += v.numel()
     raw_size = offset
-    payload: list = []
+    payload: list[bytes | memoryview] = []
     pos = 0
     for off, v in views:
         if off > pos:
             payload.append(bytes(off - pos))
         if v.numel():
-            payload.append(memoryview(v.numpy()))
+            payload.append(v.numpy().data)
         pos = off + v.numel()
     if codec == "zstd":
         payload = [zstandard.ZstdCompressor(level=level).compress(b"".join(payload))]
@@ -122,7 +126,7 @@ def encode(key: ChunkKey, tensors: Mapping[str, torch.Tensor], codec: str = "non
     return Encoded([prefix + hbytes, *payload], PREFIX_SIZE + len(hbytes) + stored_size)
 
 
-def parse_header(buf, expected_key: ChunkKey | None = None, object_size: int | None = None) -> Header:
+def parse_header(buf: Buffer, expected_key: ChunkKey | None = None, object_size: int | None = None) -> Header:
     """Validate and parse the prefix and header at the start of ``buf`` (bytes-like).
 
     ``object_size``, when known (a file size), is checked against the header. The checksum is not
@@ -150,18 +154,18 @@ def parse_header(buf, expected_key: ChunkKey | None = None, object_size: int | N
     return hdr
 
 
-def _int(raw: dict, field: str, hi: int = MAX_RAW) -> int:
+def _int(raw: dict[str, Any], field: str, hi: int = MAX_RAW) -> int:
     v = raw.get(field)
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi:
         raise CorruptObjectError(f"header field {field!r} is not an integer in [0, {hi}]: {v!r}")
     return v
 
 
-def _validate_header(raw, payload_offset: int) -> Header:
+def _validate_header(raw: object, payload_offset: int) -> Header:
     if not isinstance(raw, dict):
         raise CorruptObjectError("header is not a JSON object")
     try:
-        key = ChunkKey.from_hex(raw.get("key"))
+        key = ChunkKey.from_hex(raw.get("key"))  # type: ignore[arg-type]  # from_hex rejects a non-str itself
     except (ValueError, TypeError):
         raise CorruptObjectError(f"header key is invalid: {raw.get('key')!r}") from None
     codec = raw.get("codec")
@@ -197,7 +201,7 @@ def _validate_header(raw, payload_offset: int) -> Header:
     return Header(key, codec, raw_size, stored_size, tuple(specs), payload_offset)
 
 
-def verify(buf, hdr: Header) -> None:
+def verify(buf: Buffer, hdr: Header) -> None:
     """Check the object's checksum; raise :class:`CorruptObjectError` on mismatch."""
     mv = memoryview(buf).cast("B")
     if len(mv) != hdr.object_size:
@@ -217,7 +221,7 @@ def decode(buf: torch.Tensor | bytes | bytearray | memoryview, expected_key: Chu
     if isinstance(buf, torch.Tensor):
         if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.device.type != "cpu":
             raise InvalidInputError("decode takes a flat uint8 CPU tensor")
-        mv = memoryview(buf.numpy())
+        mv = buf.numpy().data
     else:
         mv = memoryview(buf).cast("B")
     hdr = parse_header(mv, expected_key, object_size=len(mv))
@@ -235,7 +239,7 @@ def decode(buf: torch.Tensor | bytes | bytearray | memoryview, expected_key: Chu
     else:
         payload = torch.empty(hdr.raw_size, dtype=torch.uint8)
         if hdr.raw_size:
-            memoryview(payload.numpy())[:] = mv[hdr.payload_offset:]
+            payload.numpy().data[:] = mv[hdr.payload_offset:]
     return tensors_from_payload(payload, hdr)
 
 

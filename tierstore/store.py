@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
+from typing import Any
 
 import torch
 
@@ -59,7 +60,7 @@ class TieredStore(BatchedStoreMixin):
         self._closed = False
         for t in self.tiers:
             t.before_evict = self._before_evict
-        self._queues = {i: queue.Queue() for i in range(1, len(self.tiers))}
+        self._queues: dict[int, queue.Queue[Any]] = {i: queue.Queue() for i in range(1, len(self.tiers))}  # keys, _STOP
         self._writers = [threading.Thread(target=self._writer, args=(i,), name=f"tierstore-writeback-{t.name}",
                                           daemon=True)
                          for i, t in enumerate(self.tiers) if i > 0]
@@ -125,18 +126,22 @@ class TieredStore(BatchedStoreMixin):
         if not keys:
             return
         with ExitStack() as stack:
-            items, lost = [], []
+            items: list[tuple[ChunkKey, TensorDict]] = []
+            lost: list[ChunkKey] = []
             for k in keys:
                 data = None
                 for upper in self.tiers[:level]:
                     data = stack.enter_context(upper.borrowed(k))
                     if data is not None:
                         break
-                (items if data is not None else lost).append((k, data))
+                if data is not None:
+                    items.append((k, data))
+                else:
+                    lost.append(k)
             results = self.tiers[level].put_many(items) if items else []
-        for (k, _), ok in zip(items, results):
+        for (k, _), ok in zip(items, results, strict=True):
             self._written(k, level, ok)
-        for k, _ in lost:
+        for k in lost:
             self._written(k, level, ok=False)
 
     def _written(self, key: ChunkKey, level: int, ok: bool) -> None:
@@ -223,20 +228,20 @@ class TieredStore(BatchedStoreMixin):
                 return t.name
         return None
 
-    def prefetch(self, keys: Iterable[ChunkKey]) -> Future:
+    def prefetch(self, keys: Iterable[ChunkKey]) -> Future[int]:
         """Promote ``keys`` toward the top tier in the background, at most ``max_in_flight`` at a time.
 
         The returned future resolves to the number of keys now held by the top tier.
         """
         self._check_open()
         keys = [check_key(k) for k in keys]
-        done: Future = Future()
+        done: Future[int] = Future()
         if not keys:
             done.set_result(0)
             return done
         remaining, held, lock = [len(keys)], [0], threading.Lock()
 
-        def finished(f: Future) -> None:
+        def finished(f: Future[bool]) -> None:
             with lock:
                 held[0] += bool(not f.exception() and f.result())
                 remaining[0] -= 1
@@ -262,7 +267,7 @@ class TieredStore(BatchedStoreMixin):
         return False
 
     # ------------------------------------------------------------------ admin
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Per-tier counters and sizes plus the store's own totals (what a dashboard needs)."""
         tiers = {t.name: {**t.stats(), **self._wb[i]} for i, t in enumerate(self.tiers)}
         with self._cond:
@@ -299,10 +304,10 @@ class TieredStore(BatchedStoreMixin):
             for t in self.tiers:
                 t.close()
 
-    def __enter__(self) -> "TieredStore":
+    def __enter__(self) -> TieredStore:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -321,7 +326,7 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
     return tiers
 
 
-def open(config: Mapping | str | os.PathLike | None = None) -> TieredStore:  # noqa: A001 - public name
+def open(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> TieredStore:  # noqa: A001 - public name
     """Open a store from a dict, a YAML/JSON file, ``$TIERSTORE_CONFIG`` or the embedded default.
 
     The whole configuration is validated first; a bad key raises :class:`~tierstore.ConfigError`

@@ -32,7 +32,7 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise InvalidInputError(f"unsupported dtype {dtype}") from None
 
 
-def validate_tensors(tensors) -> None:
+def validate_tensors(tensors: object) -> None:
     """Raise a clear error unless ``tensors`` is a non-empty ``Mapping[str, Tensor]`` of known dtypes."""
     if not isinstance(tensors, Mapping):
         raise InvalidTypeError(f"expected a Mapping[str, torch.Tensor], got {type(tensors).__name__}")
@@ -70,7 +70,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     v = byte_view(t)
     if v.numel() == 0:
         return memoryview(b"")
-    return memoryview(v.numpy()).cast("B")
+    return v.numpy().data.cast("B")
 
 
 def copy_tensors(tensors: Mapping[str, torch.Tensor], device: str | torch.device = "cpu",

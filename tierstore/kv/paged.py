@@ -64,6 +64,10 @@ class PagedLayout(str, enum.Enum):
         return self in (PagedLayout.MLA, PagedLayout.SGLANG_MLA_PAGE_FIRST)
 
 
+#: a request's block table, and one cache per layer or one multi-layer pool
+BlockIds = Sequence[int] | torch.Tensor
+Caches = torch.Tensor | Sequence[torch.Tensor]
+
 # rank of the cache tensor and how many leading dims are indexed (the rest is one row: heads×dim or latent)
 _RANKS = {PagedLayout.VLLM: (5, 3), PagedLayout.FLASHINFER: (5, 3), PagedLayout.MLA: (3, 2),
           PagedLayout.VLLM_CPU: (4, 4),  # indexed on its (blocks, heads, 2, block_size, dim) view
@@ -71,7 +75,7 @@ _RANKS = {PagedLayout.VLLM: (5, 3), PagedLayout.FLASHINFER: (5, 3), PagedLayout.
           PagedLayout.SGLANG_MLA_PAGE_FIRST: (4, 3)}
 
 
-def _layout(layout) -> PagedLayout:
+def _layout(layout: PagedLayout | str) -> PagedLayout:
     try:
         return PagedLayout(layout)
     except ValueError:
@@ -79,7 +83,8 @@ def _layout(layout) -> PagedLayout:
                                 f"{[m.value for m in PagedLayout]}") from None
 
 
-def _check_cache(cache, layout: PagedLayout) -> None:
+def _check_cache(cache: object, layout: PagedLayout) -> torch.Tensor:
+    """``cache`` if it is a tensor of ``layout``'s rank and fixed dims, else raise."""
     if not isinstance(cache, torch.Tensor):
         raise InvalidTypeError(f"a {layout.value} KV cache must be a torch.Tensor, got {type(cache).__name__}")
     rank, _ = _RANKS[layout]
@@ -97,6 +102,7 @@ def _check_cache(cache, layout: PagedLayout) -> None:
                                 f"got {tuple(cache.shape)}")
     if layout is PagedLayout.SGLANG_MLA_PAGE_FIRST and cache.shape[2] != 1:
         raise InvalidInputError(f"sglang MLA host pool must be (slots, layers, 1, latent), got {tuple(cache.shape)}")
+    return cache
 
 
 def _geometry(cache: torch.Tensor, layout: PagedLayout, block_size: int | None) -> tuple[int, int, int]:
@@ -126,7 +132,7 @@ def _geometry(cache: torch.Tensor, layout: PagedLayout, block_size: int | None) 
     return block_size, slots // block_size, layers
 
 
-def _positions(block_ids, start: int, end: int, block_size: int, num_blocks: int,
+def _positions(block_ids: BlockIds, start: int, end: int, block_size: int, num_blocks: int,
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Block id and in-block offset of every token in ``[start, end)``."""
     for name, v in (("start", start), ("end", end)):
@@ -159,7 +165,8 @@ def _positions(block_ids, start: int, end: int, block_size: int, num_blocks: int
     return ids[pos // block_size], pos % block_size
 
 
-def _index(layout: PagedLayout, blk, off, block_size: int, layers: int, layer: int | None, heads: int = 0):
+def _index(layout: PagedLayout, blk: torch.Tensor, off: torch.Tensor, block_size: int, layers: int,
+           layer: int | None, heads: int = 0) -> tuple[torch.Tensor, ...]:
     """Multi-index into the cache's leading dims, broadcast to the result order.
 
     Result order is ``(2, n)`` for one MHA layer (``(2, n, heads)`` for ``vllm_cpu``), ``(n,)`` for one
@@ -190,9 +197,10 @@ def _index(layout: PagedLayout, blk, off, block_size: int, layers: int, layer: i
 class _Plan:
     """Where the rows of one gather/scatter live in ``cache``; the shape of the canonical result."""
 
-    def __init__(self, cache, layout, block_ids, start, end, block_size, layer):
+    def __init__(self, cache: Caches, layout: PagedLayout | str, block_ids: BlockIds, start: int, end: int,
+                 block_size: int | None, layer: int | None) -> None:
         layout = _layout(layout)
-        _check_cache(cache, layout)
+        cache = _check_cache(cache, layout)
         self._source = cache
         bs, nblocks, layers = _geometry(cache, layout, block_size)
         self.layout, self.block_size = layout, bs
@@ -214,7 +222,7 @@ class _Plan:
         self.parts = tuple(i.reshape(-1) for i in idx)
         lead_shape = cache.shape[:lead]
         flat = torch.zeros_like(self.parts[0])
-        for part, size in zip(self.parts, lead_shape):
+        for part, size in zip(self.parts, lead_shape, strict=True):
             flat = flat * size + part
         self.flat_index = flat
 
@@ -229,7 +237,7 @@ class _Plan:
         self.cache = cache
         lead = _RANKS[self.layout][1]
         try:  # a flat (rows, *row_shape) view exists unless the strides interleave (e.g. vLLM HND)
-            self.flat = cache.view(-1, *cache.shape[lead:])
+            self.flat: torch.Tensor | None = cache.view(-1, *cache.shape[lead:])
         except RuntimeError:
             self.flat = None
 
@@ -279,8 +287,8 @@ class _Plan:
             self.cache.index_put_(self.parts, values.reshape(-1, *self.tail))
 
 
-def gather(cache: torch.Tensor, layout, block_ids, start: int, end: int, *, block_size: int | None = None,
-           layer: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def gather(cache: torch.Tensor, layout: PagedLayout | str, block_ids: BlockIds, start: int, end: int, *,
+           block_size: int | None = None, layer: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy tokens ``[start, end)`` of one layer out of a paged ``cache`` in canonical form.
 
     Returns ``(2, end - start, heads, dim)`` (MLA: ``(end - start, latent_dim)``), on the cache's device;
@@ -294,7 +302,7 @@ def gather(cache: torch.Tensor, layout, block_ids, start: int, end: int, *, bloc
     return _Plan(cache, layout, block_ids, start, end, block_size, layer).gather(out)
 
 
-def scatter(cache: torch.Tensor, layout, block_ids, kv: torch.Tensor, start: int = 0, *,
+def scatter(cache: torch.Tensor, layout: PagedLayout | str, block_ids: BlockIds, kv: torch.Tensor, start: int = 0, *,
             block_size: int | None = None, layer: int | None = None) -> None:
     """Write canonical ``kv`` (one layer) into the blocks of ``cache`` holding tokens ``[start, start+n)``.
 
@@ -312,7 +320,7 @@ def scatter(cache: torch.Tensor, layout, block_ids, kv: torch.Tensor, start: int
     plan.scatter(kv)
 
 
-def gather_layers(caches, layout, block_ids, start: int, end: int, *,
+def gather_layers(caches: Caches, layout: PagedLayout | str, block_ids: BlockIds, start: int, end: int, *,
                   block_size: int | None = None) -> list[torch.Tensor]:
     """:func:`gather` for every layer: ``caches`` is the list of per-layer tensors (vLLM) or one pool
     tensor (SGLang). Returns one canonical tensor per layer; a pool is read with a single index op."""
@@ -324,8 +332,8 @@ def gather_layers(caches, layout, block_ids, start: int, end: int, *,
     return [gather(c, layout, block_ids, start, end, block_size=block_size) for c in caches]
 
 
-def scatter_layers(caches, layout, block_ids, layers: Sequence[torch.Tensor], start: int = 0, *,
-                   block_size: int | None = None) -> None:
+def scatter_layers(caches: Caches, layout: PagedLayout | str, block_ids: BlockIds, layers: Sequence[torch.Tensor],
+                   start: int = 0, *, block_size: int | None = None) -> None:
     """:func:`scatter` for every layer; ``layers`` holds one canonical tensor per layer."""
     layout = _layout(layout)
     if not isinstance(layers, Sequence) or not all(isinstance(t, torch.Tensor) for t in layers):
@@ -342,10 +350,10 @@ def scatter_layers(caches, layout, block_ids, layers: Sequence[torch.Tensor], st
     _check_layer_list(caches)
     if len(layers) != len(caches):
         raise InvalidInputError(f"{len(caches)} layer caches but {len(layers)} KV tensors")
-    for c, kv in zip(caches, layers):
+    for c, kv in zip(caches, layers, strict=True):
         scatter(c, layout, block_ids, kv, start, block_size=block_size)
 
 
-def _check_layer_list(caches) -> None:
+def _check_layer_list(caches: object) -> None:
     if isinstance(caches, torch.Tensor) or not isinstance(caches, Sequence):
         raise InvalidTypeError("per-layer layouts take a sequence with one cache tensor per layer")

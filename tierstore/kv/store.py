@@ -19,6 +19,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,11 @@ from ..keys import ChunkKey
 from .namespace import KVNamespace, prefix_keys, token_tensor
 from .paged import PagedLayout
 from .transfer import LayerwiseLoad, PagedTransfer, Piece, Staging, Task, run_load, run_save, task_bytes, windows
+
+if TYPE_CHECKING:
+    from ..store import TieredStore
+    from ..tensors import TensorDict
+    from .namespace import TokenIds
 
 log = logging.getLogger("tierstore.kv")
 
@@ -67,9 +73,9 @@ class KVCacheStore:
         The model's layer count (required with ``layers_per_object``; checked against what is saved).
     """
 
-    def __init__(self, store, namespace: KVNamespace, chunk_tokens: int | None = None, *,
+    def __init__(self, store: TieredStore, namespace: KVNamespace, chunk_tokens: int | None = None, *,
                  partial_chunks: bool = False, layers_per_object: int | None = None,
-                 num_layers: int | None = None):
+                 num_layers: int | None = None) -> None:
         if not isinstance(namespace, KVNamespace):
             raise InvalidTypeError(f"namespace must be a tierstore.KVNamespace, got {type(namespace).__name__}")
         for method in ("put", "get", "lookup", "where", "prefetch", "get_many", "put_many", "get_many_async"):
@@ -93,6 +99,7 @@ class KVCacheStore:
         self._staging = Staging()
         self.store = store
         self.namespace = namespace
+        assert namespace.chunk_tokens is not None  # set just above
         self.chunk_tokens: int = namespace.chunk_tokens
         self.partial_chunks = bool(partial_chunks)
         self._lock = threading.Lock()
@@ -100,7 +107,7 @@ class KVCacheStore:
                                       "skipped_chunks", "loaded_chunks", "load_misses", "bad_chunks"), 0)
 
     # ------------------------------------------------------------------ keys
-    def keys(self, token_ids) -> list[ChunkKey]:
+    def keys(self, token_ids: TokenIds) -> list[ChunkKey]:
         """One chained key per full chunk of ``token_ids`` (plus the trailing partial chunk when
         ``partial_chunks``). ``token_ids``: list/tuple of ints or a 1-D integer tensor/array of any
         integer dtype — the same ids always give the same keys."""
@@ -110,7 +117,7 @@ class KVCacheStore:
         """Tokens covered by the first ``n_chunks`` chunks of an ``n_tokens``-long sequence."""
         return min(n_chunks * self.chunk_tokens, n_tokens)
 
-    def lookup(self, token_ids) -> int:
+    def lookup(self, token_ids: TokenIds) -> int:
         """Number of leading tokens whose KV the store holds (index checks only, nothing is read)."""
         tokens = token_tensor(token_ids)
         keys = prefix_keys(self.namespace, tokens, partial=self.partial_chunks)
@@ -142,19 +149,19 @@ class KVCacheStore:
         flat = [k for key in keys for k in self._object_keys(key, groups)]
         return self.store.lookup(flat) // per
 
-    def where(self, token_ids) -> list[str | None]:
+    def where(self, token_ids: TokenIds) -> list[str | None]:
         """Per chunk key of ``token_ids``: name of the highest tier holding it, or ``None``."""
         groups = self._groups(None)
         return [self.store.where(self._object_keys(k, groups)[-1]) for k in self.keys(token_ids)]
 
-    def prefetch(self, token_ids) -> Future:
+    def prefetch(self, token_ids: TokenIds) -> Future[int]:
         """Start promoting the chunks of ``token_ids`` toward the top tier (``store.prefetch``); call it
         when a request arrives so a later :meth:`load` reads from memory."""
         groups = self._groups(None)
         return self.store.prefetch([k for key in self.keys(token_ids) for k in self._object_keys(key, groups)])
 
     # ------------------------------------------------------------------ save
-    def save(self, token_ids, layers: Sequence[torch.Tensor]) -> int:
+    def save(self, token_ids: TokenIds, layers: Sequence[torch.Tensor]) -> int:
         """Store the KV of ``token_ids``; return how many tokens' chunks were newly written.
 
         ``layers`` holds one tensor per layer, ``(2, n_tokens, kv_heads, head_dim)`` (MLA namespaces:
@@ -180,7 +187,7 @@ class KVCacheStore:
         self._count(saved_chunks=len(keys) - have, skipped_chunks=have)
         return written
 
-    def _check_layers(self, layers, n_tokens: int) -> None:
+    def _check_layers(self, layers: object, n_tokens: int) -> None:
         if isinstance(layers, torch.Tensor) or not isinstance(layers, Sequence):
             raise InvalidTypeError("layers must be a list/tuple with one tensor per layer, got "
                                    f"{type(layers).__name__}")
@@ -213,7 +220,7 @@ class KVCacheStore:
         return t[start:end] if self.namespace.is_mla else t[:, start:end]
 
     # ------------------------------------------------------------------ load
-    def load(self, token_ids, n_tokens: int | None = None, *,
+    def load(self, token_ids: TokenIds, n_tokens: int | None = None, *,
              device: str | torch.device = "cpu") -> list[torch.Tensor] | None:
         """The KV of the first ``n_tokens`` tokens, one tensor per layer, or ``None`` if nothing is cached.
 
@@ -234,7 +241,7 @@ class KVCacheStore:
         per = 1 if groups is None else len(groups)
         got = self.store.get_many([k for key in keys[:n_chunks] for k in self._object_keys(key, groups)],
                                   device=device)
-        chunks = []
+        chunks: list[TensorDict] = []
         for i in range(n_chunks):
             parts = got[i * per:(i + 1) * per]
             data = None if any(p is None for p in parts) else {n: t for p in parts for n, t in p.items()}
@@ -267,14 +274,14 @@ class KVCacheStore:
             raise MissingKeyError(f"only {have} of the requested {n_tokens} tokens are cached")
         return n_tokens, True
 
-    def _valid(self, data: dict, chunks: list[dict], index: int, total: int) -> bool:
+    def _valid(self, data: TensorDict, chunks: list[TensorDict], index: int, total: int) -> bool:
         """Whether a fetched chunk has the layout its key promises: the same layer names and per-token
         shape as the first chunk, the namespace dtype, and the chunk's token count."""
         d = self._token_dim
         ref = chunks[0] if chunks else data
         first = ref.get(_LAYER.format(0))
         per_token = None if first is None else first.shape[:d] + first.shape[d + 1:]
-        ok = (per_token is not None and first.dim() == (2 if self.namespace.is_mla else 4)
+        ok = (first is not None and per_token is not None and first.dim() == (2 if self.namespace.is_mla else 4)
               and set(data) == {_LAYER.format(j) for j in range(len(ref))}
               and all(t.dtype == self.namespace.torch_dtype and t.dim() == first.dim()
                       and t.shape[d] == min(self.chunk_tokens, total - index * self.chunk_tokens)
@@ -285,7 +292,7 @@ class KVCacheStore:
                         {k: (tuple(v.shape), str(v.dtype)) for k, v in data.items()})
         return ok
 
-    def _assemble(self, chunks: list[dict], n: int, device) -> list[torch.Tensor]:
+    def _assemble(self, chunks: list[TensorDict], n: int, device: str | torch.device) -> list[torch.Tensor]:
         layers = []
         for j in range(len(chunks[0])):
             name = _LAYER.format(j)
@@ -303,7 +310,7 @@ class KVCacheStore:
         return layers
 
     # ------------------------------------------------------------------ paged caches
-    def load_into(self, token_ids, caches: Sequence[torch.Tensor] | torch.Tensor, layout: str | PagedLayout,
+    def load_into(self, token_ids: TokenIds, caches: Sequence[torch.Tensor] | torch.Tensor, layout: str | PagedLayout,
                   block_ids: Sequence[int] | torch.Tensor, *, n_tokens: int | None = None, start: int = 0,
                   block_size: int | None = None, layerwise: bool = False) -> int | LayerwiseLoad:
         """Load cached KV of ``token_ids`` straight into the blocks of a paged KV cache.
@@ -357,7 +364,7 @@ class KVCacheStore:
         threading.Thread(target=background, name="tierstore-kv-load", daemon=True).start()
         return handle
 
-    def save_from(self, token_ids, caches: Sequence[torch.Tensor] | torch.Tensor, layout: str | PagedLayout,
+    def save_from(self, token_ids: TokenIds, caches: Sequence[torch.Tensor] | torch.Tensor, layout: str | PagedLayout,
                   block_ids: Sequence[int] | torch.Tensor, *, block_size: int | None = None) -> int:
         """Store the KV of ``token_ids`` straight out of a paged KV cache; returns the tokens newly stored.
 
@@ -410,7 +417,7 @@ class KVCacheStore:
             for k, v in deltas.items():
                 self._counts[k] += v
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """Counters: lookups, lookup/hit tokens, saved/skipped/loaded chunks, load misses, bad chunks."""
         with self._lock:
             return dict(self._counts)

@@ -19,9 +19,9 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -29,6 +29,9 @@ from ..errors import ClosedError, CorruptObjectError, InvalidInputError
 from ..keys import ChunkKey, check_key
 from ..policy import LRUPolicy
 from ..tensors import TensorDict, fill_out, validate_tensors
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 log = logging.getLogger("tierstore")
 
@@ -47,7 +50,7 @@ class Tier(ABC):
     #: whether a put of an existing key replaces its value (write-once remote tiers keep the first)
     overwrites: ClassVar[bool] = True
     #: seconds a put waits for pinned chunks to be released before it skips this tier
-    pin_wait: ClassVar[float] = 2.0
+    pin_wait: float = 2.0
 
     def __init__(self, name: str | None = None, capacity: int | None = None):
         if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0):
@@ -56,7 +59,7 @@ class Tier(ABC):
         self.capacity = capacity
         self.before_evict: Callable[[Tier, ChunkKey], None] | None = None
         self._cond = threading.Condition(threading.Lock())
-        self._lru = LRUPolicy()
+        self._lru: LRUPolicy[ChunkKey] = LRUPolicy()
         self._pins: Counter[ChunkKey] = Counter()
         self._evicting: set[ChunkKey] = set()
         self._busy: set[ChunkKey] = set()  # keys being stored, deleted or forgotten (see _exclusive)
@@ -77,7 +80,7 @@ class Tier(ABC):
         """Write ``payload`` so that a reader sees all of it or nothing."""
 
     @abstractmethod
-    def _load(self, key: ChunkKey, size: int, device, borrow: bool = False) -> TensorDict | None:
+    def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
         """Read a chunk. ``None`` if it vanished; raise :class:`CorruptObjectError` if it is bad.
 
         With ``borrow``, memory tiers may return their own tensors (the caller holds a pin and must not
@@ -105,7 +108,7 @@ class Tier(ABC):
     def _close(self) -> None:
         """Release resources; called once."""
 
-    def _map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list:
+    def _map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
         """Run per-key data-plane work; I/O-bound tiers override this with a bounded pool."""
         return [fn(x) for x in items]
 
@@ -125,7 +128,7 @@ class Tier(ABC):
         with self._cond:
             self._counts[name] += n
 
-    def _log_once(self, what: str, msg: str, *args) -> None:
+    def _log_once(self, what: str, msg: str, *args: object) -> None:
         if what not in self._logged:
             self._logged.add(what)
             log.warning("tier %s: " + msg, self.name, *args)
@@ -134,7 +137,7 @@ class Tier(ABC):
         """Register an object found in storage (index rebuild, probe). Call with the lock held."""
         self._lru.add(key, size)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         with self._cond:
             return {"kind": self.kind, "used_bytes": self._lru.currsize, "capacity_bytes": self.capacity,
                     "objects": len(self._lru), "reserved_bytes": self._reserved,
@@ -193,14 +196,14 @@ class Tier(ABC):
         keys = [check_key(k) for k in keys]
         with self._cond:
             found = [k in self._lru for k in keys]
-        missing = [k for k, f in zip(keys, found) if not f]
+        missing = [k for k, f in zip(keys, found, strict=True) if not f]
         if missing and probe:
-            probed = dict(zip(missing, self._probe(missing)))
+            probed = dict(zip(missing, self._probe(missing), strict=True))
             with self._cond:
                 for k, size in probed.items():
                     if size is not None and k not in self._lru:
                         self._index_add(k, size)
-            found = [f or probed.get(k) is not None for k, f in zip(keys, found)]
+            found = [f or probed.get(k) is not None for k, f in zip(keys, found, strict=True)]
         return found
 
     def get_many(self, keys: Sequence[ChunkKey], device: str | torch.device = "cpu") -> list[TensorDict | None]:
@@ -208,8 +211,8 @@ class Tier(ABC):
         self._check_open()
         keys = list(keys)
         present = self.contains_many(keys)
-        pinned = [k for k, p in zip(keys, present) if p]
-        size_of = {k: s for k, s in zip(pinned, self.pin(pinned)) if s is not None}
+        pinned = [k for k, p in zip(keys, present, strict=True) if p]
+        size_of = {k: s for k, s in zip(pinned, self.pin(pinned), strict=True) if s is not None}
         try:
             results = self._map(lambda k: None if k not in size_of
                                 else self._load_checked(k, size_of[k], device), keys)
@@ -219,7 +222,7 @@ class Tier(ABC):
         with self._cond:
             self._counts["hits"] += hits
             self._counts["misses"] += len(results) - hits
-            self._counts["bytes_out"] += sum(size_of[k] for k, r in zip(keys, results) if r is not None)
+            self._counts["bytes_out"] += sum(size_of[k] for k, r in zip(keys, results, strict=True) if r is not None)
         return results
 
     def get_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[Mapping[str, torch.Tensor]]
@@ -233,14 +236,13 @@ class Tier(ABC):
         self._check_open()
         keys = list(keys)
         present = self.contains_many(keys)
-        pinned = [k for k, p in zip(keys, present) if p]
-        size_of = {k: s for k, s in zip(pinned, self.pin(pinned)) if s is not None}
-
+        pinned = [k for k, p in zip(keys, present, strict=True) if p]
+        size_of = {k: s for k, s in zip(pinned, self.pin(pinned), strict=True) if s is not None}
         try:
             results: list[TensorDict | InvalidInputError | None] = [None] * len(keys)
             todo = [i for i, k in enumerate(keys) if k in size_of]
             loaded = self._load_many_into([(keys[i], size_of[keys[i]], outs[i]) for i in todo])
-            for i, r in zip(todo, loaded):
+            for i, r in zip(todo, loaded, strict=True):
                 results[i] = r
         finally:
             self.unpin(k for k in pinned if k in size_of)
@@ -263,7 +265,7 @@ class Tier(ABC):
 
         return self._map(one, work)
 
-    def _load_checked(self, key: ChunkKey, size: int, device, borrow: bool = False,
+    def _load_checked(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False,
                       out: Mapping[str, torch.Tensor] | None = None,
                       reader: Callable[[], TensorDict | None] | None = None) -> TensorDict | None:
         """Load through ``reader`` (default: :meth:`_load_into` / :meth:`_load`) turning a vanished,
@@ -348,7 +350,7 @@ class Tier(ABC):
                 self.unpin([key])
         with self._cond:
             self._counts["hits" if result is not None else "misses"] += 1
-            self._counts["bytes_out"] += size if result is not None else 0
+            self._counts["bytes_out"] += size if result is not None and size is not None else 0
         return result
 
     def contains(self, key: ChunkKey) -> bool:
@@ -520,10 +522,10 @@ class Tier(ABC):
             self._cond.notify_all()
         self._close()
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

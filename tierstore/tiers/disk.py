@@ -287,11 +287,11 @@ class DiskTier(Tier):
             with contextlib.suppress(OSError):
                 os.utime(fd, ns=(now, now))
 
-    def _load(self, key: ChunkKey, size: int, device, borrow: bool = False) -> TensorDict | None:
+    def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
         fd, st = self._open_object(key)
         try:
             buf = torch.empty(st.st_size, dtype=torch.uint8)
-            mv = memoryview(buf.numpy())
+            mv = buf.numpy().data
             h = xxhash.xxh3_128()
             got = _read_into(fd, [mv], h, skip=objformat.PREFIX_SIZE)
             if got != st.st_size:
@@ -342,7 +342,7 @@ class DiskTier(Tier):
                 if s.offset > pos:
                     segments.append(memoryview(bytearray(s.offset - pos)))
                 if s.nbytes:
-                    segments.append(memoryview(byte_alias(out[s.name]).numpy()))
+                    segments.append(byte_alias(out[s.name]).numpy().data)
                 pos = s.offset + s.nbytes
             if hdr.raw_size > pos:
                 segments.append(memoryview(bytearray(hdr.raw_size - pos)))

@@ -15,7 +15,7 @@ least-recently-used chunks are evicted until one is (they free adjacent runs, wh
 from __future__ import annotations
 
 import errno
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -45,17 +45,16 @@ class HostTier(MemoryTier):
                  pool: bool | None = None, slot_size: int = 64):
         super().__init__(name, capacity, device="cpu", pinned=pinned)
         use_pool = (capacity is not None and capacity >= POOL_MIN) if pool is None else pool
+        self.pool: SlotPool | None = None
         if use_pool and capacity:
             slot_size = max(ALIGN, min(slot_size, capacity // ALIGN * ALIGN))  # a tiny tier still gets a slot
             self.pool = SlotPool(capacity, slot_size, pinned=self.pinned)
-        else:
-            self.pool = None
         if self.pool is not None:
             self.capacity = self.pool.capacity
         self._runs: dict[ChunkKey, tuple[int, int]] = {}
         self._retired: dict[ChunkKey, list[tuple[int, int]]] = {}  # replaced or dropped while pinned
 
-    def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]):
+    def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> tuple[Mapping[str, torch.Tensor], int]:
         if self.pool is None:
             return tensors, nbytes(tensors)
         return tensors, self.pool.size_for(_layout(tensors)[1])
@@ -82,6 +81,7 @@ class HostTier(MemoryTier):
 
     def _alloc_run(self, key: ChunkKey, size: int) -> tuple[int, int]:
         """Bytes are reserved already; evict further LRU chunks while fragmentation blocks a run."""
+        assert self.pool is not None  # runs exist only in a pooled tier
         while (run := self.pool.alloc(size)) is None:
             with self._cond:
                 victims = self._select_victims(size, exclude=key)
@@ -104,15 +104,17 @@ class HostTier(MemoryTier):
 
         Call with the lock held: a reader pins under it before it looks the key up.
         """
+        assert self.pool is not None
         if self._pins.get(key):
             self._retired.setdefault(key, []).append(run)
         else:
             self.pool.free(run)
 
-    def unpin(self, keys) -> None:
+    def unpin(self, keys: Iterable[ChunkKey]) -> None:
         keys = list(keys)
         super().unpin(keys)
         if self._retired:
+            assert self.pool is not None
             with self._cond:
                 for k in keys:
                     if not self._pins.get(k):

@@ -36,8 +36,8 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from .. import objformat
 from ..config import check_tier_options
@@ -62,7 +62,7 @@ class _Unavailable(OSError):
 _NO_LINK = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV, errno.ENOSYS}
 
 
-def _check_url(url) -> None:
+def _check_url(url: object) -> None:
     """Raise :class:`ConfigError` unless every protocol in ``url`` is one fsspec can load."""
     if not isinstance(url, str) or not url:
         raise ConfigError(f"remote tier needs `url` (an fsspec URL such as s3://bucket/prefix), got {url!r}")
@@ -78,7 +78,7 @@ def _check_url(url) -> None:
             raise ConfigError(f"remote tier url {url!r}: scheme {protocol!r} needs a package: {exc}") from None
 
 
-def _mtime(info: Mapping) -> float:
+def _mtime(info: Mapping[str, Any]) -> float:
     """Modification time of a listing entry across fsspec implementations (0 when unknown)."""
     for field in ("LastModified", "mtime", "updated", "created"):
         v = info.get(field)
@@ -178,7 +178,7 @@ class RemoteTier(Tier):
             raise ClosedError(f"tier {self.name!r} is closed") from None
         return [f.result() for f in futures]
 
-    def _io(self, fn: Callable[..., R], *args, **kwargs) -> R:
+    def _io(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """Call a filesystem function; non-``OSError`` failures (botocore, aiohttp …) become ``OSError``.
 
         A connection failure or timeout marks the storage unreachable for ``retry_after`` seconds (doubling
@@ -251,7 +251,7 @@ class RemoteTier(Tier):
             for _, key, size in found:
                 self._index_add(key, size)
 
-    def _list_root(self) -> dict[str, dict]:
+    def _list_root(self) -> dict[str, dict[str, Any]]:
         """Every file under the root with its details (empty if the root does not exist yet)."""
         try:
             return self._io(self.fs.find, self.root, detail=True)
@@ -288,8 +288,8 @@ class RemoteTier(Tier):
         try:
             if self._s3:  # one HEAD; fs.info would add a LIST for every miss
                 bucket, name, _ = self.fs.split_path(path)
-                return self._io(self.fs.call_s3, "head_object", self.fs.kwargs, Bucket=bucket,
-                                Key=name)["ContentLength"]
+                return int(self._io(self.fs.call_s3, "head_object", self.fs.kwargs, Bucket=bucket,
+                                    Key=name)["ContentLength"])
             info = self._io(self.fs.info, path)
         except FileNotFoundError:
             return None
@@ -326,7 +326,7 @@ class RemoteTier(Tier):
                 raise OSError(f"no space left under {self.url}: {exc}") from exc
             raise
 
-    def _publish(self, path: str, data: bytes) -> None:
+    def _publish(self, path: str, data: bytes | bytearray) -> None:
         if self._create_mode:
             try:
                 self._io(self.fs.pipe_file, path, data, mode="create")
@@ -345,10 +345,10 @@ class RemoteTier(Tier):
         """Write a unique temp file next to ``path``, then link it into place (fails if it exists)."""
         tmp = f"{path}.{uuid.uuid4().hex}{TMP_SUFFIX}"
         try:
-            f = open(tmp, "xb", opener=self._create_file)
+            f = open(tmp, "xb", opener=self._create_file)  # noqa: SIM115 - closed by the `with f:` below
         except FileNotFoundError:
             self._make_folders(os.path.dirname(path))
-            f = open(tmp, "xb", opener=self._create_file)
+            f = open(tmp, "xb", opener=self._create_file)  # noqa: SIM115
         try:
             with f:
                 for part in enc.parts:
@@ -390,13 +390,14 @@ class RemoteTier(Tier):
     def _read(self, path: str) -> torch.Tensor | bytes:
         """The whole object: a fresh uint8 tensor for local files (decoded without a copy), else bytes."""
         if not self._local:
-            return self._io(self.fs.cat_file, path)
+            data: bytes = self._io(self.fs.cat_file, path)
+            return data
         with open(path, "rb") as f:
             buf = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
-            n = f.readinto(memoryview(buf.numpy())) if buf.numel() else 0
+            n = f.readinto(buf.numpy().data) if buf.numel() else 0
         return buf[:n]
 
-    def _load(self, key: ChunkKey, size: int, device, borrow: bool = False) -> TensorDict | None:
+    def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
         tensors = objformat.decode(self._read(self._path(key)), expected_key=key)
         device = torch.device(device)
         if device.type != "cpu":
@@ -412,5 +413,5 @@ class RemoteTier(Tier):
     def _close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {**super().stats(), "url": self.url, "compression": self.codec}

@@ -15,10 +15,18 @@ import posixpath
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from .cache import RangeCache, read_bytes
-from .header import (PREFIX_SIZE, CheckpointError, CheckpointNotFoundError, ShardHeader, TensorInfo,
-                     header_length, parse_header)
+from .header import (
+    PREFIX_SIZE,
+    CheckpointError,
+    CheckpointNotFoundError,
+    ShardHeader,
+    TensorInfo,
+    header_length,
+    parse_header,
+)
 from .sources import FsspecSource, LocalFileSource, Source, filesystem, is_local, local_path
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -50,10 +58,10 @@ class Checkpoint:
         for s in self.shards:
             s.source.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Checkpoint:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -70,13 +78,14 @@ def read_header(source: Source, cache: RangeCache | None, max_header_size: int) 
 class _Opener:
     """Filesystem-neutral helpers: list a directory, open a file as a Source."""
 
-    def __init__(self, uri: str, storage_options: dict | None, concurrency: int):
+    def __init__(self, uri: str, storage_options: dict[str, Any] | None, concurrency: int):
         self.local = is_local(uri)
+        self.fs: Any  # an fsspec filesystem; None for local paths
         if self.local:
             self.fs, self.path = None, local_path(uri)
         else:
             self.fs, self.path = filesystem(uri, storage_options, concurrency)
-        self._infos: dict[str, dict] = {}
+        self._infos: dict[str, dict[str, Any]] = {}
 
     def kind(self, path: str) -> str | None:
         if self.local:
@@ -116,7 +125,7 @@ class _Opener:
         return f"{proto}://{path}"
 
 
-def _parse_index(name: str, data: bytes) -> tuple[dict[str, str], dict]:
+def _parse_index(name: str, data: bytes) -> tuple[dict[str, str], dict[str, Any]]:
     try:
         raw = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -133,7 +142,7 @@ def _parse_index(name: str, data: bytes) -> tuple[dict[str, str], dict]:
     return wmap, meta
 
 
-def open_checkpoint(uri: str, storage_options: dict | None = None, cache: RangeCache | None = None,
+def open_checkpoint(uri: str, storage_options: dict[str, Any] | None = None, cache: RangeCache | None = None,
                     concurrency: int = 16, max_header_size: int | None = None) -> Checkpoint:
     """Resolve ``uri`` to shards and validate every header and the index.
 
@@ -212,7 +221,7 @@ def open_checkpoint(uri: str, storage_options: dict | None = None, cache: RangeC
 
     ckpt = Checkpoint(uri, shards, {})
     try:
-        for i, (path, shard) in enumerate(zip(files, shards)):
+        for i, (path, shard) in enumerate(zip(files, shards, strict=True)):
             names = shard.header.by_name()
             for tensor in expected.get(path, ()):
                 if tensor not in names:

@@ -17,6 +17,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -110,10 +111,10 @@ def header_length(file: str, prefix: bytes, file_size: int, max_header_size: int
     if PREFIX_SIZE + n > file_size:
         raise CheckpointError(file, f"truncated: header length {n} runs past the end of the "
                                     f"{file_size}-byte file")
-    return n
+    return int(n)
 
 
-def _no_duplicates(pairs):
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = {}
     for k, v in pairs:
         if k in out:
@@ -122,7 +123,7 @@ def _no_duplicates(pairs):
     return out
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -167,7 +168,7 @@ def parse_header(file: str, header_bytes: bytes, file_size: int) -> ShardHeader:
     return ShardHeader(file, file_size, data_start, tuple(infos), dict(metadata))
 
 
-def _tensor_info(file: str, name, entry, data_start: int) -> TensorInfo:
+def _tensor_info(file: str, name: object, entry: object, data_start: int) -> TensorInfo:
     if not isinstance(name, str) or not name:
         raise CheckpointError(file, f"tensor names must be non-empty strings, got {name!r}")
     if not isinstance(entry, dict):
@@ -203,7 +204,7 @@ def build_header(tensors: list[tuple[str, torch.dtype, tuple[int, ...], int]],
     The JSON is space-padded so the data region starts 8-byte aligned, as the reference writer does.
     Deterministic: the same tensors in the same order give the same bytes.
     """
-    entries: dict = {}
+    entries: dict[str, Any] = {}
     if metadata:
         entries["__metadata__"] = dict(metadata)
     pos = 0

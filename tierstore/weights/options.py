@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,17 +27,17 @@ HOST_ALIGN = 64
 class Options:
     """Validated loader options (see :func:`tierstore.weights.iter_tensors`)."""
 
-    names: object = None
+    names: Iterable[str] | Callable[[str], bool] | None = None
     concurrency: int | None = None
-    block_size: int | str | None = None
+    block_size: int | None = None  # build() also takes a size string; the loader fills in the default
     memory_limit: int = DEFAULT_MEMORY_LIMIT
     dtype: torch.dtype | None = None
     max_header_size: int | None = None
-    stats: dict | None = None
+    stats: dict[str, Any] | None = None
     cache_writes: bool = True
 
     @classmethod
-    def build(cls, opts: dict) -> "Options":
+    def build(cls, opts: dict[str, Any]) -> Options:
         unknown = set(opts) - set(cls.__dataclass_fields__)
         if unknown:
             raise InvalidInputError(f"unknown option(s) {sorted(unknown)}; known: "

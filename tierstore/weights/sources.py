@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 import threading
 from abc import ABC, abstractmethod
+from typing import Any
 
 from ..iov import IOV_MAX, advance
 from .header import CheckpointError
-
 
 
 class Source(ABC):
@@ -116,7 +116,7 @@ class LocalFileSource(Source):
         if fd >= 0:
             os.close(fd)
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.close()
         except Exception:
@@ -128,7 +128,7 @@ class FsspecSource(Source):
 
     remote = True
 
-    def __init__(self, fs, path: str, info: dict | None = None, identity: bytes | None = None):
+    def __init__(self, fs: Any, path: str, info: dict[str, Any] | None = None, identity: bytes | None = None):
         super().__init__()
         self.fs = fs
         self.path = path
@@ -164,7 +164,7 @@ def local_path(uri: str) -> str:
     return uri[len("file://"):] if uri.startswith("file://") else os.path.expanduser(uri)
 
 
-def filesystem(uri: str, storage_options: dict | None, concurrency: int):
+def filesystem(uri: str, storage_options: dict[str, Any] | None, concurrency: int) -> tuple[Any, str]:
     """``(fs, path)`` for an fsspec URL; S3 gets a connection pool as large as ``concurrency``."""
     import fsspec
 
