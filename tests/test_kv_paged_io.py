@@ -63,14 +63,15 @@ def test_save_from_then_load_into_is_bit_exact_and_touches_only_its_blocks(store
         dst = make_caches(layout, blocks, fill=torch.zeros)
         assert kv.load_into(tokens, dst, layout, table2, start=start, **kw(layout)) == 4 * C
         got = gather_layers(dst, layout, table2, start, 4 * C, **kw(layout))
-        assert all(torch.equal(g, e[:, start:] if not layout.is_mla else e[start:]) for g, e in zip(got, expected))
+        tail = [e[start:] if layout.is_mla else e[:, start:] for e in expected]
+        assert all(torch.equal(g, e) for g, e in zip(got, tail, strict=True))
         # nothing else moved: clearing the loaded tokens leaves an all-zero cache
         zeros = [torch.zeros_like(t) for t in got]
         scatter_layers(dst, layout, table2, zeros, start, **kw(layout))
         assert all(not t.any() for t in ([dst] if layout.multi_layer else dst))
 
     # the canonical API reads what the paged one wrote, and the other way round
-    assert all(torch.equal(a, b) for a, b in zip(kv.load(tokens), expected))
+    assert all(torch.equal(a, b) for a, b in zip(kv.load(tokens), expected, strict=True))
 
 
 @pytest.mark.parametrize("layers_per_object", [None, 1])
@@ -86,7 +87,7 @@ def test_save_and_load_into_interoperate_and_windows_split(store, monkeypatch, l
     table = list(range(-(-n // BS)))[::-1]
     dst = make_caches(layout, len(table), fill=torch.zeros)
     assert kv.load_into(tokens, dst, layout, table) == n
-    assert all(torch.equal(a, b) for a, b in zip(gather_layers(dst, layout, table, 0, n), layers))
+    assert all(torch.equal(a, b) for a, b in zip(gather_layers(dst, layout, table, 0, n), layers, strict=True))
     assert kv.stats()["load_misses"] == 0
 
 
@@ -111,7 +112,7 @@ def test_block_aligned_chunks_move_whole_blocks_exactly(store, layout, monkeypat
     assert kv.load_into(tokens, dst, layout, table, **kw(layout, bs)) == n
     got = gather_layers(dst, layout, table, 0, n, **kw(layout, bs))
     want = gather_layers(src, layout, table, 0, n, **kw(layout, bs))
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     if layout in (PagedLayout.VLLM, PagedLayout.FLASHINFER, PagedLayout.MLA):
         assert coarse and all(coarse)  # whole blocks, not single rows
 
@@ -182,7 +183,7 @@ def test_a_chunk_vanishing_mid_load_shortens_the_result_and_writes_nothing_past_
 
     def lossy(self, keys, out=None, device="cpu"):
         result = original(self, keys, out=out, device=device)
-        return [None if k == victim else r for k, r in zip(keys, result)]
+        return [None if k == victim else r for k, r in zip(keys, result, strict=True)]
 
     monkeypatch.setattr(type(store), "get_many", lossy)
     dst = make_caches(layout, len(table), fill=torch.zeros)

@@ -47,7 +47,7 @@ def test_get_many_per_key_from_each_tier_and_misses_in_order(tmp_path):
         keys = [key_of(5), key_of(99), key_of(0), key_of(3), key_of(98)]
         got = s.get_many(keys)
         assert got[1] is None and got[4] is None
-        for i, r in zip((5, 0, 3), (got[0], got[2], got[3])):
+        for i, r in zip((5, 0, 3), (got[0], got[2], got[3]), strict=True):
             assert_same(r, chunk(i, CHUNK))
         st = s.stats()
         assert st["hits"] == 3 and st["misses"] == 2
@@ -144,7 +144,7 @@ def test_batched_calls_under_a_thread_storm_stay_exact(tmp_path, monkeypatch):
                 for r in range(6):
                     ids = [(t + r + j) % 10 for j in range(4)] + [t % 10]  # overlapping keys, a duplicate
                     assert all(s.put_many([(key_of(i), chunk(i, CHUNK)) for i in ids]))
-                    for i, got in zip(ids, s.get_many([key_of(i) for i in ids])):
+                    for i, got in zip(ids, s.get_many([key_of(i) for i in ids]), strict=True):
                         if got is not None:  # evicted in between is a miss, never wrong data
                             assert_same(got, chunk(i, CHUNK))
             run_threads(worker, 6)

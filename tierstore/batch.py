@@ -93,7 +93,7 @@ class BatchedStoreMixin:
             got: list[Any] = (tier.get_many(sub, device=device) if out is None
                               else tier.get_many_into(sub, [out[i] for i in todo]))
             rest, hits = [], []
-            for i, r in zip(todo, got):
+            for i, r in zip(todo, got, strict=True):
                 if isinstance(r, InvalidInputError):
                     log.warning("get_many: out[%d] does not fit chunk %s: %s", i, keys[i].hex(), r)
                 elif r is None:
@@ -132,7 +132,7 @@ class BatchedStoreMixin:
             rest = [i for i, f in enumerate(found) if not f]
             if not rest:
                 break
-            for i, hit in zip(rest, tier.contains_many([keys[i] for i in rest])):
+            for i, hit in zip(rest, tier.contains_many([keys[i] for i in rest]), strict=True):
                 found[i] = hit
         return found
 
@@ -148,14 +148,14 @@ class BatchedStoreMixin:
             rest = [i for i, f in enumerate(found) if not f]
             if not rest:
                 break
-            for i, hit in zip(rest, t.contains_many([keys[i] for i in rest], probe=False)):
+            for i, hit in zip(rest, t.contains_many([keys[i] for i in rest], probe=False), strict=True):
                 found[i] = hit
         n = found.index(False) if False in found else len(found)
         window = LOOKUP_WINDOW
         while n < len(keys):
             end = min(len(keys), n + window)
             probe = [i for i in range(n, end) if not found[i]]
-            for i, hit in zip(probe, self.contains_many([keys[i] for i in probe])):
+            for i, hit in zip(probe, self.contains_many([keys[i] for i in probe]), strict=True):
                 found[i] = hit
             while n < end and found[n]:
                 n += 1
@@ -197,11 +197,14 @@ class BatchedStoreMixin:
                 break
             # Each item is put and marked dirty before the next put can evict it (as put() does), on the
             # tier's own parallelism; a batch marked only at its end could evict its own clean-looking chunks.
-            stored = tier._map(lambda i, lv=level, t=tier: self._put_item(t, lv, items[i], write_through), todo)
-            for i, s in zip(todo, stored):
+            def put(i: int, tier: Tier = tier, level: int = level) -> bool:
+                return self._put_item(tier, level, items[i], write_through)
+
+            stored = tier._map(put, todo)
+            for i, s in zip(todo, stored, strict=True):
                 ok[i] = ok[i] or s
             if not write_through:
-                todo = [i for i, s in zip(todo, stored) if not s]
+                todo = [i for i, s in zip(todo, stored, strict=True) if not s]
         refused = sum(not ok[i] for i in valid)
         if refused:
             log.warning("put_many: no tier accepted %d of %d chunks", refused, len(valid))

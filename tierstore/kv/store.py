@@ -133,6 +133,7 @@ class KVCacheStore:
         if n_layers is not None and n_layers != self.num_layers:
             raise InvalidInputError(f"{n_layers} layers given, the store was set up with num_layers={self.num_layers}")
         g, n = self.layers_per_object, self.num_layers
+        assert n is not None  # required with layers_per_object (checked in __init__)
         return [(lo, min(lo + g, n)) for lo in range(0, n, g)]
 
     def _object_keys(self, key: ChunkKey, groups: list[tuple[int, int]] | None) -> list[ChunkKey]:
@@ -178,7 +179,8 @@ class KVCacheStore:
         for i in range(have, len(keys)):
             start = i * self.chunk_tokens
             end = min(start + self.chunk_tokens, len(tokens))
-            for k, (lo, hi) in zip(self._object_keys(keys[i], self._groups(len(layers))), groups):
+            objects = self._object_keys(keys[i], self._groups(len(layers)))
+            for k, (lo, hi) in zip(objects, groups, strict=True):
                 items.append((k, {_LAYER.format(j): self._slice(layers[j], start, end) for j in range(lo, hi)}))
         ok = self.store.put_many(items) if items else []
         per = len(groups)
@@ -244,7 +246,8 @@ class KVCacheStore:
         chunks: list[TensorDict] = []
         for i in range(n_chunks):
             parts = got[i * per:(i + 1) * per]
-            data = None if any(p is None for p in parts) else {n: t for p in parts for n, t in p.items()}
+            found = [p for p in parts if p is not None]
+            data = {n: t for p in found for n, t in p.items()} if len(found) == per else None
             if data is not None and not self._valid(data, chunks, i, total):
                 data = None
             if data is None:
@@ -383,7 +386,7 @@ class KVCacheStore:
         tasks = self._tasks(keys, pieces, transfer)
         ok = run_save(self.store, transfer, tasks, self._staging, _LAYER.format) if tasks else []
         stored_pieces = [p for t in tasks for p in t.pieces]
-        failed = {p.index for p, stored in zip(stored_pieces, ok) if not stored}
+        failed = {p.index for p, stored in zip(stored_pieces, ok, strict=True) if not stored}
         self._count(saved_chunks=len(pieces), skipped_chunks=have)
         return sum(p.stored for p in pieces if p.index not in failed)
 

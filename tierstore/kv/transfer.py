@@ -96,16 +96,18 @@ class PagedTransfer:
         if self.layout.is_mla != is_mla:
             raise InvalidInputError(f"layout {self.layout.value!r} does not match the namespace "
                                     f"({'MLA' if is_mla else 'MHA'})")
+        self.pool: torch.Tensor | None = None
+        self.caches: list[torch.Tensor] = []  # per-layer layouts; a pool layout has ``pool`` instead
         if self.layout.multi_layer:
             if not isinstance(caches, torch.Tensor):
                 raise InvalidTypeError(f"{self.layout.value} takes the one pool tensor holding every layer")
-            self.pool, self.caches = caches, None
+            self.pool = caches
             probe = _Plan(caches, self.layout, block_ids, 0, 0, block_size, 0)
             self.num_layers = probe.num_layers
         else:
             if isinstance(caches, torch.Tensor) or not isinstance(caches, Sequence) or not caches:
                 raise InvalidTypeError(f"{self.layout.value} takes a non-empty list with one cache tensor per layer")
-            self.pool, self.caches = None, list(caches)
+            self.caches = list(caches)
             probe = _Plan(self.caches[0], self.layout, block_ids, 0, 0, block_size, None)
             for c in self.caches[1:]:
                 probe.rebind(c)  # same shape, strides, dtype and device, or InvalidInputError
@@ -149,7 +151,7 @@ class PagedTransfer:
             rows = _span(staged).view(index.numel(), *flat.shape[1:])
             flat.index_copy_(0, index, rows.to(self.device, non_blocking=True))
             return
-        for p, t in zip(pieces, staged):
+        for p, t in zip(pieces, staged, strict=True):
             plan = self.plan(layer, p.a, p.b)
             part = t.narrow(self.token_dim, p.a - p.first, p.b - p.a)
             plan.scatter(part.to(self.device, non_blocking=True))
@@ -164,7 +166,7 @@ class PagedTransfer:
             else:
                 rows.copy_(flat.index_select(0, index))
             return
-        for p, t in zip(pieces, staged):
+        for p, t in zip(pieces, staged, strict=True):
             t.copy_(self.plan(layer, p.a, p.b).gather(None))
 
     def synchronize(self) -> None:
@@ -191,7 +193,7 @@ def _coarsen(flat: torch.Tensor | None, index: torch.Tensor, run: int) -> tuple[
 
 def _adjacent(tensors: list[torch.Tensor]) -> bool:
     """Whether contiguous ``tensors`` follow each other in one storage, so their span is one view."""
-    for t, nxt in zip(tensors, tensors[1:]):
+    for t, nxt in zip(tensors, tensors[1:], strict=False):
         if t.data_ptr() + t.numel() * t.element_size() != nxt.data_ptr():
             return False
     return all(t.is_contiguous() for t in tensors)
@@ -271,7 +273,7 @@ def run_load(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
     last_of_group = {t.group: i for i, t in enumerate(tasks)}
     read = missed = 0
     try:
-        def submit(i: int):
+        def submit(i: int) -> tuple[Future[list[Any]], dict[int, list[torch.Tensor]]]:
             outs, by_layer = stage(bufs[i % len(bufs)], tasks[i], transfer, layer_name)
             return store.get_many_async(tasks[i].keys, out=outs), by_layer
 
@@ -281,7 +283,7 @@ def run_load(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
             if i + 1 < len(tasks):
                 pending = submit(i + 1)
             results = future.result()
-            for p, r in zip(task.pieces, results):
+            for p, r in zip(task.pieces, results, strict=True):
                 if r is None:
                     missed += 1
                     valid = min(valid, p.first)
@@ -313,7 +315,7 @@ def run_save(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
             for j, staged in by_layer.items():
                 transfer.gather(j, task.pieces, staged)
             transfer.synchronize()
-            ok += store.put_many(list(zip(task.keys, outs)))  # copies or writes before it returns
+            ok += store.put_many(list(zip(task.keys, outs, strict=True)))  # copies/writes before returning
     finally:
         staging.release(buf)
     return ok

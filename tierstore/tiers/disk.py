@@ -403,7 +403,8 @@ class DiskTier(Tier):
                 raise ClosedError(f"tier {self.name!r} is closed") from None
         return [f.result() for f in futures]
 
-    def _load_many_into(self, work):
+    def _load_many_into(self, work: list[tuple[ChunkKey, int, Mapping[str, torch.Tensor]]]
+                        ) -> list[TensorDict | InvalidInputError | None]:
         """Batched ``get_many_into``: :mod:`~tierstore.tiers.disk_batch` (parsed-header fast path)."""
         return self._batched.load_many_into(work)
 
