@@ -6,11 +6,11 @@ scratch buffer and the payload directly in the caller's tensors, hashing each ~2
 still in cache. The checksum is compared before the result is returned (on a mismatch the object is a
 corrupt miss and ``out`` holds unspecified bytes).
 
-**Parsed-header fast path.** A header is parsed and validated once, then remembered (bounded LRU) with
-its exact bytes; a later read of that key plans its ``readv`` from the remembered layout and only
-compares the bytes it read into the scratch buffer with the remembered ones — any difference (the file
-was replaced) falls back to the full, validating read. ``out`` is checked against a trusted header before
-reading; when it does not match, the checked slow path decides (checksum first, then
+**Parsed-header fast path.** A header is parsed and validated once and, after its object's checksum
+passed, remembered (bounded LRU) with its exact bytes; a later read of that key plans its ``readv``
+from the remembered layout and only compares the bytes it read into the scratch buffer with the
+remembered ones — any difference (the file was replaced) falls back to the full, validating read. When
+``out`` does not match the header, the disk tier's checked path decides (checksum first, then
 :class:`~tierstore.InvalidInputError`).
 
 Work is split into one slice per I/O thread (not one task per object), so a batch of small objects
@@ -34,13 +34,13 @@ from ..errors import CorruptObjectError, InvalidInputError
 from ..iov import read_into
 from ..keys import ChunkKey
 from ..tensors import TensorDict
+from . import objfile
 
 if TYPE_CHECKING:
     from .disk import DiskTier
 
 #: remembered headers (a few hundred bytes each)
 HEADER_CACHE = 16384
-_HEAD_GUESS = 8 << 10
 
 Work = tuple[ChunkKey, int, Mapping[str, torch.Tensor]]
 
@@ -58,6 +58,9 @@ class BatchedReader:
         self.tier = tier
         self._headers: OrderedDict[ChunkKey, tuple[bytes, objformat.Header]] = OrderedDict()
         self._lock = threading.Lock()
+        from .disk import _matches  # the disk tier's own out-vs-header check (imported once it exists)
+
+        self._matches = _matches
 
     def load_many_into(self, work: list[Work]) -> list[TensorDict | InvalidInputError | None]:
         tier = self.tier
@@ -86,59 +89,40 @@ class BatchedReader:
             known = self._headers.get(key)
             if known is not None:
                 self._headers.move_to_end(key)
-        fd, st = self.tier._open_object(key)  # O_NOFOLLOW, a regular file
+        fd, st = objfile.open_object(self.tier._object_path(key))  # never a symlink, FIFO or directory
         try:
             if known is not None and known[1].object_size == st.st_size:
                 raw, hdr = known
             else:
-                raw, hdr = self._parse(fd, key, st.st_size)
-            if hdr.codec != "none" or not _fits(out, hdr):
+                head, hdr = objfile.read_header(fd, st, key)  # sizes checked against the file's
+                raw = bytes(head[:hdr.payload_offset])
+            if hdr.codec != "none" or not self._matches(out, hdr):
                 return self.tier._load_into(key, size, out)  # the checked slow path decides
-            head = bytearray(hdr.payload_offset)
-            segments = [memoryview(head), *_segments(out, hdr)]
+            scratch = bytearray(hdr.payload_offset)  # prefix and header land here, the payload in out
+            segments = [memoryview(scratch), *_segments(out, hdr)]
             h = xxhash.xxh3_128()
             got = read_into(fd, segments, h, skip=objformat.PREFIX_SIZE)
             if got != hdr.object_size:
                 raise CorruptObjectError(f"short read: {got} of {hdr.object_size} bytes")
-            if head != raw:  # replaced since its header was remembered: read it the careful way
+            if scratch != raw:  # replaced since its header was remembered: read it the careful way
                 with self._lock:
                     self._headers.pop(key, None)
                 return self.tier._load_into(key, size, out)
             if h.digest() != raw[16:32]:
                 raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
+            if known is None or known[0] is not raw:  # remember a header only once its object verified
+                with self._lock:
+                    self._headers[key] = (raw, hdr)
+                    while len(self._headers) > HEADER_CACHE:
+                        self._headers.popitem(last=False)
             self.tier._touch(fd, st)
         finally:
             os.close(fd)
         return dict(out)
 
-    def _parse(self, fd: int, key: ChunkKey, object_size: int) -> tuple[bytes, objformat.Header]:
-        head = os.pread(fd, min(object_size, _HEAD_GUESS), 0)
-        if len(head) >= objformat.PREFIX_SIZE:
-            hlen = objformat.PREFIX.unpack_from(head)[2]
-            end = objformat.PREFIX_SIZE + hlen
-            if len(head) < end <= min(object_size, objformat.PREFIX_SIZE + objformat.MAX_HEADER):
-                head = os.pread(fd, end, 0)
-        hdr = objformat.parse_header(head, key, object_size=object_size)
-        raw = bytes(head[:hdr.payload_offset])
-        with self._lock:
-            self._headers[key] = (raw, hdr)
-            while len(self._headers) > HEADER_CACHE:
-                self._headers.popitem(last=False)
-        return raw, hdr
-
     def forget(self, key: ChunkKey) -> None:
         with self._lock:
             self._headers.pop(key, None)
-
-
-def _fits(out: Mapping[str, torch.Tensor], hdr: objformat.Header) -> bool:
-    if len(out) != len(hdr.tensors):
-        return False
-    for s in hdr.tensors:
-        t = out.get(s.name)
-        if t is None or tuple(t.shape) != s.shape or t.dtype != s.dtype:
-            return False
-    return True
 
 
 def _segments(out: Mapping[str, torch.Tensor], hdr: objformat.Header) -> list[memoryview]:
