@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .batch import BatchedStoreMixin
 from .config import PrefetchPolicy, StoreConfig, WritePolicy, parse_config
 from .errors import ClosedError, TierTimeoutError
 from .keys import ChunkKey, check_key
@@ -36,10 +37,12 @@ log = logging.getLogger("tierstore")
 _STOP = object()
 
 
-class TieredStore:
+class TieredStore(BatchedStoreMixin):
     """A content-addressed chunk store over ordered tiers (fastest first).
 
     Build one with :func:`tierstore.open`. All methods are thread-safe; no lock is held across I/O.
+    Batched and asynchronous forms (``get_many``, ``put_many``, ``contains_many``, ``lookup``,
+    ``*_async``) come from :class:`~tierstore.batch.BatchedStoreMixin`.
     """
 
     def __init__(self, tiers: Sequence[Tier], write_policy: WritePolicy = WritePolicy.WRITE_BACK,
@@ -226,24 +229,6 @@ class TieredStore:
                 return t.name
         return None
 
-    def lookup(self, keys: Sequence[ChunkKey]) -> int:
-        """Length of the leading run of ``keys`` held by some tier (index checks, no data read).
-
-        Keys past the local tiers' run are probed on shared tiers (a HEAD each) until the first miss.
-        """
-        keys = list(keys)
-        found = [False] * len(keys)
-        for t in self.tiers:
-            rest = [i for i, f in enumerate(found) if not f]
-            if not rest:
-                break
-            for i, hit in zip(rest, t.contains_many([keys[i] for i in rest], probe=False), strict=True):
-                found[i] = hit
-        n = found.index(False) if False in found else len(found)
-        while n < len(keys) and (found[n] or any(t.contains(keys[n]) for t in self.tiers)):
-            n += 1
-        return n
-
     def prefetch(self, keys: Iterable[ChunkKey]) -> Future[int]:
         """Promote ``keys`` toward the top tier in the background, at most ``max_in_flight`` at a time.
 
@@ -307,6 +292,7 @@ class TieredStore:
         """Flush pending write-back, stop background threads and close every tier."""
         if self._closed:
             return
+        self._close_async()
         try:
             self.flush()
         finally:
