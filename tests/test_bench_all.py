@@ -116,3 +116,23 @@ def test_round_shape_matches_the_recorded_lmcache_runs():
     assert peers.round_shape(16 << 20, 1 << 30) == (16, 4)
     keys, rounds = peers.round_shape(4 << 20, 1 << 30)
     assert keys * rounds * (4 << 20) == 1 << 30
+
+
+def test_s3_shim_forwards_objects_over_one_mib(s3_server, s3_bucket):
+    """The shim used to refuse request bodies over aiohttp's 1 MiB default (413 on PutObject)."""
+    import torch
+
+    import tierstore
+    from tierstore.bench.s3shim import S3Shim
+    from tierstore.keys import ChunkKey
+
+    data = {"kv": torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))}
+    key = ChunkKey.from_bytes(b"big-through-shim")
+    with S3Shim(s3_server.endpoint_url, latency=0.0, bandwidth=0) as shim:
+        opts = shim.storage_options(s3_server.storage_options)
+        cfg = {"tiers": [{"kind": "remote", "url": f"s3://{s3_bucket}/t", "storage_options": opts}]}
+        with tierstore.open(cfg) as store:
+            store.put(key, data)
+            store.flush()
+            assert torch.equal(store.get(key)["kv"], data["kv"])
+        assert shim.stats()["by_method"].get("PUT", 0) >= 1

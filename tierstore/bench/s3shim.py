@@ -46,7 +46,7 @@ def serve(upstream: str, port: int, latency: float, bandwidth: float) -> None:
             stats["gets"][request.path] = stats["gets"].get(request.path, 0) + 1
         if request.headers.get("Expect", "").lower() == "100-continue":  # botocore PUTs ask for it
             await request.writer.write(b"HTTP/%d.%d 100 Continue\r\n\r\n" % request.version)
-        body = await request.read()
+        body = await request.content.read()  # no 1 MiB client_max_size: objects are bigger
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         assert session is not None  # opened by main() before the server starts
         async with session.request(request.method, upstream + request.path_qs, headers=headers,
