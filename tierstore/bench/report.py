@@ -18,7 +18,7 @@ TIER_SERIES = [  # (label, key, limit key): each tier operation and the limit it
     ("disk get(out=)", "disk_get", "page_cache_read"),
     ("disk put", "disk_put", "plain_write"),
 ]
-LIMIT_LABELS = {"memcpy": "memcpy (copy_)", "page_cache_read": "page-cache readinto",
+LIMIT_LABELS = {"memcpy": "memcpy (copy_, 1 thread)", "page_cache_read": "page-cache readinto",
                 "plain_write": "plain write, no fsync"}
 
 
@@ -51,8 +51,10 @@ def _remote(r: dict[str, Any]) -> str:
              _x(_ratio(r["model_ceiling"], r["ceiling"]))],
             ["one plain stream (sequential GETs)", f"{r['single_stream']:.3f}", _x(_ratio(r["single_stream"],
                                                                                        r["ceiling"]))],
-            ["tierstore remote get(out=) (batched where available)", f"{r['get']:.3f}",
+            ["tierstore store get(out=) (batched where the store has it)", f"{r['get']:.3f}",
              _x(_ratio(r["get"], r["ceiling"]))],
+            ["tierstore remote tier get_many (tier API, fresh tensors)", f"{r['tier_get_many']:.3f}",
+             _x(_ratio(r["tier_get_many"], r["ceiling"]))],
             ["tierstore remote get(out=), one key per call", f"{r['get_loop']:.3f}",
              _x(_ratio(r["get_loop"], r["ceiling"]))],
             ["tierstore remote put", f"{r['put']:.3f}", "-"]]

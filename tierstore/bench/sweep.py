@@ -1,7 +1,8 @@
 """Throughput per object size of each tier beside its physical limit measured in the same run, and the
 remote tier through the S3 shim beside the shim's concurrent ceiling.
 
-* host tier ``get(out=)`` vs a bare ``copy_`` of the same bytes into existing buffers (memcpy);
+* host tier ``get(out=)`` vs a bare ``copy_`` of the same bytes into existing buffers (memcpy; torch
+  runs one intra-op thread in this section, for the tier and its limit alike);
 * disk tier ``get(out=)`` vs ``readinto`` of plain files from the page cache, ``put`` vs plain writes
   without fsync (the tier is not durable here either);
 * remote tier ``get`` of ``count`` objects through :mod:`tierstore.bench.s3shim` vs the same objects
@@ -9,13 +10,14 @@ remote tier through the S3 shim beside the shim's concurrent ceiling.
   loop, and a cold instance's ``lookup`` of the prefix (open + lookup, requests counted at the shim).
 
 Reads go through a one-tier store with :mod:`tierstore.bench.ops` (batched where the store has it).
-Values are GB/s, median of ``repeats``.
+Values are GB/s, median of ``repeats``; a tier and its limit are timed in alternation.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -26,7 +28,7 @@ import torch
 
 from ..keys import ChunkKey
 from .common import gbps, median_time
-from .ops import Items, delete_all, get_all_into, put_all
+from .ops import delete_all, get_all_into, put_all
 
 
 def _objects(count: int, size: int, tag: str) -> list[tuple[ChunkKey, dict[str, torch.Tensor]]]:
@@ -39,29 +41,25 @@ def tier_sizes(sizes: list[int], total: int, repeats: int, workdir: str | None =
                log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """One row per object size: GB/s of each tier operation and of its limit, ``total`` bytes each."""
     rows = []
-    for size in sizes:
-        count = max(2, total // size)
-        log(f"  tiers: {count} x {size >> 10} KiB")
-        with tempfile.TemporaryDirectory(prefix="tierstore-bench-sweep-", dir=workdir) as tmp:
-            rows.append(_one_size(size, count, repeats, tmp))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # copy_ of MiBs splits over threads, which stall on a busy machine; 1 for all
+    try:
+        for size in sizes:
+            count = max(2, total // size)
+            log(f"  tiers: {count} x {size >> 10} KiB")
+            with tempfile.TemporaryDirectory(prefix="tierstore-bench-sweep-", dir=workdir) as tmp:
+                rows.append(_one_size(size, count, repeats, tmp))
+    finally:
+        torch.set_num_threads(threads)
     return rows
 
 
 def _one_size(size: int, count: int, repeats: int, tmp: str) -> dict[str, Any]:
     import tierstore
 
-    nbytes = count * size
     items = _objects(count, size, "tiers")
+    keys = [k for k, _ in items]
     outs = [{"kv": torch.zeros(size, dtype=torch.uint8)} for _ in items]  # touched: no page faults timed
-    row: dict[str, Any] = {"size": size, "count": count}
-    row["memcpy"] = _rate(lambda: [o["kv"].copy_(v["kv"]) for o, (_, v) in zip(outs, items, strict=True)], nbytes,
-                          repeats)
-    configs = {"host": {"kind": "host", "capacity": 2 * nbytes + (64 << 20), "pinned": False},
-               "disk": {"kind": "disk", "path": os.path.join(tmp, "disk"), "capacity": 3 * nbytes}}
-    for name, tier in configs.items():
-        with tierstore.open({"tiers": [tier]}) as store:
-            row[f"{name}_put"], row[f"{name}_get"] = _store_rates(store, items, outs, repeats)
-
     files = [os.path.join(tmp, f"plain{i}") for i in range(count)]
 
     def plain_write() -> None:
@@ -79,18 +77,38 @@ def _one_size(size: int, count: int, repeats: int, tmp: str) -> dict[str, Any]:
             with open(path, "rb", buffering=0) as f:
                 f.readinto(o["kv"].numpy().data)
 
-    row["plain_write"] = _rate(plain_write, nbytes, repeats, setup=remove_plain)
-    row["page_cache_read"] = _rate(plain_read, nbytes, repeats)
-    return row
+    host_cfg = {"tiers": [{"kind": "host", "capacity": 2 * count * size + (64 << 20), "pinned": False}]}
+    disk_cfg = {"tiers": [{"kind": "disk", "path": os.path.join(tmp, "disk"), "capacity": 3 * count * size}]}
+    with tierstore.open(host_cfg) as host, tierstore.open(disk_cfg) as disk:
+        cases: dict[str, Case] = {  # in this order; each get follows the put that stored its objects
+            "memcpy": (lambda: [o["kv"].copy_(v["kv"]) for o, (_, v) in zip(outs, items, strict=True)], None),
+            "host_put": (lambda: put_all(host, items), lambda: delete_all(host, keys)),
+            "host_get": (lambda: _checked(get_all_into(host, keys, outs)), None),
+            "plain_write": (plain_write, remove_plain),
+            "page_cache_read": (plain_read, None),
+            "disk_put": (lambda: put_all(disk, items), lambda: delete_all(disk, keys)),
+            "disk_get": (lambda: _checked(get_all_into(disk, keys, outs)), None),
+        }
+        return {"size": size, "count": count, **interleaved(cases, count * size, repeats)}
 
 
-def _store_rates(store: Any, items: Items, outs: list[dict[str, torch.Tensor]], repeats: int) -> tuple[float, float]:
-    """GB/s of storing ``items`` (each repeat after deleting them) and of reading them into ``outs``."""
-    keys = [k for k, _ in items]
-    nbytes = sum(v["kv"].nbytes for _, v in items)
-    put = _rate(lambda: put_all(store, items), nbytes, repeats, setup=lambda: delete_all(store, keys))
-    get = _rate(lambda: _checked(get_all_into(store, keys, outs)), nbytes, repeats)
-    return put, get
+Case = tuple[Callable[[], object], Callable[[], object] | None]
+
+
+def interleaved(cases: dict[str, Case], nbytes: int, repeats: int) -> dict[str, float]:
+    """GB/s of each ``(fn, setup)`` case, median of ``repeats``: each repeat runs every case once in turn
+    (after one untimed warm-up round), so a disturbance on a shared machine hits a tier and its limit
+    alike instead of one of them only."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for r in range(repeats + 1):
+        for name, (fn, setup) in cases.items():
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    return {name: gbps(nbytes, statistics.median(ts)) for name, ts in times.items()}
 
 
 def _rate(fn: Callable[[], object], nbytes: int, repeats: int, setup: Callable[[], object] | None = None) -> float:
@@ -143,6 +161,8 @@ def remote(count: int, size: int, concurrency: int = 8, latency: float = 0.020, 
             put_all(store, items)
             res["put"] = gbps(nbytes, time.perf_counter() - t0)
             res["get"] = _rate(lambda: _checked(get_all_into(store, keys, outs)), nbytes, repeats)
+            tier = store.tier("remote")
+            res["tier_get_many"] = _rate(lambda: _checked(tier.get_many(keys)), nbytes, repeats)
             res["get_loop"] = gbps(nbytes, median_time(
                 lambda: _checked([store.get(k, out=o) for k, o in zip(keys, outs, strict=True)]), 1))
         if not all(torch.equal(o["kv"], v["kv"]) for o, (_, v) in zip(outs, items, strict=True)):
