@@ -41,6 +41,9 @@ class TestDiskTier(TierTests):
         tier.close()
         return DiskTier(name=tier.name, capacity=tier.capacity, path=tier.path, codec=tier.codec)
 
+    def overwrite(self, tier, key, data):
+        (Path(tier.path) / object_relpath(key)).write_bytes(data)
+
     def damage(self, tier, key, how):
         path = Path(tier.path) / object_relpath(key)
         data = bytearray(path.read_bytes())

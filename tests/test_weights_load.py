@@ -218,7 +218,7 @@ def test_iter_tensors_streams_and_can_stop_early(sharded, monkeypatch):
     assert first[0] in tensors
     it.close()  # stopping early shuts the pipeline down cleanly: reader threads joined, shard files closed
     assert not [t for t in threading.enumerate() if t.name.startswith("tierstore-weights")]
-    assert opened and all(s.fileno() < 0 for s in opened)
+    assert opened and all(s._fd < 0 for s in opened)  # closed
     monkeypatch.undo()
     seen = dict(tw.iter_tensors(directory, block_size=5000, memory_limit=1))
     assert_same(seen, tensors)

@@ -22,6 +22,7 @@ from .errors import (
     MissingKeyError,
     TierstoreError,
     TierTimeoutError,
+    UnsupportedObjectError,
 )
 from .keys import ChunkKey
 
@@ -55,6 +56,6 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "ChunkKey", "TierstoreError", "ConfigError", "InvalidInputError", "InvalidTypeError",
-    "CorruptObjectError", "MissingKeyError", "CapacityError", "LockedError", "TierTimeoutError",
-    "ClosedError", "open", "TieredStore", "KVNamespace", "KVCacheStore", "weights",
+    "CorruptObjectError", "UnsupportedObjectError", "MissingKeyError", "CapacityError", "LockedError",
+    "TierTimeoutError", "ClosedError", "open", "TieredStore", "KVNamespace", "KVCacheStore", "weights",
 ]

@@ -9,7 +9,9 @@ may use is included (``path``, and ``path.1`` … with ``instances``).
 * ``verify --repair`` and ``gc`` remove: corrupt objects (``verify --repair``), plus our crashed writers'
   temp files (``gc``: on disk when a directory is opened for writing; on a remote, those older than
   ``--stale-after``). They need every disk directory unlocked and refuse, removing nothing, while a
-  process holds one. On a shared remote prefix they remove only what is corrupt or ours and stale.
+  process holds one. On a shared remote prefix they remove only what is corrupt or ours and stale, and
+  with ``gc --older-than`` chunk objects past that age, whoever wrote them.
+  Unsupported objects (a newer format, a dtype this torch lacks) are reported and always kept.
 
 Exit status: 0 all well, 1 corrupt objects were found, 2 refused (a directory is in use).
 """
@@ -23,7 +25,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from .errors import CorruptObjectError, LockedError
+from .errors import LockedError
 from .sizes import format_size
 from .tiers.base import Tier
 
@@ -46,6 +48,9 @@ def add_gc_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
     p.add_argument("--stale-after", type=float, default=3600.0, metavar="SECONDS",
                    help="remove remote temp files older than this (crashed writers; default 3600)")
+    p.add_argument("--older-than", type=float, default=None, metavar="SECONDS",
+                   help="also remove remote objects last written longer ago than this, by any writer "
+                        "(the age bound of a shared prefix without a bucket lifecycle rule)")
 
 
 add_stats_arguments = add_arguments
@@ -106,37 +111,20 @@ def run_stats(args: argparse.Namespace) -> int:
 
 
 def check_objects(tier: Tier, repair: bool) -> dict[str, int]:
-    """Read every object of ``tier`` once: counts of ``ok``, ``corrupt``, ``missing`` (vanished since
-    listed) and ``unreadable`` (I/O errors: not judged). With ``repair`` corrupt objects are deleted
-    (not from a disk directory the config marks ``read_only``: it belongs to someone else)."""
+    """Read every object of ``tier`` once: counts of ``ok``, ``corrupt``, ``unsupported`` (a newer format
+    or a dtype this torch lacks: always kept, a newer reader needs it), ``missing`` (vanished since
+    listed) and ``unreadable`` (I/O errors: not judged). With ``repair`` corrupt objects are deleted (not
+    from a disk directory the config marks ``read_only``: it belongs to someone else)."""
     repair = repair and not getattr(tier, "read_only", False)
     keys = tier.keys()
-    counts = {"objects": len(keys), "ok": 0, "corrupt": 0, "missing": 0, "unreadable": 0, "removed": 0}
+    counts = {"objects": len(keys), "ok": 0, "corrupt": 0, "unsupported": 0, "missing": 0, "unreadable": 0,
+              "removed": 0}
     for i in range(0, len(keys), _BATCH):
-        batch = keys[i:i + _BATCH]
-        sizes = tier.pin(batch, touch=False)
-        try:
-            verdicts = tier._map(lambda item: _verdict(tier, *item), list(zip(batch, sizes, strict=True)))
-        finally:
-            tier.unpin(k for k, s in zip(batch, sizes, strict=True) if s is not None)
-        for key, verdict in zip(batch, verdicts, strict=True):
-            counts[verdict] += 1
-            if verdict == "corrupt" and repair:
-                counts["removed"] += tier.delete_many([key])
+        for outcome in tier.verify_many(keys[i:i + _BATCH], repair=repair):
+            counts["unreadable" if outcome == "error" else outcome] += 1
+    # read-only views never remove; a writable disk directory is only opened to repair
+    counts["removed"] = counts["corrupt"] if repair else 0
     return counts
-
-
-def _verdict(tier: Tier, key: Any, size: int | None) -> str:
-    if size is None:
-        return "missing"
-    try:
-        return "ok" if tier._load(key, size, "cpu") is not None else "missing"
-    except CorruptObjectError:
-        return "corrupt"
-    except FileNotFoundError:
-        return "missing"
-    except OSError:
-        return "unreadable"
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -148,6 +136,7 @@ def run_verify(args: argparse.Namespace) -> int:
     lines = [f"{name}: {r['objects']} objects, {r['ok']} ok, {r['corrupt']} corrupt"
              + (f" ({r['removed']} removed)" if args.repair else " (kept; --repair removes them)" if r["corrupt"]
                 else "")
+             + (f", {r['unsupported']} unsupported (kept)" if r["unsupported"] else "")
              + (f", {r['unreadable']} unreadable" if r["unreadable"] else "")
              for name, r in result.items()]
     _emit(args, result, lines)
@@ -165,9 +154,12 @@ def run_gc(args: argparse.Namespace) -> int:
             for tier in tiers:
                 if isinstance(tier, RemoteTier):
                     result[tier.name]["stale_temp_removed"] = tier.remove_stale_temp(args.stale_after)
+                    if args.older_than is not None:
+                        result[tier.name]["expired_removed"] = tier.remove_older_than(args.older_than)
     except LockedError as exc:
         return _refuse(exc, "gc")
     _emit(args, result, [f"{name}: kept {r['ok']}, removed {r['removed']} corrupt"
                          + (f", {r['stale_temp_removed']} stale temp files" if "stale_temp_removed" in r else "")
+                         + (f", {r['expired_removed']} expired objects" if "expired_removed" in r else "")
                          for name, r in result.items()])
     return 0

@@ -16,8 +16,10 @@ import torch
 from .errors import InvalidInputError, InvalidTypeError
 
 DIGEST_SIZE = 32
-_PERSON_TENSORS = b"tierstore.tens"  # blake2b personalisation (<= 16 bytes) keeps domains apart
+# blake2b personalisations (<= 16 bytes): one per constructor, so no two can mint the same key
+_PERSON_TENSORS = b"tierstore.tens"
 _PERSON_CHAIN = b"tierstore.chain"
+_PERSON_BYTES = b"tierstore.bytes"
 
 
 def _frame(data: bytes) -> bytes:
@@ -62,8 +64,9 @@ class ChunkKey:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ChunkKey:
-        """Digest of arbitrary bytes (e.g. a file identity plus a byte range)."""
-        return cls(hashlib.blake2b(bytes(data), digest_size=DIGEST_SIZE, person=_PERSON_CHAIN).digest())
+        """Digest of arbitrary bytes (e.g. a file identity plus a byte range); never equal to a
+        :meth:`chain` or :meth:`from_tensors` key."""
+        return cls(hashlib.blake2b(bytes(data), digest_size=DIGEST_SIZE, person=_PERSON_BYTES).digest())
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> ChunkKey:

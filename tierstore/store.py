@@ -28,7 +28,8 @@ import torch
 from .config import PrefetchPolicy, StoreConfig, WritePolicy, parse_config
 from .errors import ClosedError, TierTimeoutError
 from .keys import ChunkKey, check_key
-from .tensors import TensorDict, validate_tensors
+from .objformat import validate_chunk
+from .tensors import TensorDict
 from .tiers import Tier, tier_class
 
 log = logging.getLogger("tierstore")
@@ -71,7 +72,7 @@ class TieredStore:
         (``write_through``). A chunk larger than a tier skips that tier."""
         self._check_open()
         check_key(key)
-        validate_tensors(tensors)
+        validate_chunk(tensors)  # before any tier: a chunk the object format cannot hold is refused whole
         self._count("puts")
         if self.write_policy is WritePolicy.WRITE_THROUGH:
             stored = [t.put(key, tensors) for t in self.tiers]

@@ -11,7 +11,7 @@ checksummed objects, :meth:`reopen` and :meth:`damage`)::
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import pytest
 import torch
@@ -77,6 +77,40 @@ def assert_same(a: Mapping[str, torch.Tensor] | None, b: Mapping[str, torch.Tens
             assert torch.equal(a[name].reshape(-1).view(torch.uint8), b[name].reshape(-1).view(torch.uint8)), name
 
 
+def reencode(data: bytes, edit: Callable[[dict], None] | None = None, version: int | None = None,
+             payload: bytes | None = None) -> bytes:
+    """A copy of the encoded object ``data`` whose JSON header ``edit`` changed in place (and whose
+    prefix says ``version``, whose payload is ``payload``), with a valid checksum: what another writer
+    could have published."""
+    import json
+
+    import xxhash
+
+    from .. import objformat
+
+    hdr = objformat.parse_header(data)
+    raw = json.loads(bytes(data[objformat.PREFIX_SIZE:hdr.payload_offset]))
+    if edit is not None:
+        edit(raw)
+    h = json.dumps(raw, separators=(",", ":")).encode()
+    h += b" " * (-(objformat.PREFIX_SIZE + len(h)) % objformat.ALIGN)
+    payload = bytes(data[hdr.payload_offset:]) if payload is None else payload
+    digest = xxhash.xxh3_128(h + payload).digest()
+    prefix = objformat.PREFIX.pack(objformat.MAGIC, objformat.VERSION if version is None else version, len(h), digest)
+    return prefix + h + payload
+
+
+def unsupported_object(key: ChunkKey, what: str) -> bytes:
+    """An intact object this reader cannot represent: ``what`` is ``"version"`` (a newer format) or
+    ``"dtype"`` (a dtype this torch lacks)."""
+    from .. import objformat
+
+    data = objformat.encode(key, {"x": torch.arange(16, dtype=torch.int32)}).tobytes()
+    if what == "version":
+        return reencode(data, version=objformat.VERSION + 1)
+    return reencode(data, lambda h: h["tensors"][0].update(dtype="float99_e9m9"))
+
+
 class TierTests:
     """Behaviour every tier shares. Subclasses set the class attributes and implement the hooks."""
 
@@ -86,6 +120,8 @@ class TierTests:
     checksummed: bool = False
     #: rounds per thread in the race test (slow remote backends may lower it)
     race_iterations: int = 200
+    #: the tier takes a capacity and evicts (shared remote tiers do not: their capacity tests are skipped)
+    bounded: bool = True
 
     @pytest.fixture(autouse=True)
     def _tmp(self, tmp_path):
@@ -107,10 +143,24 @@ class TierTests:
         """Corrupt the stored object: ``how`` is ``"flip"`` (one payload bit) or ``"truncate"``."""
         raise NotImplementedError
 
+    def overwrite(self, tier: Tier, key: ChunkKey, data: bytes) -> None:
+        """Replace the stored object's bytes with ``data``, behind the tier's back (checksummed tiers)."""
+        raise NotImplementedError
+
     def tier(self, capacity: int | None = 64 * MiB) -> Tier:
-        t = self.make_tier(capacity)
+        t = self.make_tier(capacity if self.bounded else None)
         self._open.append(t)
         return t
+
+    def bounded_tier(self, capacity: int) -> Tier:
+        """A tier of ``capacity`` bytes for a test of eviction; skips the test for unbounded tiers."""
+        if not self.bounded:
+            pytest.skip("tier has no capacity")
+        return self.tier(capacity)
+
+    @staticmethod
+    def fits(t: Tier) -> bool:
+        return t.capacity is None or t.used_bytes <= t.capacity
 
     # round trips -----------------------------------------------------------
     @pytest.mark.parametrize("dtype", sorted(DTYPES.values(), key=str), ids=str)
@@ -201,7 +251,7 @@ class TierTests:
         assert t.used_bytes == 0 and len(t) == 0
 
     def test_capacity_never_exceeded_and_lru_order(self):
-        t = self.tier(capacity=5 * 8192 + 4096)
+        t = self.bounded_tier(5 * 8192 + 4096)
         for i in range(5):
             assert t.put(key_of(i), chunk(i, 8000))
         assert t.get(key_of(0)) is not None  # LRU order now 1, 2, 3, 4, 0
@@ -212,7 +262,7 @@ class TierTests:
         assert t.stats()["evictions"] == 2
 
     def test_oversize_is_skipped_not_stored(self):
-        t = self.tier(capacity=4096)
+        t = self.bounded_tier(4096)
         t.put(key_of(0), chunk(0, 1024))
         assert not t.put(key_of(1), chunk(1, 1 << 16))
         assert not t.contains(key_of(1))
@@ -220,7 +270,7 @@ class TierTests:
         assert t.stats()["skipped"] == 1
 
     def test_pinned_keys_are_not_evicted(self):
-        t = self.tier(capacity=3 * 8192)
+        t = self.bounded_tier(3 * 8192)
         t.put(key_of(0), chunk(0, 8000))
         t.pin([key_of(0)])
         for i in range(1, 6):
@@ -232,7 +282,7 @@ class TierTests:
         assert not t.contains(key_of(0))
 
     def test_put_waits_briefly_for_pins_then_skips(self):
-        t = self.tier(capacity=12000)  # one 8000-byte chunk (plus any object header) fits, two do not
+        t = self.bounded_tier(12000)  # one 8000-byte chunk (plus any object header) fits, two do not
         t.pin_wait = 0.3
         t.put(key_of(0), chunk(0, 8000))
         t.pin([key_of(0)])
@@ -244,7 +294,7 @@ class TierTests:
         assert not t.contains(key_of(0)) and t.contains(key_of(1))
 
     def test_internal_reads_leave_lru_order_alone(self):
-        t = self.tier(capacity=3 * 8192 + 4096)
+        t = self.bounded_tier(3 * 8192 + 4096)
         for i in range(3):
             t.put(key_of(i), chunk(i, 8000))
         with t.borrowed(key_of(0)) as value:  # write-back / eviction copies are not "use"
@@ -253,7 +303,7 @@ class TierTests:
         assert not t.contains(key_of(0)) and t.contains(key_of(1))
 
     def test_before_evict_sees_the_victim(self):
-        t = self.tier(capacity=2 * 8192)
+        t = self.bounded_tier(2 * 8192)
         seen = []
 
         def hook(tier, key):
@@ -278,8 +328,26 @@ class TierTests:
         assert t.get(key_of(0)) is None
         assert t.stats()["corrupt"] == 1
         assert_same(t.get(key_of(1)), chunk(1))
+        if t.shared:  # a reader never deletes from shared storage; an explicit repair does
+            assert t.contains(key_of(0))
+            assert t.verify_many([key_of(0), key_of(1)], repair=True) == ["corrupt", "ok"]
+        assert not t.contains(key_of(0))
         assert t.put(key_of(0), chunk(0))  # a fresh put heals it
         assert_same(t.get(key_of(0)), chunk(0))
+
+    @pytest.mark.parametrize("what", ["version", "dtype"])
+    def test_unsupported_object_is_a_miss_and_never_removed(self, what):
+        if not self.checksummed:
+            pytest.skip("tier keeps no checksummed objects")
+        t = self.tier()
+        t.put(key_of(0), chunk(0))
+        self.overwrite(t, key_of(0), unsupported_object(key_of(0), what))
+        assert t.get(key_of(0)) is None
+        assert t.get(key_of(0), out={"x": torch.empty(16, dtype=torch.int32)}) is None
+        stats = t.stats()
+        assert stats["unsupported"] == 2 and stats["corrupt"] == 0
+        assert t.verify_many([key_of(0)], repair=True) == ["unsupported"]
+        assert t.contains(key_of(0))  # still stored, for the readers that can read it
 
     # persistence ------------------------------------------------------------
     def test_persistence_across_reopen(self):
@@ -313,10 +381,10 @@ class TierTests:
                 if got is not None:  # another thread may have evicted it in between
                     assert_same(got, value)
                     hits[w] += 1
-                assert t.capacity is not None and t.used_bytes <= t.capacity
+                assert self.fits(t)
 
         run_threads(worker, 6)
-        assert t.capacity is not None and t.used_bytes <= t.capacity
+        assert self.fits(t)
         assert t.stats()["reserved_bytes"] == 0
         assert sum(hits) > 0, "every read right after its put missed"
         held = t.keys()
@@ -356,7 +424,7 @@ class TierTests:
         run_threads(worker, nworkers)
         stats = t.stats()
         assert stats["reserved_bytes"] == 0 and stats["pinned"] == 0
-        assert t.capacity is not None and t.used_bytes <= t.capacity
+        assert self.fits(t)
         for k in t.keys():  # the index and storage agree after the storm
             assert t.get(k) is not None
 
@@ -380,5 +448,5 @@ class TierTests:
         assert len(t) == 0  # nothing stored by a failed call
 
     def test_negative_capacity_rejected(self):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError):  # an unbounded tier refuses any capacity
             self.make_tier(-1)

@@ -25,18 +25,21 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..errors import ClosedError, CorruptObjectError, InvalidInputError
+from ..errors import ClosedError, CorruptObjectError, InvalidInputError, UnsupportedObjectError
 from ..keys import ChunkKey, check_key
+from ..objformat import validate_chunk
 from ..policy import LRUPolicy
-from ..tensors import TensorDict, fill_out, validate_tensors
+from ..tensors import TensorDict, fill_out
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
 log = logging.getLogger("tierstore")
 
-COUNTERS = ("hits", "misses", "puts", "evictions", "bytes_in", "bytes_out", "corrupt", "errors",
+COUNTERS = ("hits", "misses", "puts", "evictions", "bytes_in", "bytes_out", "corrupt", "unsupported", "errors",
             "skipped", "enospc")
+#: outcomes of reading one object (see ``Tier._read_checked``)
+OK, MISSING, CORRUPT, UNSUPPORTED, ERROR = "ok", "missing", "corrupt", "unsupported", "error"
 
 
 class Tier(ABC):
@@ -51,6 +54,9 @@ class Tier(ABC):
     overwrites: ClassVar[bool] = True
     #: seconds a put waits for pinned chunks to be released before it skips this tier
     pin_wait: float = 2.0
+    #: storage other processes read and write (a remote prefix): a reader never deletes there, not even
+    #: a damaged object; it forgets it in this process and leaves removal to ``verify_many(repair=True)``
+    shared: ClassVar[bool] = False
 
     def __init__(self, name: str | None = None, capacity: int | None = None):
         if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0):
@@ -228,24 +234,70 @@ class Tier(ABC):
 
     def _load_checked(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False,
                       out: Mapping[str, torch.Tensor] | None = None) -> TensorDict | None:
+        """Read a chunk; anything wrong with the stored object is a counted miss, never an exception."""
+        return self._read_checked(key, size, device, borrow, out)[0]
+
+    def _read_checked(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False,
+                      out: Mapping[str, torch.Tensor] | None = None,
+                      repair: bool = False) -> tuple[TensorDict | None, str]:
+        """``(tensors or None, outcome)``: read a chunk and classify what went wrong.
+
+        * damaged (:class:`CorruptObjectError`): counted ``corrupt``, forgotten; removed from storage on
+          a private tier, on a :attr:`shared` one only with ``repair``;
+        * unsupported (:class:`UnsupportedObjectError`: newer format, dtype this torch lacks): counted
+          ``unsupported``, never removed (another reader may need it); a shared tier forgets it, a private
+          one keeps it indexed so its bytes stay accounted for until it is evicted;
+        * gone (``FileNotFoundError``): forgotten;
+        * an I/O error or an object too large for memory right now: counted ``errors``, kept.
+
+        :class:`InvalidInputError` (``out`` does not match an intact chunk) propagates.
+        """
         try:
-            if out is not None:
-                return self._load_into(key, size, out)
-            return self._load(key, size, device, borrow)
+            data = self._load_into(key, size, out) if out is not None else self._load(key, size, device, borrow)
+            return data, OK if data is not None else MISSING
+        except UnsupportedObjectError as exc:
+            self._count("unsupported")
+            self._log_once("unsupported", "cannot read object %s (left in place): %s", key.hex(), exc)
+            if self.shared:
+                self._forget(key, remove=False)
+            return None, UNSUPPORTED
         except CorruptObjectError as exc:
             self._count("corrupt")
-            self._log_once("corrupt", "dropping corrupt object %s: %s", key.hex(), exc)
-        except FileNotFoundError:
-            pass  # removed by another process or a racing delete: a miss
-        except OSError as exc:
+            remove = repair or not self.shared
+            self._log_once("corrupt", "%s damaged object %s: %s", "removing" if remove else "skipping",
+                           key.hex(), exc)
+            self._forget(key, remove=remove)
+            return None, CORRUPT
+        except FileNotFoundError:  # removed by another process or a racing delete
+            self._forget(key, remove=False)
+            return None, MISSING
+        except (OSError, MemoryError) as exc:
             self._count("errors")
-            self._log_once("read", "read failed (%s); treating as a miss", exc)
-            return None
-        self._forget(key)
-        return None
+            self._log_once("read", "read failed (%s: %s); treating as a miss", type(exc).__name__, exc)
+            return None, ERROR
 
-    def _forget(self, key: ChunkKey) -> None:
-        """Drop a key whose object is gone or corrupt from index and storage.
+    def verify_many(self, keys: Sequence[ChunkKey], repair: bool = False) -> list[str]:
+        """Read and check each key's stored object; return each outcome (``"ok"``, ``"missing"``,
+        ``"corrupt"``, ``"unsupported"``, ``"error"``).
+
+        Outcomes are handled as on any read; ``repair`` also removes damaged objects from a shared tier
+        (``tierstore verify --repair``). Unsupported objects are never removed. No hit/miss counting.
+        """
+        self._check_open()
+        keys = [check_key(k) for k in keys]
+        unique = list(dict.fromkeys(keys))
+        self.contains_many(unique)  # a shared tier also checks objects this process has not indexed
+        held = [(k, size) for k, size in zip(unique, self.pin(unique, touch=False), strict=True) if size is not None]
+        try:
+            outcomes = self._map(lambda kv: self._read_checked(kv[0], kv[1], "cpu", True, None, repair)[1], held)
+        finally:
+            self.unpin(k for k, _ in held)
+        outcome = dict(zip((k for k, _ in held), outcomes, strict=True))
+        return [outcome.get(k, MISSING) for k in keys]
+
+    def _forget(self, key: ChunkKey, remove: bool = True) -> None:
+        """Drop a key whose object is gone, damaged or unreadable from the index, and with ``remove``
+        from storage.
 
         Never waits: the caller may itself be evicting the key (``before_evict`` reads it). A key that is
         being written, deleted or evicted is left to that operation, which replaces or removes it anyway.
@@ -257,7 +309,8 @@ class Tier(ABC):
             if key in self._lru:
                 self._lru.remove(key)
         try:
-            self._drop(key)
+            if remove:
+                self._drop(key)
         except OSError:
             pass
         finally:
@@ -322,7 +375,7 @@ class Tier(ABC):
         items = list(items)
         for key, tensors in items:
             check_key(key)
-            validate_tensors(tensors)
+            validate_chunk(tensors)
         return self._map(lambda item: self._put_one(*item), items)
 
     def put(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:

@@ -47,10 +47,11 @@ import xxhash
 from .. import objformat
 from ..config import check_tier_options
 from ..errors import ClosedError, ConfigError, CorruptObjectError, InvalidInputError
-from ..iov import read_into as _read_into
-from ..iov import writev_all
+from ..iov import read_into, writev_all
 from ..keys import ChunkKey, check_key
-from ..tensors import TensorDict, byte_alias, fill_out, validate_tensors
+from ..objformat import validate_chunk
+from ..tensors import TensorDict, byte_alias, fill_out
+from . import objfile
 from .base import Tier
 from .dirlock import DirLock, lock_first_free, open_dir
 from .layout import PERMISSIONS, is_temp_name, key_from_name, object_relpath, temp_name
@@ -265,17 +266,6 @@ class DiskTier(Tier):
         finally:
             os.close(folder)
 
-    def _open_object(self, key: ChunkKey) -> tuple[int, os.stat_result]:
-        fd = os.open(self._object_path(key), os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptObjectError("not a regular file")
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, st
-
     def _touch(self, fd: int, st: os.stat_result) -> None:
         """Refresh mtime on a hit so the LRU order rebuilt after a restart follows use, not creation."""
         if self.read_only:
@@ -286,24 +276,12 @@ class DiskTier(Tier):
                 os.utime(fd, ns=(now, now))
 
     def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
-        fd, st = self._open_object(key)
+        fd, st = objfile.open_object(self._object_path(key))
         try:
-            buf = torch.empty(st.st_size, dtype=torch.uint8)
-            mv = buf.numpy().data
-            h = xxhash.xxh3_128()
-            got = _read_into(fd, [mv], h, skip=objformat.PREFIX_SIZE)
-            if got != st.st_size:
-                raise CorruptObjectError(f"short read: {got} of {st.st_size} bytes")
-            hdr = objformat.parse_header(mv, key, object_size=st.st_size)
-            if h.digest() != bytes(mv[16:32]):
-                raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
+            tensors = objfile.read_object(fd, st, key)  # views over one buffer when uncompressed
             self._touch(fd, st)
         finally:
             os.close(fd)
-        if hdr.codec == "none":
-            tensors = objformat.tensors_from_payload(buf[hdr.payload_offset:], hdr)  # views over buf
-        else:
-            tensors = objformat.decode(buf, key)
         device = torch.device(device)
         if device.type != "cpu":
             tensors = {n: t.to(device) for n, t in tensors.items()}
@@ -312,28 +290,19 @@ class DiskTier(Tier):
     def _load_into(self, key: ChunkKey, size: int, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
         """Read the payload straight into caller-owned ``out`` (contiguous CPU tensors): no allocation.
 
-        Names, shapes and dtypes must match the stored chunk exactly (else :class:`InvalidInputError`,
-        nothing read). The checksum is verified after the read: on :class:`CorruptObjectError` ``out``
-        holds unspecified bytes. Compressed objects and non-CPU or non-contiguous ``out`` tensors go
-        through :meth:`_load` and a copy.
+        The checksum is verified after the read: on :class:`CorruptObjectError` ``out`` holds unspecified
+        bytes. Compressed objects, non-CPU or non-contiguous ``out`` tensors, and an ``out`` that differs
+        from what the (not yet verified) header says go through :meth:`_load` and a copy, so a damaged
+        object is a miss and only an intact one that differs raises :class:`InvalidInputError`.
         """
-        if not all(t.device.type == "cpu" and t.is_contiguous() for t in out.values()):
-            data = self._load(key, size, "cpu")
-            return None if data is None else fill_out(out, data)
-        fd, st = self._open_object(key)
+        fd, st = objfile.open_object(self._object_path(key))
         try:
-            head = os.pread(fd, 8 << 10, 0)
-            if len(head) >= objformat.PREFIX_SIZE:
-                hlen = objformat.PREFIX.unpack_from(head)[2]
-                if objformat.PREFIX_SIZE + hlen > len(head) and hlen <= objformat.MAX_HEADER:
-                    head = os.pread(fd, objformat.PREFIX_SIZE + hlen, 0)
-            hdr = objformat.parse_header(head, key, object_size=st.st_size)
-            if hdr.codec != "none":
-                os.close(fd)
-                fd = -1
-                data = self._load(key, size, "cpu")
-                return None if data is None else fill_out(out, data)
-            _check_out(out, hdr)
+            head, hdr = objfile.read_header(fd, st, key)
+            if (hdr.codec != "none" or not _matches(out, hdr)
+                    or not all(t.device.type == "cpu" and t.is_contiguous() for t in out.values())):
+                data = objfile.read_object(fd, st, key)
+                self._touch(fd, st)
+                return fill_out(out, data)
             segments: list[memoryview] = []
             pos = 0
             for s in hdr.tensors:
@@ -346,15 +315,14 @@ class DiskTier(Tier):
                 segments.append(memoryview(bytearray(hdr.raw_size - pos)))
             os.lseek(fd, hdr.payload_offset, os.SEEK_SET)
             h = xxhash.xxh3_128(memoryview(head)[objformat.PREFIX_SIZE:hdr.payload_offset])
-            got = _read_into(fd, segments, h)
+            got = read_into(fd, segments, h)
             if got != hdr.raw_size:
                 raise CorruptObjectError(f"short read: {got} of {hdr.raw_size} payload bytes")
             if h.digest() != head[16:32]:
                 raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
             self._touch(fd, st)
         finally:
-            if fd >= 0:
-                os.close(fd)
+            os.close(fd)
         return dict(out)
 
     def _drop(self, key: ChunkKey) -> None:
@@ -425,7 +393,7 @@ class DiskTier(Tier):
         items = list(items)
         for key, tensors in items:  # bad input still raises, as for every tier
             check_key(key)
-            validate_tensors(tensors)
+            validate_chunk(tensors)
         if items:
             self._count("skipped", len(items))
             self._log_once("read-only", "opened read_only: puts are skipped")
@@ -441,15 +409,10 @@ class DiskTier(Tier):
                 "codec": self.codec, "permissions": self.permissions}
 
 
-def _check_out(out: Mapping[str, torch.Tensor], hdr: objformat.Header) -> None:
-    names = {s.name for s in hdr.tensors}
-    if set(out) != names:
-        raise InvalidInputError(f"out has tensors {sorted(out)}, the chunk has {sorted(names)}")
-    for s in hdr.tensors:
-        dst = out[s.name]
-        if tuple(dst.shape) != s.shape or dst.dtype != s.dtype:
-            raise InvalidInputError(
-                f"out[{s.name!r}] is {tuple(dst.shape)} {dst.dtype}, the chunk holds {s.shape} {s.dtype}")
+def _matches(out: Mapping[str, torch.Tensor], hdr: objformat.Header) -> bool:
+    """Whether ``out`` has exactly the header's names, shapes and dtypes."""
+    return set(out) == {s.name for s in hdr.tensors} and all(
+        tuple(out[s.name].shape) == s.shape and out[s.name].dtype == s.dtype for s in hdr.tensors)
 
 
 def _scandir(dir_fd: int) -> list[os.DirEntry[str]]:

@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 
-from ..errors import CorruptObjectError
+from ..errors import TierstoreError
+from ..tensors import shape_is_valid
 
 MAX_HEADER_SIZE = 100 * 1000 * 1000  # the reference implementation's anti-DoS cap
 PREFIX_SIZE = 8
 
 
-class CheckpointError(CorruptObjectError):
+class CheckpointError(TierstoreError, ValueError):
     """A checkpoint is malformed: truncated, lying header, bad offsets, unknown dtype, missing shard.
 
     Attributes:
@@ -142,11 +143,11 @@ def parse_header(file: str, header_bytes: bytes, file_size: int) -> ShardHeader:
         raise CheckpointError(file, "header does not start with '{' (not a safetensors file?)")
     try:
         raw = json.loads(text, object_pairs_hook=_no_duplicates)
-    except ValueError as exc:
-        raise CheckpointError(file, f"header is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # also over-long integers and deep nesting
+        raise CheckpointError(file, f"header is not valid JSON: {type(exc).__name__}: {exc}") from None
     if not isinstance(raw, dict):
         raise CheckpointError(file, "header is not a JSON object")
-    metadata = raw.pop("__metadata__", None) or {}
+    metadata = raw.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                  for k, v in metadata.items()):
         raise CheckpointError(file, "__metadata__ must map str to str")
@@ -177,7 +178,7 @@ def _tensor_info(file: str, name: object, entry: object, data_start: int) -> Ten
     if extra:
         raise CheckpointError(file, f"unexpected fields {sorted(extra)}", name)
     code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if code not in DTYPES:
+    if not isinstance(code, str) or code not in DTYPES:
         raise CheckpointError(file, f"unknown dtype {code!r} (known: {', '.join(sorted(DTYPES))})", name)
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise CheckpointError(file, f"shape must be a list of non-negative ints, got {shape!r}", name)
@@ -186,6 +187,8 @@ def _tensor_info(file: str, name: object, entry: object, data_start: int) -> Ten
         raise CheckpointError(file, f"data_offsets must be [begin, end] with 0 <= begin <= end, "
                                     f"got {offsets!r}", name)
     dtype, itemsize = DTYPES[code]
+    if not shape_is_valid(shape, dtype):
+        raise CheckpointError(file, f"shape {shape} overflows torch's 64-bit sizes", name)
     need = math.prod(shape) * itemsize
     if offsets[1] - offsets[0] != need:
         raise CheckpointError(file, f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes but "

@@ -225,7 +225,7 @@ def _open(uri: str | os.PathLike[str], store: TieredStore | None, storage_option
     uri = str(uri.__fspath__() if hasattr(uri, "__fspath__") else uri)
     cache = RangeCache(store, write=o.cache_writes) if store is not None else None
     conc = o.concurrency or REMOTE_CONCURRENCY
-    ckpt = open_checkpoint(uri, storage_options, cache, conc, o.max_header_size)
+    ckpt = open_checkpoint(uri, storage_options, cache, conc, o.max_header_size, o.objects_url)
     if o.block_size is None:
         remote = any(s.source.remote for s in ckpt.shards)
         o.block_size = REMOTE_BLOCK_SIZE if remote else LOCAL_BLOCK_SIZE
@@ -258,7 +258,8 @@ def iter_tensors(uri: str | os.PathLike[str], device: str | torch.device = "cpu"
             ``memory_limit`` (bytes of read-but-undelivered data and staging, default 1 GiB — one
             group larger than the limit still loads, alone); ``dtype`` (cast F16/BF16/F32/F64 tensors
             to this float dtype; other dtypes are left alone); ``max_header_size``; ``stats`` (a dict
-            filled with counters when the iteration ends).
+            filled with counters when the iteration ends); ``objects_url`` (where an index may name
+            shards besides its own directory: the ``objects_url`` given to :func:`publish`).
 
     Raises:
         CheckpointError: a malformed or truncated file, index or header (names the file and tensor).

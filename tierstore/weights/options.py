@@ -35,6 +35,7 @@ class Options:
     max_header_size: int | None = None
     stats: dict[str, Any] | None = None
     cache_writes: bool = True
+    objects_url: str | list[str] | tuple[str, ...] | None = None
 
     @classmethod
     def build(cls, opts: dict[str, Any]) -> Options:
@@ -50,6 +51,9 @@ class Options:
             raise InvalidInputError("block_size must be positive")
         if o.concurrency is not None and (not isinstance(o.concurrency, int) or o.concurrency < 1):
             raise InvalidInputError(f"concurrency must be a positive int, got {o.concurrency!r}")
+        if o.objects_url is not None and not (isinstance(o.objects_url, str) or (
+                isinstance(o.objects_url, (list, tuple)) and all(isinstance(u, str) for u in o.objects_url))):
+            raise InvalidInputError(f"objects_url must be a URL or a list of URLs, got {o.objects_url!r}")
         if o.dtype is not None and o.dtype not in CASTABLE:
             raise InvalidInputError(f"dtype must be one of {CASTABLE}, got {o.dtype!r}")
         return o
