@@ -28,6 +28,7 @@ import fcntl
 import logging
 import os
 import secrets
+import shutil
 import socket
 import stat
 import threading
@@ -419,6 +420,12 @@ class DiskTier(Tier):
             except OSError:
                 sizes.append(None)
         return sizes
+
+    def _free_space(self) -> int | None:
+        try:
+            return shutil.disk_usage(self.path).free
+        except OSError:
+            return None
 
     def _map(self, fn: Callable, items: Sequence) -> list:
         """Batched I/O on a small pool (inline for one item, for ``io_threads=1`` and inside a worker)."""
