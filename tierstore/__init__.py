@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib
 
 from .errors import (CapacityError, ClosedError, ConfigError, CorruptObjectError, InvalidInputError,
-                     InvalidTypeError, LockedError, MissingKeyError, TierstoreError, TierTimeoutError)
+                     InvalidTypeError, LockedError, MissingKeyError, TierstoreError, TierTimeoutError,
+                     WriteBackError)
 from .keys import ChunkKey
 
 __version__ = "0.1.0"
@@ -40,5 +41,5 @@ def __getattr__(name: str):
 __all__ = [
     "ChunkKey", "TierstoreError", "ConfigError", "InvalidInputError", "InvalidTypeError",
     "CorruptObjectError", "MissingKeyError", "CapacityError", "LockedError", "TierTimeoutError",
-    "ClosedError", *_LAZY,
+    "ClosedError", "WriteBackError", *_LAZY,
 ]

@@ -41,7 +41,7 @@ _TIER_KEYS: dict[str, set[str]] = {
 }
 _SIZE_KEYS = {"capacity", "slot_size"}
 _REQUIRED = {"disk": {"path"}, "remote": {"url"}}
-_STORE_KEYS = {"tiers", "write_policy", "prefetch_policy", "max_in_flight"}
+_STORE_KEYS = {"tiers", "write_policy", "prefetch_policy", "max_in_flight", "close_timeout"}
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class StoreConfig:
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.RETAIN
     max_in_flight: int = 8
+    close_timeout: float = 10.0  # seconds close() (and the flush at exit) waits for write-back
 
 
 def default_config(root: str = DEFAULT_ROOT) -> dict:
@@ -126,6 +127,7 @@ def parse_config(config: Mapping | str | os.PathLike | None = None) -> StoreConf
         write_policy=_enum(WritePolicy, raw.get("write_policy", "write_back"), "write_policy"),
         prefetch_policy=_enum(PrefetchPolicy, raw.get("prefetch_policy", "retain"), "prefetch_policy"),
         max_in_flight=_positive_int(raw.get("max_in_flight", 8), "max_in_flight"),
+        close_timeout=_seconds(raw.get("close_timeout", 10.0), "close_timeout"),
     )
 
 
@@ -141,6 +143,12 @@ def _positive_int(value, key: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{key}: expected a positive integer, got {value!r}")
     return value
+
+
+def _seconds(value, key: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+        raise ConfigError(f"{key}: expected a non-negative number of seconds, got {value!r}")
+    return float(value)
 
 
 def _parse_tier(entry, where: str) -> TierConfig:
