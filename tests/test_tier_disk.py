@@ -448,6 +448,28 @@ def test_enospc_injected(tmp_path, monkeypatch):
     t.close()
 
 
+def test_one_enospc_does_not_disable_the_tier(tmp_path, monkeypatch):
+    """C8: after ENOSPC the tier backs off and re-probes free space; it is not cut to 0 bytes for good."""
+    t = DiskTier(path=tmp_path / "d")  # unbounded, and empty when the device reports full
+    t.enospc_recheck = 0.05
+    real_writev, failures = os.writev, [1]
+
+    def writev(fd, bufs):
+        if failures[0]:
+            failures[0] -= 1
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_writev(fd, bufs)
+
+    monkeypatch.setattr(os, "writev", writev)
+    assert not t.put(key_of(0), chunk(0))  # nothing to evict: this put is skipped
+    assert t.stats()["enospc"] == 1
+    time.sleep(0.1)  # the back-off passes; free space is probed again
+    assert [t.put(key_of(i), chunk(i)) for i in range(1, 4)] == [True] * 3
+    assert t.stats()["space_limit_bytes"] is None or t.stats()["space_limit_bytes"] > t.used_bytes
+    assert_same(t.get(key_of(3)), chunk(3))
+    t.close()
+
+
 def test_large_odd_sized_tensors_across_read_pieces(tmp_path):
     t = DiskTier(path=tmp_path / "d")
     g = torch.Generator().manual_seed(0)

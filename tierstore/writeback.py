@@ -115,6 +115,8 @@ class WriteBack:
         with self._cond:
             self._putting.discard(key)
             rec = self._dirty[key]
+            if not landed:  # reported by flush like any write that failed for good
+                self._lost[key] = set(self._writable)
             if not landed or not rec.pending:
                 del self._dirty[key]
             else:
