@@ -448,6 +448,20 @@ def test_enospc_injected(tmp_path, monkeypatch):
     t.close()
 
 
+def test_a_failed_read_never_forgets_a_newer_object(tmp_path):
+    """A reader that pinned a key, then failed on its object (deleted or damaged meanwhile), must not drop
+    the object a put stored under that key after its pin (found by tests/test_store_threads.py)."""
+    t = DiskTier(path=tmp_path / "d")
+    t.put(key_of(0), chunk(0))
+    t.pin([key_of(0)])  # a reader is about to open the object
+    t.delete(key_of(0))  # ... which vanishes under it
+    t.put(key_of(0), chunk(1))  # and is stored again
+    t._forget(key_of(0))  # the reader's FileNotFoundError path
+    t.unpin([key_of(0)])
+    assert_same(t.get(key_of(0)), chunk(1))
+    t.close()
+
+
 def test_one_enospc_does_not_disable_the_tier(tmp_path, monkeypatch):
     """C8: after ENOSPC the tier backs off and re-probes free space; it is not cut to 0 bytes for good."""
     t = DiskTier(path=tmp_path / "d")  # unbounded, and empty when the device reports full

@@ -6,8 +6,11 @@ The rules, each checked by the store's tests:
 
 1. **Dirty before held.** A put marks its key dirty before any tier holds the new value
    (:meth:`begin_put`), so no eviction can mistake the only copy for a clean one.
-2. **No stale write wins.** A write records success only if no newer put of the key began since the
-   writer read it; otherwise the level stays pending and the newer put queues it again.
+2. **One writer of a key at a time.** Every write of a key into any tier — a put, a promotion, a
+   write-back or an eviction's write — holds the key's claim, and checks under it which tiers still
+   need the current value. So no older value can land after a newer one. Puts and promotions wait for
+   the claim; writers and evictions never wait for one (a writer tries again shortly, an eviction keeps
+   its victim), so claims form no cycle.
 3. **Any current copy is a source.** A writer reads the chunk from any tier that holds the current
    value, above its target first, then deeper ones. A tier still pending for a key may hold an older
    value: readers skip it (:meth:`stale_levels`).
@@ -49,7 +52,7 @@ class _Dirty:
 
 
 class WriteBack:
-    """Dirty-chunk bookkeeping, per-key put/promotion claims and the writer threads of one store."""
+    """Dirty-chunk bookkeeping, per-key write claims and the writer threads of one store."""
 
     #: failures after which a level counts as failing (reported by ``flush``); retries go on meanwhile
     fast_retries = 4
@@ -63,7 +66,6 @@ class WriteBack:
         self._cond = threading.Condition()
         self._gen = 0
         self._dirty: dict[ChunkKey, _Dirty] = {}
-        self._putting: set[ChunkKey] = set()  # keys whose put has begun and not yet landed
         self._lost: dict[ChunkKey, set[int]] = {}  # levels given up: no tier held the value any more
         self._ready: dict[int, dict[ChunkKey, None]] = {j: {} for j in self._writable}
         self._retry_at: dict[int, dict[ChunkKey, float]] = {j: {} for j in self._writable}
@@ -78,10 +80,10 @@ class WriteBack:
         for th in self._threads:
             th.start()
 
-    # ------------------------------------------------------------------ claims (one put or promotion per key)
+    # ------------------------------------------------------------------ claims (one writer per key)
     @contextmanager
     def claim(self, key: ChunkKey) -> Iterator[None]:
-        """Hold ``key`` against other puts and promotions of it (never held while waiting on a claim)."""
+        """Hold ``key`` against every other write of it; call holding no other claim (it waits)."""
         with self._claim_cond:
             while key in self._claimed:
                 self._claim_cond.wait()
@@ -89,9 +91,19 @@ class WriteBack:
         try:
             yield
         finally:
-            with self._claim_cond:
-                self._claimed.discard(key)
-                self._claim_cond.notify_all()
+            self._release(key)
+
+    def _try_claim(self, key: ChunkKey) -> bool:
+        with self._claim_cond:
+            if key in self._claimed:
+                return False
+            self._claimed.add(key)
+            return True
+
+    def _release(self, key: ChunkKey) -> None:
+        with self._claim_cond:
+            self._claimed.discard(key)
+            self._claim_cond.notify_all()
 
     # ------------------------------------------------------------------ puts
     def begin_put(self, key: ChunkKey) -> None:
@@ -99,7 +111,6 @@ class WriteBack:
         with self._cond:
             self._gen += 1
             self._dirty[key] = _Dirty(self._gen, dict.fromkeys((j for j in self._writable if j > 0), 0))
-            self._putting.add(key)
             self._lost.pop(key, None)
             for j in self._writable:
                 self._retry_at[j].pop(key, None)
@@ -113,7 +124,6 @@ class WriteBack:
     def end_put(self, key: ChunkKey, landed: bool) -> None:
         """The put is over; queue the pending levels (or forget the key if no tier took it)."""
         with self._cond:
-            self._putting.discard(key)
             rec = self._dirty[key]
             if not landed:  # reported by flush like any write that failed for good
                 self._lost[key] = set(self._writable)
@@ -170,14 +180,13 @@ class WriteBack:
             return rec.gen if rec is not None else -1
 
     def _plan(self, keys: Sequence[ChunkKey], level: int) -> list[tuple[ChunkKey, int, list[int]]]:
-        """``(key, generation, source levels)`` for each key still pending at ``level``."""
+        """``(key, generation, source levels)`` for each claimed key still pending at ``level``."""
         plan = []
         with self._cond:
-            for k in dict.fromkeys(keys):
+            for k in keys:
                 rec = self._dirty.get(k)
-                if rec is None or level not in rec.pending or k in self._putting:
-                    continue  # written meanwhile, or a put is landing (it queues the key again)
-                plan.append((k, rec.gen, self._sources(rec, level)))
+                if rec is not None and level in rec.pending:
+                    plan.append((k, rec.gen, self._sources(rec, level)))
         return plan
 
     def _sources(self, rec: _Dirty, level: int) -> list[int]:
@@ -195,6 +204,20 @@ class WriteBack:
         return None
 
     def _write(self, keys: Sequence[ChunkKey], level: int) -> None:
+        claimed = [k for k in dict.fromkeys(keys) if self._try_claim(k)]
+        if len(claimed) < len(keys):
+            with self._cond:  # another write of those keys is running: look again shortly
+                soon = time.monotonic() + self.retry_delay
+                for k in set(keys) - set(claimed):
+                    self._retry_at[level].setdefault(k, soon)
+                self._cond.notify_all()
+        try:
+            self._write_claimed(claimed, level)
+        finally:
+            for k in claimed:
+                self._release(k)
+
+    def _write_claimed(self, keys: Sequence[ChunkKey], level: int) -> None:
         plan = self._plan(keys, level)
         if not plan:
             return
@@ -269,12 +292,26 @@ class WriteBack:
     def before_evict(self, tier: Tier, key: ChunkKey) -> bool:
         """``tier`` is about to drop ``key``: write it below if it is dirty; ``False`` = keep it."""
         level = self.tiers.index(tier)
+        if self._is_clean_below(key, level):
+            return True  # a put that begins now waits for this eviction before it lands in this tier
+        if not self._try_claim(key):
+            return False  # another write of this key is running: keep the copy, evict something else
+        try:
+            return self._save_victim(tier, key, level)
+        finally:
+            self._release(key)
+
+    def _is_clean_below(self, key: ChunkKey, level: int) -> bool:
         with self._cond:
-            if key in self._putting:
-                return False  # a put of this key is landing: keep the old copy until it has
             rec = self._dirty.get(key)
-            if rec is None or level in rec.pending or not any(j > level for j in rec.pending):
-                return True  # clean below, or this copy is an older value anyway
+            # clean below, or this copy is an older value anyway
+            return rec is None or level in rec.pending or not any(j > level for j in rec.pending)
+
+    def _save_victim(self, tier: Tier, key: ChunkKey, level: int) -> bool:
+        if self._is_clean_below(key, level):
+            return True
+        with self._cond:
+            rec = self._dirty[key]
             gen = rec.gen
             targets = [j for j in sorted(rec.pending) if j > level and not self._backing_off(key, j)]
         with tier.borrowed(key) as data:
@@ -290,11 +327,9 @@ class WriteBack:
                 if ok:
                     return True
         with self._cond:
-            rec = self._dirty.get(key)
-            if rec is None or rec.gen != gen:
-                return True  # superseded by a newer put
-            sources = self._sources(rec, level)
-        return any(self.tiers[i].contains_many([key], probe=False)[0] for i in sources)
+            sources = self._sources(self._dirty[key], level)
+        # no write succeeded: drop it only if another tier keeps the current value (and is not dropping it too)
+        return any(self.tiers[i].holds(key) for i in sources)
 
     # ------------------------------------------------------------------ flush, stats, stop
     def flush(self, timeout: float | None = None) -> None:

@@ -273,9 +273,10 @@ class Tier(ABC):
         """Drop a key whose object is gone or corrupt from index and storage.
 
         Never waits: the caller may itself be evicting the key (``before_evict`` reads it). A key that is
-        being written, deleted or evicted is left to that operation, which replaces or removes it anyway.
+        being written, deleted or evicted is left to that operation, which replaces or removes it anyway;
+        one stored again since the reader pinned it is left alone (the failure may be the old object's).
         """
-        if not self._claims.try_claim(key):
+        if not self._claims.try_claim_to_forget(key):
             return
         try:
             self._discard(key, drop_absent=True)
@@ -325,6 +326,14 @@ class Tier(ABC):
 
     def contains(self, key: ChunkKey) -> bool:
         return self.contains_many([key])[0]
+
+    def holds(self, key: ChunkKey) -> bool:
+        """Whether the index has ``key`` and no eviction of it is under way (no I/O).
+
+        Write-back's test for "another tier keeps a copy": a copy being evicted does not count.
+        """
+        with self._cond:
+            return key in self._lru and key not in self._claims.evicting
 
     # ------------------------------------------------------------------ writes
     def put_many(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]) -> list[bool]:

@@ -39,6 +39,7 @@ class Claims:
         self.closed = False
         self.pins: Counter[ChunkKey] = Counter()
         self.busy: set[ChunkKey] = set()  # exclusively claimed keys
+        self.restored: set[ChunkKey] = set()  # pinned keys stored again since (a reader may hold the old one)
         self.evicting: set[ChunkKey] = set()
         self.evicting_bytes = 0
         self.reserved = 0
@@ -69,6 +70,7 @@ class Claims:
                 self.pins[k] -= 1
                 if self.pins[k] <= 0:
                     del self.pins[k]
+                    self.restored.discard(k)
                     last_unpin(k)
             self.cond.notify_all()
 
@@ -92,10 +94,11 @@ class Claims:
         finally:
             self.unclaim(key)
 
-    def try_claim(self, key: ChunkKey) -> bool:
-        """Claim ``key`` exclusively if nobody mutates or evicts it; never waits."""
+    def try_claim_to_forget(self, key: ChunkKey) -> bool:
+        """Claim ``key`` to forget it after a failed read, unless anyone mutates or evicts it, or it was
+        stored again since the reader pinned it (the failure may be the old object's); never waits."""
         with self.cond:
-            if key in self.busy or key in self.evicting:
+            if key in self.busy or key in self.evicting or key in self.restored:
                 return False
             self.busy.add(key)
             return True
@@ -171,6 +174,8 @@ class Claims:
         with self.cond:
             self.reserved -= reserved
             self.index.add(key, size)
+            if self.pins.get(key):
+                self.restored.add(key)
             self.cond.notify_all()
 
     def release(self, reserved: int) -> None:
