@@ -30,6 +30,7 @@ from ..keys import ChunkKey, check_key
 from ..policy import LRUPolicy
 from ..tensors import TensorDict, fill_out, nbytes, validate_tensors
 from .claims import Claims
+from .space import SpaceLimit
 
 log = logging.getLogger("tierstore")
 
@@ -70,11 +71,7 @@ class Tier(ABC):
         self._cond = self._claims.cond
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._logged: set[str] = set()
-        # after ENOSPC: the bytes the storage really had room for, until free space is probed again
-        self._space_limit: int | None = None
-        self._space_recheck_at = 0.0
-        self._space_backoff = 0.0
-        self._space_lifted = False
+        self._space = SpaceLimit()
 
     # ------------------------------------------------------------------ primitives for subclasses
     def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> tuple[Any, int]:
@@ -157,7 +154,7 @@ class Tier(ABC):
     def stats(self) -> dict[str, Any]:
         with self._cond:
             return {"kind": self.kind, "used_bytes": self._lru.currsize, "capacity_bytes": self.capacity,
-                    "space_limit_bytes": self._space_limit, "objects": len(self._lru),
+                    "space_limit_bytes": self._space.bytes, "objects": len(self._lru),
                     "reserved_bytes": self._claims.reserved, "pinned": len(self._claims.pins), **self._counts}
 
     def _check_open(self) -> None:
@@ -391,40 +388,28 @@ class Tier(ABC):
             with self._cond:
                 self._counts["puts"] += 1
                 self._counts["bytes_in"] += size
-                if self._space_lifted:  # a write fit again after the storage was full: back-off over
-                    self._space_lifted, self._space_backoff = False, 0.0
+                self._space.stored()
             return True
         return False
 
     # ------------------------------------------------------------------ a full device (ENOSPC)
     def _after_enospc(self) -> None:
-        """The storage is full below our capacity: hold at most what we hold now until a re-probe.
-
-        The next reservation then evicts least-recently-used chunks to make room, so the newest survive.
-        """
+        """The storage is full below our capacity: hold at most what we hold now (see :mod:`.space`)."""
         with self._cond:
             self._counts["enospc"] += 1
-            self._space_limit = self._lru.currsize + self._claims.reserved
-            self._space_backoff = min(max(2 * self._space_backoff, self.enospc_recheck), self.max_enospc_recheck)
-            self._space_recheck_at = time.monotonic() + self._space_backoff
-            limit, backoff = self._space_limit, self._space_backoff
+            held = self._lru.currsize + self._claims.reserved
+            backoff = self._space.full(held, self.enospc_recheck, self.max_enospc_recheck)
         self._log_once("enospc", "no space left on device; holding at most %d bytes, re-probing free space "
-                       "in %.1fs (doubling while full)", limit, backoff)
+                       "in %.1fs (doubling while full)", held, backoff)
 
     def _limit(self) -> int | None:
         """The bytes this tier may hold now: its capacity, lowered after ENOSPC until free space returns."""
-        if self._space_limit is not None and time.monotonic() >= self._space_recheck_at:
+        if self._space.due():
             free = self._free_space()
             with self._cond:
-                if self._space_limit is not None:
-                    held = self._lru.currsize + self._claims.reserved
-                    self._space_limit = None if free is None else max(self._space_limit, held + free)
-                    self._space_recheck_at = time.monotonic() + self._space_backoff
-                    self._space_lifted = True
-        limit = self._space_limit
-        if limit is None:
-            return self.capacity
-        return limit if self.capacity is None else min(limit, self.capacity)
+                self._space.probed(self._lru.currsize + self._claims.reserved, free)
+        with self._cond:
+            return self._space.apply(self.capacity)
 
     # ------------------------------------------------------------------ eviction and deletes
     def _evict(self, victims: list[tuple[ChunkKey, int]]) -> set[ChunkKey]:
