@@ -63,6 +63,18 @@ def writer_stalled(tier: Tier) -> Iterator[tuple[threading.Event, threading.Even
         release.set()
 
 
+@contextmanager
+def writer_paused(store: tierstore.TieredStore) -> Iterator[threading.Event]:
+    """Background writers wait before they take up any key (so they claim and pin nothing) until released."""
+    owner, name = (store, "_write_down") if hasattr(store, "_write_down") else (store._wb, "_write")  # old: _write_down
+    release, original = threading.Event(), getattr(owner, name)
+    setattr(owner, name, lambda keys, level: (release.wait(10), original(keys, level))[1])
+    try:
+        yield release
+    finally:
+        release.set()
+
+
 def test_a_chunk_is_dirty_from_the_instant_a_tier_holds_it(tmp_path):
     """C1: an eviction between the top tier taking a chunk and put() returning must not drop it as clean."""
     with open_store(tmp_path, host=ONE) as s:
@@ -89,8 +101,11 @@ def test_overwrite_during_write_back_never_leaves_the_old_value_below(tmp_path):
         with writer_stalled(s.tier("lower")) as (arrived, release):
             s.put(key_of(0), v1)
             assert arrived.wait(10)
-            s.put(key_of(0), v2)
+            overwrite = threading.Thread(target=s.put, args=(key_of(0), v2))
+            overwrite.start()  # the put may wait for the write in flight, but must not be overtaken by it
+            time.sleep(0.2)
             release.set()
+            overwrite.join(30)
             s.flush(timeout=30)
         for i in range(10, 16):  # push key 0 out of the host tier
             s.put(key_of(i), chunk(i, CHUNK))
@@ -115,10 +130,13 @@ def test_eviction_never_skips_a_pending_middle_tier(tmp_path, eviction_write):
                         {"kind": "remote", "url": url}]}
     with tierstore.open(config) as s:
         disk = s.tier("disk")
-        with writer_stalled(disk):  # the disk writer falls behind: evictions come first
-            if eviction_write == "fails":
-                stalled = disk.put_many
-                disk.put_many = lambda items: stalled(items) if in_writer() else [False] * len(items)
+        if eviction_write == "succeeds":
+            behind = writer_stalled(disk)  # the disk writer falls behind the remote's (probe 1.5)
+        else:
+            behind = writer_paused(s)  # every writer falls behind; the disk refuses eviction writes
+            original = disk.put_many
+            disk.put_many = lambda items: original(items) if in_writer() else [False] * len(items)
+        with behind:
             for i in range(n):
                 s.put(key_of(i), chunk(i, CHUNK))
         s.flush(timeout=30)
@@ -142,7 +160,7 @@ def test_failed_write_back_is_retried_and_the_dirty_chunk_kept_meanwhile(tmp_pat
             return original(items)
 
         lower.put_many = flaky
-        with writer_stalled(lower):  # only evictions write for now: their first two writes fail
+        with writer_paused(s):  # only evictions write for now: their first two writes fail
             for i in range(8):  # the host holds 3
                 s.put(key_of(i), chunk(i, CHUNK))
         s.flush(timeout=30)
@@ -280,16 +298,10 @@ def test_prefetch_does_not_wait_on_its_own_pin(tmp_path):
             t.pin_wait = 0.5
         s.put(key_of(1), chunk(1, CHUNK))  # B
         s.flush(timeout=30)
-        # A stays dirty in the host, unpinned: the writer stops before it reads anything
-        owner, name = (s, "_write_down") if hasattr(s, "_write_down") else (s._wb, "_write")  # old code: _write_down
-        release, original = threading.Event(), getattr(owner, name)
-        setattr(owner, name, lambda keys, level: (release.wait(10), original(keys, level))[1])
-        try:
+        with writer_paused(s):  # A stays dirty in the host, unpinned
             s.put(key_of(2), chunk(2, CHUNK))  # A evicts the clean B from the host
             assert s.where(key_of(1)) == "lower"
             assert s.prefetch([key_of(1)]).result(timeout=30) == 1
-        finally:
-            release.set()
         assert s.tier("lower").stats()["skipped"] == 0  # A's write below never gave up waiting on B's pin
         assert s.where(key_of(1)) == "host"
         assert_same(s.get(key_of(2)), chunk(2, CHUNK))  # A was written below before it left the host

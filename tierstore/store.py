@@ -210,7 +210,8 @@ class TieredStore:
                 exc = ClosedError("store closed before the prefetch ran") if f.cancelled() else f.exception()
                 if exc is not None:
                     self._count("prefetch_errors")
-                    log.warning("prefetch failed: %s: %s", type(exc).__name__, exc)
+                    log.log(logging.DEBUG if isinstance(exc, ClosedError) else logging.WARNING,
+                            "prefetch failed: %s: %s", type(exc).__name__, exc)
                 with lock:
                     if exc is not None:
                         errors.append(exc)

@@ -27,10 +27,12 @@ One writer thread per lower tier takes up to ``max_in_flight`` keys at a time an
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -69,6 +71,8 @@ class WriteBack:
         self._lost: dict[ChunkKey, set[int]] = {}  # levels given up: no tier held the value any more
         self._ready: dict[int, dict[ChunkKey, None]] = {j: {} for j in self._writable}
         self._retry_at: dict[int, dict[ChunkKey, float]] = {j: {} for j in self._writable}
+        self._retry_heap: dict[int, list[tuple[float, int, ChunkKey]]] = {j: [] for j in self._writable}
+        self._seq = itertools.count()  # heap tie-breaker
         self._counts = {j: {"writeback_done": 0, "writeback_failed": 0} for j in range(len(self.tiers))}
         self._failing_logged: set[int] = set()
         self._stopping = False
@@ -154,15 +158,10 @@ class WriteBack:
                 while True:
                     if self._stopping:
                         return
-                    now = time.monotonic()
-                    due = [k for k, at in self._retry_at[level].items() if at <= now]
-                    for k in due:
-                        del self._retry_at[level][k]
-                        self._ready[level][k] = None
+                    nxt = self._take_due(level)
                     if self._ready[level]:
                         break
-                    nxt = min(self._retry_at[level].values(), default=None)
-                    self._cond.wait(None if nxt is None else max(0.0, nxt - now))
+                    self._cond.wait(None if nxt is None else max(0.0, nxt - time.monotonic()))
                 ready = self._ready[level]
                 keys = list(itertools.islice(ready, self.max_in_flight))
                 for k in keys:
@@ -173,6 +172,27 @@ class WriteBack:
                 log.warning("write-back to %s failed: %s", self.tiers[level].name, exc)
                 for k in keys:
                     self._settle(k, level, self._gen_of(k), ok=False)
+
+    def _retry_later(self, key: ChunkKey, level: int, at: float) -> None:
+        """Queue ``key`` for ``level`` again at ``at`` (lock held; an earlier due time wins)."""
+        if self._retry_at[level].get(key, float("inf")) > at:
+            self._retry_at[level][key] = at
+            heapq.heappush(self._retry_heap[level], (at, next(self._seq), key))
+
+    def _take_due(self, level: int) -> float | None:
+        """Move retries that are due to the ready queue (lock held); the next due time, if any."""
+        heap, due_at, now = self._retry_heap[level], self._retry_at[level], time.monotonic()
+        while heap:
+            at, _, key = heap[0]
+            if due_at.get(key) != at:
+                heapq.heappop(heap)  # superseded or cancelled
+            elif at <= now:
+                heapq.heappop(heap)
+                del due_at[key]
+                self._ready[level][key] = None
+            else:
+                return at
+        return None
 
     def _gen_of(self, key: ChunkKey) -> int:
         with self._cond:
@@ -209,7 +229,7 @@ class WriteBack:
             with self._cond:  # another write of those keys is running: look again shortly
                 soon = time.monotonic() + self.retry_delay
                 for k in set(keys) - set(claimed):
-                    self._retry_at[level].setdefault(k, soon)
+                    self._retry_later(k, level, soon)
                 self._cond.notify_all()
         try:
             self._write_claimed(claimed, level)
@@ -259,7 +279,8 @@ class WriteBack:
             attempts = rec.pending[level] = rec.pending[level] + 1
             counts["writeback_failed"] += 1
             delay = min(self.retry_delay * 2 ** (attempts - 1), self.max_retry_delay)
-            self._retry_at[level][key] = time.monotonic() + delay
+            self._retry_at[level].pop(key, None)
+            self._retry_later(key, level, time.monotonic() + delay)
             first = attempts == self.fast_retries and level not in self._failing_logged
             if first:
                 self._failing_logged.add(level)
@@ -333,30 +354,43 @@ class WriteBack:
 
     # ------------------------------------------------------------------ flush, stats, stop
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every dirty chunk reached every tier below it or is failing there.
+        """Wait until every chunk put so far reached every tier below it or is failing there.
 
         Failing levels first get a fresh round of retries. Raises :class:`WriteBackError` naming the keys
         and tiers that could not be written, :class:`TierTimeoutError` if ``timeout`` passed first.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
+            watched: deque[tuple[ChunkKey, int, int]] = deque()  # what was put so far: (key, level, gen)
             for k, rec in self._dirty.items():
                 for j, attempts in rec.pending.items():
+                    watched.append((k, j, rec.gen))
                     if attempts >= self.fast_retries:
                         rec.pending[j] = 0
                         self._retry_at[j].pop(k, None)
                         self._ready[j][k] = None
             self._cond.notify_all()
-            while unsettled := sum(1 for r in self._dirty.values() for a in r.pending.values() if a < self.fast_retries):
+            while watched:
+                if self._settled(*watched[0]):
+                    watched.popleft()
+                    continue
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TierTimeoutError(f"flush: {unsettled} write-backs still pending after {timeout}s")
+                    raise TierTimeoutError(f"flush: {len(watched)} write-backs still pending after {timeout}s")
                 self._cond.wait(remaining)
             failed: dict[ChunkKey, set[int]] = {k: set(levels) for k, levels in self._lost.items()}
             for k, rec in self._dirty.items():
-                failed.setdefault(k, set()).update(rec.pending)  # every level left is failing
+                failing = {j for j, attempts in rec.pending.items() if attempts >= self.fast_retries}
+                if failing:
+                    failed.setdefault(k, set()).update(failing)
         if failed:
             raise WriteBackError({k: tuple(self.tiers[j].name for j in sorted(levels)) for k, levels in failed.items()})
+
+    def _settled(self, key: ChunkKey, level: int, gen: int) -> bool:
+        """Whether the write of generation ``gen`` of ``key`` to ``level`` is over: written, superseded by
+        a newer put, given up, or failing (lock held)."""
+        rec = self._dirty.get(key)
+        return rec is None or rec.gen != gen or rec.pending.get(level, self.fast_retries) >= self.fast_retries
 
     def stats(self) -> tuple[int, dict[int, dict[str, int]]]:
         """``(dirty keys, {level: writeback_pending/done/failed})``."""
