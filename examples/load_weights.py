@@ -34,9 +34,9 @@ assert all(torch.equal(params[n], state[n]) for n in state)
 try:
     from tierstore.testing.s3 import local_s3
 except ImportError:
-    raise SystemExit(0)
-with local_s3() as s3, tierstore.open({"tiers": [{"kind": "host", "capacity": "256MiB"},
-                                                 {"kind": "disk", "path": f"{work}/cache", "capacity": "1GiB"}]}) as store:
+    raise SystemExit(0) from None
+tiers = [{"kind": "host", "capacity": "256MiB"}, {"kind": "disk", "path": f"{work}/cache", "capacity": "1GiB"}]
+with local_s3() as s3, tierstore.open({"tiers": tiers}) as store:
     bucket = s3.new_bucket()
     s3.filesystem().put(ckpt + "/", f"{bucket}/model/", recursive=True)
     for attempt in ("first", "second"):

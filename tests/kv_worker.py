@@ -68,7 +68,7 @@ def main(spec: dict) -> dict:
         return {
             "hit": hit, "tiers": tiers, "digest": digest(loaded), "pid": os.getpid(),
             "keys": [k.hex() for k in kv.keys(prompt[:hit])],
-            "kv_equal": all(torch.equal(a, b) for a, b in zip(loaded, reference_kv)),
+            "kv_equal": all(torch.equal(a, b) for a, b in zip(loaded, reference_kv, strict=True)),
             "logits_equal": torch.equal(with_store, without_store),
             "max_abs_diff_vs_full": (with_store - full).abs().max().item(),
             "other_hits": {name: KVCacheStore(store, o, chunk_tokens=CHUNK).lookup(prompt)

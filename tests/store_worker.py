@@ -19,7 +19,7 @@ def main() -> int:
     keys = [key_of(i) for i in range(first, first + count)]
     with tierstore.open(config) as store:
         if role == "publish":
-            for i, k in zip(range(first, first + count), keys):
+            for i, k in zip(range(first, first + count), keys, strict=True):
                 store.put(k, chunk(i, 16384))
             store.flush()
             print(json.dumps({"published": count}))
@@ -31,9 +31,9 @@ def main() -> int:
                 return 1
             time.sleep(0.05)
         tiers, retried = set(), 0
-        for i, k in zip(range(first, first + count), keys):
+        for i, k in zip(range(first, first + count), keys, strict=True):
             expected = chunk(i, 16384)
-            for attempt in range(10):  # a miss is allowed (a degraded remote), wrong data never is
+            for _ in range(10):  # a miss is allowed (a degraded remote), wrong data never is
                 got = store.get(k)
                 if got is not None:
                     break

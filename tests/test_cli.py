@@ -27,13 +27,16 @@ def test_stats(config_file, tmp_path, capsys):
     assert json.loads((tmp_path / "s.json").read_text())["tiers"]["disk"]["objects"] == 5
 
 
-def test_verify_finds_and_removes_corrupt_objects(config_file, tmp_path, capsys):
+def test_verify_reports_corrupt_objects_and_repair_removes_them(config_file, tmp_path, capsys):
     victim = tmp_path / "disk" / object_relpath(key_of(2))
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
     assert main(["verify", "--config", str(config_file)]) == 1
-    assert "1 corrupt" in capsys.readouterr().out
+    assert "1 corrupt (kept" in capsys.readouterr().out
+    assert victim.exists()  # plain verify is read-only
+    assert main(["verify", "--repair", "--config", str(config_file)]) == 1
+    assert "1 corrupt (1 removed)" in capsys.readouterr().out
     assert not victim.exists()
     assert main(["verify", "--config", str(config_file)]) == 0
     assert main(["gc", "--config", str(config_file)]) == 0
@@ -48,8 +51,9 @@ def test_bench_tiers_smoke(tmp_path, capsys):
 
 
 def test_unknown_verb_exits_nonzero():
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as ei:
         main(["frobnicate"])
+    assert ei.value.code == 2  # argparse's usage error
 
 
 def test_gc_removes_stale_remote_temp_files_only(tmp_path, capsys):
@@ -77,3 +81,97 @@ def test_gc_removes_stale_remote_temp_files_only(tmp_path, capsys):
     assert not fresh.exists() and obj.exists()
     with tierstore.open(str(path)) as store:
         assert torch.equal(store.get(key_of(1))["k"], chunk(1)["k"])
+
+
+def _owner(config_path, ready: str = "ready"):
+    """Another process that opens the store from ``config_path`` and keeps it open (an engine)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    repo = str(Path(tierstore.__file__).resolve().parent.parent)
+    code = textwrap.dedent(f"""
+        import time
+        import tierstore
+        from tierstore.testing.tiers import chunk, key_of
+        store = tierstore.open({str(config_path)!r})
+        store.put(key_of(9), chunk(9))
+        store.flush()
+        print({ready!r}, flush=True)
+        time.sleep(120)
+    """)
+    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def test_stats_and_verify_beside_a_live_engine_gc_refuses(config_file, tmp_path, capsys):  # review C10, D.9
+    victim = tmp_path / "disk" / object_relpath(key_of(2))
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    engine = _owner(config_file)
+    try:
+        assert engine.stdout.readline().strip() == "ready", engine.stderr.read()
+        capsys.readouterr()
+        assert main(["stats", "--config", str(config_file), "--json", str(tmp_path / "s.json")]) == 0
+        assert json.loads((tmp_path / "s.json").read_text())["tiers"]["disk"]["objects"] == 6
+        assert main(["verify", "--config", str(config_file)]) == 1
+        assert "6 objects, 5 ok, 1 corrupt" in capsys.readouterr().out
+        for verb in (["gc"], ["verify", "--repair"]):
+            assert main([*verb, "--config", str(config_file)]) == 2
+            out = capsys.readouterr().out
+            assert "refused, nothing removed" in out and f"pid {engine.pid}" in out
+        assert victim.exists()  # nothing was removed beside the engine
+    finally:
+        engine.kill()
+        engine.wait()
+    assert main(["gc", "--config", str(config_file)]) == 0
+    assert "removed 1 corrupt" in capsys.readouterr().out and not victim.exists()
+
+
+def test_verify_and_gc_never_follow_a_symlinked_folder(tmp_path, capsys):  # probe 8.5
+    root = tmp_path / "disk"
+    cfg = tmp_path / "store.json"
+    cfg.write_text(json.dumps({"tiers": [{"kind": "disk", "path": str(root)}]}))
+    with tierstore.open(str(cfg)) as store:
+        store.put(key_of(0), chunk(0))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    planted = outside / ("ab" + "0" * 62 + ".tso")
+    planted.write_bytes(b"someone else's file that happens to have our name")
+    for p in (root / "ab").iterdir():
+        p.unlink()
+    (root / "ab").rmdir()
+    (root / "ab").symlink_to(outside)
+    assert main(["verify", "--config", str(cfg)]) == 0
+    assert main(["verify", "--repair", "--config", str(cfg)]) == 0
+    assert main(["gc", "--config", str(cfg)]) == 0
+    assert planted.read_bytes().startswith(b"someone else's")
+    assert "disk: 1 objects, 1 ok, 0 corrupt" in capsys.readouterr().out
+
+
+def test_stats_lists_every_instance_directory(tmp_path, capsys):
+    cfg = tmp_path / "store.json"
+    cfg.write_text(json.dumps({"tiers": [{"kind": "disk", "path": str(tmp_path / "d"), "instances": 3}]}))
+    with tierstore.open(str(cfg)) as a, tierstore.open(str(cfg)) as b:
+        a.put(key_of(0), chunk(0))
+        b.put(key_of(1), chunk(1))
+        b.put(key_of(2), chunk(2))
+        assert main(["stats", "--config", str(cfg), "--json", str(tmp_path / "s.json")]) == 0
+    tiers = json.loads((tmp_path / "s.json").read_text())["tiers"]
+    assert {name: t["objects"] for name, t in tiers.items()} == {"disk": 1, "disk.1": 2}
+    assert tiers["disk.1"]["path"] == str(tmp_path / "d.1")
+
+
+def test_repair_leaves_a_read_only_disk_alone(config_file, tmp_path, capsys):
+    victim = tmp_path / "disk" / object_relpath(key_of(2))
+    victim.write_bytes(victim.read_bytes()[:-1])
+    cfg = json.loads(config_file.read_text())
+    cfg["tiers"][1]["read_only"] = True
+    config_file.write_text(json.dumps(cfg))
+    assert main(["gc", "--config", str(config_file)]) == 0
+    assert main(["verify", "--repair", "--config", str(config_file)]) == 1
+    assert "1 corrupt (0 removed)" in capsys.readouterr().out and victim.exists()

@@ -94,3 +94,59 @@ def test_default_config_is_host_and_disk(monkeypatch, tmp_path):
     assert [t.kind for t in cfg.tiers] == ["host", "disk"]
     assert cfg.tiers[1].options["path"].startswith(str(tmp_path))
     assert all(t.options["capacity"] > 0 for t in cfg.tiers)
+
+
+# ---------------------------------------------------------------------- probe rows 4.14-4.17
+@pytest.mark.parametrize("tier,key", [
+    ({"kind": "disk", "read_only": "false"}, "read_only"),  # a quoted YAML boolean is truthy
+    ({"kind": "disk", "durable": "no"}, "durable"),
+    ({"kind": "disk", "durable": 1}, "durable"),
+    ({"kind": "host", "pinned": "yes"}, "pinned"),
+    ({"kind": "host", "pool": "true"}, "pool"),
+    ({"kind": "remote", "list_on_open": "false"}, "list_on_open"),
+    ({"kind": "host", "capacity": "1000TiB"}, "capacity"),  # more than any host's RAM
+    ({"kind": "host", "slot_size": 100}, "slot_size"),
+    ({"kind": "host", "slot_size": 0}, "slot_size"),
+    ({"kind": "host", "slot_size": "1000B"}, "slot_size"),
+    ({"kind": "disk", "path": "/tmp/a\0b"}, "path"),
+    ({"kind": "disk", "permissions": "world"}, "permissions"),
+    ({"kind": "remote", "permissions": 0o777}, "permissions"),
+    ({"kind": "disk", "instances": 0}, "instances"),
+    ({"kind": "disk", "io_threads": True}, "io_threads"),
+])
+def test_bad_tier_option_is_a_config_error_naming_it(tmp_path, tier, key):
+    defaults = {"disk": {"path": str(tmp_path / "d")}, "remote": {"url": str(tmp_path / "r")}}
+    cfg = {"tiers": [{"kind": "host", "capacity": "1MiB"}, {**defaults.get(tier["kind"], {}), **tier,
+                                                              "name": "second"}]}
+    with pytest.raises(ConfigError, match=rf"tiers\[1\]\.{key}"):
+        tierstore.open(cfg)
+    assert not (tmp_path / "d").exists() and not (tmp_path / "r").exists()  # nothing built
+
+
+def test_good_options_are_normalised(tmp_path):
+    cfg = parse_config({"tiers": [
+        {"kind": "host", "capacity": "1MiB", "pinned": False, "pool": None, "slot_size": "4KiB"},
+        {"kind": "disk", "path": str(tmp_path / "x" / ".." / "d"), "durable": True, "read_only": False,
+         "permissions": "group", "instances": 3, "capacity": "2GB"}]})
+    assert cfg.tiers[0].options["slot_size"] == 4096
+    assert cfg.tiers[1].options["path"] == str(tmp_path / "d")
+    assert cfg.tiers[1].options["capacity"] == 2_000_000_000
+
+
+def test_tiers_built_directly_are_checked_the_same_way(tmp_path):
+    from tierstore.tiers.disk import DiskTier
+    from tierstore.tiers.remote import RemoteTier
+
+    with pytest.raises(ConfigError, match="read_only"):
+        DiskTier(path=tmp_path / "d", read_only="false")
+    with pytest.raises(ConfigError, match="path"):
+        DiskTier(path=str(tmp_path) + "/a\0b")
+    with pytest.raises(ConfigError, match="list_on_open"):
+        RemoteTier(url=str(tmp_path / "r"), list_on_open="no")
+    assert not (tmp_path / "d").exists()
+
+
+def test_disk_capacity_above_free_space_is_allowed(tmp_path):
+    # the tier adopts what the filesystem really holds on ENOSPC (documented), so this is not an error
+    with tierstore.open({"tiers": [{"kind": "disk", "path": str(tmp_path / "d"), "capacity": 1 << 62}]}) as store:
+        assert store.tier("disk").capacity == 1 << 62

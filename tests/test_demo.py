@@ -4,6 +4,9 @@ import json
 import os
 import subprocess
 import sys
+from itertools import pairwise
+
+import pytest
 
 from tierstore import cli
 
@@ -11,6 +14,7 @@ ARGS = ["--rounds", "4", "--system-tokens", "192", "--user-tokens", "40", "--ans
         "--chunk-tokens", "32"]
 
 
+@pytest.mark.slow
 def test_demo_runs_and_every_round_checks_out(tmp_path, capsys):
     out_json = tmp_path / "demo.json"
     assert cli.main(["demo", "--cache-dir", str(tmp_path / "cache"), *ARGS, "--json", str(out_json)]) == 0
@@ -20,7 +24,7 @@ def test_demo_runs_and_every_round_checks_out(tmp_path, capsys):
     assert summary.startswith("✓ 4 rounds") and "bit-identical 3/3" in summary
     rounds = json.loads(out_json.read_text())["rounds"]
     assert rounds[0]["cached_tokens"] == 0 and rounds[0]["bit_identical"] is None
-    for prev, r in zip(rounds, rounds[1:]):
+    for prev, r in pairwise(rounds):
         # everything up to the last full chunk of the previous prompt is served from the cache
         assert r["cached_tokens"] == prev["prompt_tokens"] // 32 * 32
         assert r["bit_identical"] and r["within_tolerance"]
@@ -40,6 +44,6 @@ def test_demo_runs_and_every_round_checks_out(tmp_path, capsys):
 
 
 def test_demo_rejects_bad_arguments(tmp_path):
-    import pytest
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as ei:
         cli.main(["demo", "--cache-dir", str(tmp_path), "--rounds", "0"])
+    assert isinstance(ei.value.code, str) and "must be positive" in ei.value.code  # exit status 1

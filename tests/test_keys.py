@@ -1,4 +1,5 @@
 import os
+import struct
 import subprocess
 import sys
 
@@ -24,7 +25,8 @@ def test_hex_roundtrip_equality_and_hash():
         k._digest = b"x" * 32
 
 
-@pytest.mark.parametrize("bad,exc", [("zz" * 32, InvalidInputError), ("ab", InvalidInputError), (b"x" * 32, InvalidTypeError)])
+@pytest.mark.parametrize("bad,exc", [("zz" * 32, InvalidInputError), ("ab", InvalidInputError),
+                                     (b"x" * 32, InvalidTypeError)])
 def test_from_hex_rejects(bad, exc):
     with pytest.raises(exc):
         ChunkKey.from_hex(bad)
@@ -57,9 +59,19 @@ def test_chain_is_order_and_domain_sensitive():
     assert a == ChunkKey.chain(None, b"ns", b"payload")
     assert a != ChunkKey.chain(None, b"nsp", b"ayload")  # framing: no ambiguous concatenation
     assert ChunkKey.chain(a, b"ns", b"x") != ChunkKey.chain(None, b"ns", b"x")
-    assert ChunkKey.chain(None, b"", b"") != ChunkKey.from_bytes(b"")
     with pytest.raises(InvalidTypeError):
         ChunkKey.chain("parent", b"ns", b"x")
+
+
+def test_from_bytes_cannot_mint_a_chain_key():
+    # the bytes chain() hashes, fed to from_bytes, must give another key (separate hash domains; review C10)
+    def frame(b: bytes) -> bytes:
+        return struct.pack("<Q", len(b)) + b
+
+    parent = ChunkKey.chain(None, b"ns", b"tokens")
+    for p, ns, payload in [(None, b"", b""), (None, b"ns", b"\x01\x00\x00\x00"), (parent, b"ns", b"more")]:
+        chained = frame(p.digest if p else b"") + frame(ns) + frame(payload)
+        assert ChunkKey.from_bytes(chained) != ChunkKey.chain(p, ns, payload)
 
 
 def test_keys_identical_across_processes_and_hash_seeds():

@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from tierstore import cli
 
 
+@pytest.mark.slow
 def test_bench_kv_small(tmp_path, capsys):
     out = tmp_path / "kv.json"
     rc = cli.main(["bench", "kv", "--kv-volume", "1MiB", "--system-tokens", "64", "--history-tokens", "64",

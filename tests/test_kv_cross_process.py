@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 WORKER = Path(__file__).with_name("kv_worker.py")
 PREFIX, PROMPT, CHUNK = 83, 120, 16  # 5 full chunks saved (80 tokens), 3 trailing tokens not stored
@@ -56,6 +57,7 @@ def check(a: dict, b: dict, tol: float) -> None:
     assert b["other_hits"] == {"model": 0, "dtype": 0, "rank": 0, "tenant": 0}
 
 
+@pytest.mark.slow
 def test_share_through_local_s3(tmp_path, s3_server, s3_bucket):
     remote = {"kind": "remote", "url": f"s3://{s3_bucket}/kv", "storage_options": s3_server.storage_options}
     a, b = share(tmp_path, remote, "bfloat16")
@@ -64,6 +66,7 @@ def test_share_through_local_s3(tmp_path, s3_server, s3_bucket):
     assert sum(1 for o in objects if o.endswith(".tso")) == PREFIX // CHUNK
 
 
+@pytest.mark.slow
 def test_share_through_shared_directory(tmp_path):
     shared = tmp_path / "nfs"
     shared.mkdir()

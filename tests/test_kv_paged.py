@@ -25,17 +25,17 @@ def make_cache(layout: PagedLayout, blocks: int, bs: int, layers: int = 3, dtype
 
 def reference(cache, layout, table, start, end, bs, layer=0):
     """Per-token gather written the slow, obvious way."""
-    rows = []
-    for t in range(start, end):
-        b, o = table[t // bs], t % bs
-        rows.append({
+    def token(b, o):
+        return {
             PagedLayout.VLLM: lambda: cache[:, b, o],
             PagedLayout.FLASHINFER: lambda: cache[b, :, o],
             PagedLayout.MLA: lambda: cache[b, o],
             PagedLayout.SGLANG_PAGE_FIRST: lambda: cache[:, b * bs + o, layer],
             PagedLayout.SGLANG_PAGE_FIRST_DIRECT: lambda: cache[:, b, layer, o],
             PagedLayout.SGLANG_MLA_PAGE_FIRST: lambda: cache[b * bs + o, layer, 0],
-        }[layout]())
+        }[layout]()
+
+    rows = [token(table[t // bs], t % bs) for t in range(start, end)]
     if layout.is_mla:
         return torch.stack(rows) if rows else torch.empty(0, LAT, dtype=cache.dtype)
     return torch.stack(rows, dim=1) if rows else torch.empty(2, 0, H, D, dtype=cache.dtype)
@@ -79,7 +79,7 @@ def test_gather_matches_reference_and_scatter_round_trips(case):
     else:
         scatter(target, layout, table, values[0], start)
         back = [gather(target, layout, table, start, end)]
-    assert all(torch.equal(a, b) for a, b in zip(back, values))
+    assert all(torch.equal(a, b) for a, b in zip(back, values, strict=True))
     written = sum(v.numel() for v in values)
     assert int((target != 0).sum()) == int(sum((v != 0).sum() for v in values)) <= written
 
@@ -90,11 +90,11 @@ def test_gather_layers_per_layer_lists(layout):
     table = [5, 0, 3]
     got = gather_layers(caches, layout, table, 1, 11)
     assert len(got) == 3
-    for c, g in zip(caches, got):
+    for c, g in zip(caches, got, strict=True):
         assert torch.equal(g, reference(c, layout, table, 1, 11, 4))
     fresh = [torch.zeros_like(c) for c in caches]
     scatter_layers(fresh, layout, [2, 4, 1], got, 1)
-    assert all(torch.equal(a, b) for a, b in zip(gather_layers(fresh, layout, [2, 4, 1], 1, 11), got))
+    assert all(torch.equal(a, b) for a, b in zip(gather_layers(fresh, layout, [2, 4, 1], 1, 11), got, strict=True))
 
 
 def test_vllm_hnd_strides_use_the_fallback_path():

@@ -48,13 +48,13 @@ def test_save_load_round_trip_is_bit_exact(store, dtype):
     assert kv.save(toks, layers) == 3 * C  # the trailing partial chunk is not stored
     assert kv.lookup(toks) == 3 * C
     got = kv.load(toks)
-    assert len(got) == 3 and all(torch.equal(g, l[:, :3 * C]) for g, l in zip(got, layers))
+    assert len(got) == 3 and all(torch.equal(g, ref[:, :3 * C]) for g, ref in zip(got, layers, strict=True))
     assert kv.save(toks, layers) == 0  # already there
     # a longer request with the same prefix hits the same chunks; n_tokens need not be chunk-aligned
     longer = torch.cat([toks, ids(40, seed=9)])
     assert kv.lookup(longer) == 3 * C
     part = kv.load(longer, n_tokens=C + 3)
-    assert all(torch.equal(g, l[:, :C + 3]) for g, l in zip(part, layers))
+    assert all(torch.equal(g, ref[:, :C + 3]) for g, ref in zip(part, layers, strict=True))
     assert kv.load(longer, n_tokens=0) is None
     s = kv.stats()
     assert s["saved_chunks"] == 3 and s["skipped_chunks"] == 3 and s["loaded_chunks"] == 5
@@ -66,7 +66,7 @@ def test_mla_layout(store):
     layers = [torch.randn(2 * C, 12).half() for _ in range(4)]
     kv.save(toks, layers)
     got = kv.load(toks)
-    assert all(torch.equal(g, l) for g, l in zip(got, layers))
+    assert all(torch.equal(g, ref) for g, ref in zip(got, layers, strict=True))
     with pytest.raises(InvalidInputError, match="latent"):
         kv.save(toks, random_kv(2 * C, dtype=torch.float16))
 
@@ -77,7 +77,7 @@ def test_partial_chunks_policy(store):
     toks, layers = ids(2 * C + 5), random_kv(2 * C + 5)
     assert kv.save(toks, layers) == 2 * C + 5
     assert kv.lookup(toks) == 2 * C + 5  # the resent prompt hits entirely
-    assert all(torch.equal(g, l) for g, l in zip(kv.load(toks), layers))
+    assert all(torch.equal(g, ref) for g, ref in zip(kv.load(toks), layers, strict=True))
     assert kv.lookup(toks[:-1]) == 2 * C  # the partial key names exactly those 5 tokens
     assert kv.lookup(torch.cat([toks, ids(3, seed=4)])) == 2 * C
     # the default store (no partial chunks) shares the full chunks
@@ -169,14 +169,14 @@ def test_hits_survive_host_eviction_and_come_from_disk(tmp_path):
         store.flush()
         tiers = kv.where(toks)
         assert "disk" in tiers and set(tiers) <= {"host", "disk"}
-        assert all(torch.equal(g, l) for g, l in zip(kv.load(toks), layers))
+        assert all(torch.equal(g, ref) for g, ref in zip(kv.load(toks), layers, strict=True))
     # a restarted engine (same disk dir, empty host) still hits everything, from disk
     with tierstore.open(config(tmp_path)) as store:
         kv = KVCacheStore(store, KVNamespace(model="m", dtype="float32"), chunk_tokens=C)
         assert kv.where(toks) == ["disk"] * 8
         assert kv.prefetch(toks).result(timeout=30) == 8
         assert kv.where(toks) == ["host"] * 8
-        assert all(torch.equal(g, l) for g, l in zip(kv.load(toks), layers))
+        assert all(torch.equal(g, ref) for g, ref in zip(kv.load(toks), layers, strict=True))
 
 
 def test_corrupt_chunk_is_a_miss_never_data(tmp_path):
@@ -196,7 +196,8 @@ def test_corrupt_chunk_is_a_miss_never_data(tmp_path):
         corrupt(2)
         assert kv.lookup(toks) == 3 * C  # the index still lists it
         got = kv.load(toks)  # the read finds the bad checksum: the result stops before chunk 2
-        assert got[0].shape[1] == 2 * C and all(torch.equal(g, l[:, :2 * C]) for g, l in zip(got, layers))
+        assert got[0].shape[1] == 2 * C
+        assert all(torch.equal(g, ref[:, :2 * C]) for g, ref in zip(got, layers, strict=True))
         corrupt(1)
         with pytest.raises(MissingKeyError, match="vanished"):
             kv.load(toks, n_tokens=2 * C)
@@ -220,7 +221,7 @@ def test_paged_engine_round_trip(store, layout):
     new_table = [1, 4, 5, 6, 8, 10, 12, 13]
     scatter_layers(fresh, layout, new_table, kv.load(prompt))
     got = gather_layers(fresh, layout, new_table, 0, len(prompt))
-    assert all(torch.equal(a, b) for a, b in zip(got, computed))
+    assert all(torch.equal(a, b) for a, b in zip(got, computed, strict=True))
 
 
 def test_foreign_chunk_with_wrong_layout_is_a_miss(store):

@@ -26,7 +26,7 @@ def tokens(n, seed=0):
 
 def test_weights_are_deterministic_and_seeded():
     a, b = TinyDecoder(CFG), TinyDecoder(CFG)
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
     c = TinyDecoder(TinyConfig(**{**CFG.__dict__, "seed": 8}))
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
     assert CFG.revision != c.config.revision
@@ -44,7 +44,7 @@ def test_kv_shape_and_dtype(model):
 def test_prefill_is_deterministic(model):
     ids = tokens(50)
     a, b = model.prefill(ids), model.prefill(ids)
-    assert torch.equal(a.logits, b.logits) and all(torch.equal(x, y) for x, y in zip(a.kv, b.kv))
+    assert torch.equal(a.logits, b.logits) and all(torch.equal(x, y) for x, y in zip(a.kv, b.kv, strict=True))
 
 
 def test_split_continuation_is_bit_identical_given_the_same_past(model):
@@ -54,7 +54,7 @@ def test_split_continuation_is_bit_identical_given_the_same_past(model):
     a = model.prefill(ids[64:], prefix.kv)
     b = model.prefill(ids[64:], copied)
     assert torch.equal(a.logits, b.logits)
-    assert all(torch.equal(x[:, :64], y) for x, y in zip(a.kv, prefix.kv))
+    assert all(torch.equal(x[:, :64], y) for x, y in zip(a.kv, prefix.kv, strict=True))
 
 
 def test_split_matches_full_recompute_within_tolerance(model):
@@ -63,7 +63,7 @@ def test_split_matches_full_recompute_within_tolerance(model):
     split = model.prefill(ids[64:], model.prefill(ids[:64]).kv)
     diff = (split.logits - full.logits[64:]).abs().max().item()
     assert diff <= TOL[model.dtype], diff
-    kv_diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(split.kv, full.kv))
+    kv_diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(split.kv, full.kv, strict=True))
     assert kv_diff <= TOL[model.dtype]
 
 

@@ -1,7 +1,6 @@
 """TieredStore behaviour: policies, dirty eviction, promotion, prefetch, lookup, stats, threads."""
 
 import threading
-import time
 
 import pytest
 import torch

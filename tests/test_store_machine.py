@@ -53,9 +53,12 @@ def make_machine(remote_config):
         @rule(ids=st.lists(st.integers(0, N_KEYS - 1), max_size=4))
         def prefetch(self, ids):
             n = self.store.prefetch([key_of(i) for i in ids]).result(timeout=60)
-            assert n <= sum(1 for i in ids if i in self.model)  # a key never put is never "held"
-            if ids and all(i in self.model and i % len(SIZES) == 0 for i in ids) and len(set(ids)) == 1:
-                assert n == len(ids)  # one small chunk always fits the top tier
+            present = [i for i in ids if i in self.model]
+            # never reports a chunk the store does not hold; the tiny host tier holds any single chunk, but
+            # several promoted together may evict each other
+            assert n <= len(present)
+            if len(present) == 1:
+                assert n == 1 and self.store.where(key_of(present[0])) == "host"
 
         @rule()
         def flush(self):
@@ -83,6 +86,8 @@ def make_machine(remote_config):
 
     return StoreMachine
 
+
+pytestmark = pytest.mark.slow  # many store lifetimes per example
 
 MACHINE_SETTINGS = settings(max_examples=15, stateful_step_count=30, deadline=None,
                             suppress_health_check=list(HealthCheck))

@@ -29,6 +29,9 @@ def finish(proc):
     return json.loads(out.strip().splitlines()[-1])
 
 
+pytestmark = pytest.mark.slow  # each test runs several Python processes
+
+
 @pytest.fixture(params=["s3", "file"])
 def remote(request, tmp_path):
     if request.param == "file":

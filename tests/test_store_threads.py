@@ -28,7 +28,7 @@ import torch
 
 import tierstore
 from tierstore import errors
-from tierstore.testing.tiers import assert_same, chunk, key_of
+from tierstore.testing.tiers import chunk, key_of
 
 N_THREADS = 4
 KEYS_PER_THREAD = 3
@@ -97,7 +97,7 @@ class Run:
                 tier = rng.choice(s.tiers)
                 ns = [rng.choice(all_keys) for _ in range(3)]
                 ns.append(ns[0])  # a repeated key
-                for n, got in zip(ns, tier.get_many([key_of(n) for n in ns])):
+                for n, got in zip(ns, tier.get_many([key_of(n) for n in ns]), strict=True):
                     self.check_read(n, got, owner=False)
             elif op == "prefetch":
                 ns = rng.sample(all_keys, 3)

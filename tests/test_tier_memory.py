@@ -37,11 +37,18 @@ def test_pool_evicts_for_fragmentation():
 
 
 def test_pool_memory_is_fixed():
+    """Every chunk a pooled host tier holds lives inside its one preallocated buffer."""
     t = HostTier(capacity=4 * 8192, pool=True, slot_size=8192)
-    ptr = t.pool.buffer.data_ptr()
+    lo = t.pool.buffer.data_ptr()
+    hi = lo + t.pool.buffer.numel()
     for i in range(50):
         t.put(key_of(i), chunk(i, 8000 * (1 + i % 2)))
-    assert t.pool.buffer.data_ptr() == ptr and t.pool.buffer.numel() == 4 * 8192
+        assert t.keys()
+        for k in t.keys():
+            with t.borrowed(k) as stored:
+                assert stored is not None
+                for v in stored.values():
+                    assert lo <= v.data_ptr() and v.data_ptr() + v.numel() * v.element_size() <= hi
 
 
 def test_cuda_device_without_cuda_is_a_config_error():

@@ -63,6 +63,9 @@ class _RemoteTierTests(TierTests):
     def damage(self, tier, key, how):
         damage_object(tier.fs, f"{tier.root}/{object_relpath(key)}", how)
 
+    def overwrite(self, tier, key, data):
+        tier.fs.pipe_file(f"{tier.root}/{object_relpath(key)}", data)
+
 
 class TestRemoteS3(_RemoteTierTests):
     race_iterations = 20  # every operation is an HTTP round trip to moto
@@ -200,7 +203,7 @@ def test_batched_io_is_concurrent_and_bounded():
         peak[0] = 0
         got = t.get_many([k for k, _ in items])
         assert 1 < peak[0] <= 4
-        for (_, value), result in zip(items, got):
+        for (_, value), result in zip(items, got, strict=True):
             assert_same(result, value)
         assert t.stats()["hits"] == 16 and t.stats()["puts"] == 16
         fsspec.filesystem("memory").rm(t.url, recursive=True)
@@ -337,6 +340,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_two_processes_share_a_prefix(s3_prefix, tmp_path):
     backends = [Backend(*s3_prefix()),
                 Backend((tmp_path / "nfs" / "kv").as_uri())]
@@ -350,7 +354,7 @@ def test_two_processes_share_a_prefix(s3_prefix, tmp_path):
     for report in json.loads(proc.stdout):
         assert report["seen"] and report["first_wins"] and report["published"], report
         assert report["errors"] == report["corrupt"] == 0, report
-    for b, t in zip(backends, tiers):
+    for b, t in zip(backends, tiers, strict=True):
         assert t.contains(key_of(2))  # published by the other process, found without reopening
         assert_same(t.get(key_of(2)), chunk(2))
         assert_same(t.get(key_of(1)), chunk(1))  # write-once: the child's value did not replace ours

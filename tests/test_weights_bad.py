@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,7 +42,10 @@ def expect_bad(path, match: str, tensor: str | None, cls=CheckpointError):
         with pytest.raises(cls, match=match) as ei:
             call()
         err = ei.value
-        assert isinstance(err, TierstoreError) and isinstance(err, CorruptObjectError)
+        # a malformed checkpoint is bad input (ValueError), not a damaged store object: code that
+        # drops CorruptObjectError objects must never see one (review A.1)
+        assert isinstance(err, TierstoreError) and isinstance(err, ValueError)
+        assert not isinstance(err, CorruptObjectError)
         assert err.file == str(path) and str(path) in str(err)
         assert err.tensor == tensor
         if tensor is not None:
@@ -167,21 +171,92 @@ def test_missing_shard_named_by_index(sharded):
 def test_index_names_tensor_absent_from_shard(sharded):
     d, paths, _ = sharded
     idx = os.path.join(d, "model.safetensors.index.json")
-    data = json.load(open(idx))
+    data = json.loads(Path(idx).read_text())
     data["weight_map"]["ghost.weight"] = os.path.basename(paths[0])
-    json.dump(data, open(idx, "w"))
+    Path(idx).write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match="absent from the shard") as ei:
         tw.load(d)
     assert ei.value.tensor == "ghost.weight" and ei.value.file == paths[0]
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("where", ["tensor entry", "__metadata__"])
+def test_deeply_nested_header_json(tmp_path, where):
+    path = tmp_path / "deep.safetensors"
+    entry = '{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
+    text = ('{"a":' + DEEP + "}" if where == "tensor entry"
+            else '{"__metadata__":' + DEEP + ',"a":' + entry + "}").encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(4))
+    expect_bad(str(path), "not valid JSON", None)
+
+
+def test_deeply_nested_index_json(sharded):
+    d, _, _ = sharded
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        f.write('{"weight_map":' + DEEP + "}")
+    with pytest.raises(CheckpointError, match="index is not valid JSON"):
+        tw.load(d)
+
+
+@pytest.mark.parametrize("dtype", [[], {}, ["F32"]])
+def test_unhashable_dtype_is_rejected(tmp_path, dtype):  # found by tests/test_fuzz_parsers.py
+    h = {"a": {"dtype": dtype, "shape": [1], "data_offsets": [0, 4]}}
+    expect_bad(write_raw(tmp_path / "d.safetensors", h, bytes(4)), "unknown dtype", "a")
+
+
+@pytest.mark.parametrize("shape", [[2**64, 0], [2**63, 0], [0, 2**62, 2**62], [2**40, 2**40, 0]])
+def test_shape_overflowing_torch_is_rejected_at_validation(tmp_path, shape):
+    h = {"a": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}
+    expect_bad(write_raw(tmp_path / "o.safetensors", h, b""), "overflows", "a")
+
+
+def test_huge_zero_size_shapes_torch_accepts_still_load(tmp_path):
+    h = {"a": {"dtype": "F32", "shape": [2**62, 0, 8], "data_offsets": [0, 0]},
+         "b": {"dtype": "U8", "shape": [1] * 1000, "data_offsets": [0, 1]}}
+    got = tw.load(write_raw(tmp_path / "z.safetensors", h, b"\x07"))
+    assert got["a"].shape == (2**62, 0, 8) and got["b"].reshape(-1).tolist() == [7]
+
+
+@pytest.mark.parametrize("value", ["../ok.safetensors", "sub/../../ok.safetensors", "./../ok.safetensors"])
+def test_index_cannot_lead_outside_the_checkpoint(tmp_path, value):
+    outside = tmp_path / "ok.safetensors"
+    save_file({"l0.w": torch.ones(2)}, str(outside))
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"l0.w": value}}))
+    with pytest.raises(CheckpointError, match="outside the checkpoint") as ei:
+        tw.load(str(d))
+    assert ei.value.tensor == "l0.w"
+    # unless the caller names that place as the checkpoint's objects location
+    assert torch.equal(tw.load(str(d), objects_url=str(tmp_path))["l0.w"], torch.ones(2))
+    with pytest.raises(CheckpointError, match="outside the checkpoint"):
+        tw.load(str(d), objects_url=str(tmp_path / "elsewhere"))
+
+
+def test_local_file_rewritten_in_place_during_a_load_is_detected(tmp_path):
+    path = str(tmp_path / "w.safetensors")
+    old = {f"w{i}": torch.zeros(64, 64) for i in range(4)}
+    save_file(old, path)
+    second_ago = os.stat(path).st_mtime_ns - 10**9  # file times tick coarsely: make the rewrite visible
+    os.utime(path, ns=(second_ago, second_ago))
+    it = tw.iter_tensors(path, block_size=64 * 64 * 4, concurrency=1, memory_limit=1)
+    next(it)
+    with open(path, "r+b") as f:  # same size, new bytes, same inode: a re-upload by `cp`
+        f.seek(os.path.getsize(path) - 64 * 64 * 4 * 3)
+        f.write(torch.ones(3 * 64 * 64).numpy().tobytes())
+    with pytest.raises(CheckpointError, match="changed while being loaded"):
+        list(it)
 
 
 @pytest.mark.parametrize("value", ["/etc/passwd.safetensors", "s3://x/y.safetensors", "a.bin", 3])
 def test_index_with_bad_entries(sharded, value):
     d, _, _ = sharded
     idx = os.path.join(d, "model.safetensors.index.json")
-    data = json.load(open(idx))
+    data = json.loads(Path(idx).read_text())
     data["weight_map"]["l0.w"] = value
-    json.dump(data, open(idx, "w"))
+    Path(idx).write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match="weight_map") as ei:
         tw.load(d)
     assert ei.value.tensor == "l0.w"
@@ -189,7 +264,7 @@ def test_index_with_bad_entries(sharded, value):
 
 def test_index_not_json(sharded):
     d, _, _ = sharded
-    open(os.path.join(d, "model.safetensors.index.json"), "w").write("{nope")
+    Path(d, "model.safetensors.index.json").write_text("{nope")
     with pytest.raises(CheckpointError, match="index"):
         tw.load(d)
 
@@ -228,7 +303,7 @@ def test_fuzzed_headers_never_crash(tmp_path, data):
     path = str(tmp_path / "f.safetensors")
     save_file({"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.arange(3, dtype=torch.int16),
                "c": torch.ones(2, 2, dtype=torch.bfloat16)}, path)
-    blob = bytearray(open(path, "rb").read())
+    blob = bytearray(Path(path).read_bytes())
     n = struct.unpack("<Q", blob[:8])[0]
     for _ in range(data.draw(st.integers(1, 3))):
         pos = data.draw(st.integers(0, 8 + n - 1))

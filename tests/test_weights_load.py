@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ import tierstore.weights as tw
 from tierstore.errors import InvalidInputError, InvalidTypeError, MissingKeyError, TierstoreError
 from tierstore.weights.checkpoint import HEADER_PROBE
 from tierstore.weights.header import DTYPES
+from tierstore.weights.sources import LocalFileSource
 from tierstore.weights.synth import random_tensor, write_checkpoint
 
 SAFETENSORS_DTYPES = sorted({dt for code, (dt, _) in DTYPES.items()
@@ -121,7 +124,8 @@ def test_subset_reads_only_what_it_needs(sharded, tmp_path):
 
 
 def test_dtype_cast_only_floats(tmp_path):
-    t = {"w": torch.randn(4, 4, dtype=torch.float32), "ids": torch.arange(5), "q": torch.ones(3).to(torch.float8_e4m3fn)}
+    t = {"w": torch.randn(4, 4, dtype=torch.float32), "ids": torch.arange(5),
+         "q": torch.ones(3).to(torch.float8_e4m3fn)}
     path = str(tmp_path / "c.safetensors")
     save_file(t, path)
     got = tw.load(path, dtype=torch.bfloat16)
@@ -153,7 +157,8 @@ def test_load_into_fills_in_place(sharded):
     assert sorted(filled) == sorted(params)
     assert_same(params, {n: tensors[n] for n in params})
     assert {n: p.data_ptr() for n, p in params.items()} == ptrs
-    assert stats["bytes"] == stats["bytes_planned"] == sum(tensors[n].numel() * tensors[n].element_size() for n in params)
+    expected = sum(tensors[n].numel() * tensors[n].element_size() for n in params)
+    assert stats["bytes"] == stats["bytes_planned"] == expected
 
 
 def test_load_into_casts_and_restrides(sharded):
@@ -193,12 +198,28 @@ def test_load_into_missing_and_mismatch(sharded):
         tw.load_into({}, directory, names=["x"])
 
 
-def test_iter_tensors_streams_and_can_stop_early(sharded):
+def test_iter_tensors_streams_and_can_stop_early(sharded, monkeypatch):
     directory, _, tensors = sharded
-    it = tw.iter_tensors(directory, block_size=5000, memory_limit=5000, concurrency=2)
+    opened: list[LocalFileSource] = []  # also keeps every source alive: only close() releases its file
+    real_init, real_read = LocalFileSource.__init__, LocalFileSource._read
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        opened.append(self)
+
+    def slow_read(self, offset, bufs):
+        time.sleep(0.05)  # reads are still in flight when the consumer stops
+        real_read(self, offset, bufs)
+
+    monkeypatch.setattr(LocalFileSource, "__init__", recording_init)
+    monkeypatch.setattr(LocalFileSource, "_read", slow_read)
+    it = tw.iter_tensors(directory, block_size=5000, memory_limit=50_000, concurrency=2)
     first = next(it)
     assert first[0] in tensors
-    it.close()  # stopping early shuts the pipeline down cleanly
+    it.close()  # stopping early shuts the pipeline down cleanly: reader threads joined, shard files closed
+    assert not [t for t in threading.enumerate() if t.name.startswith("tierstore-weights")]
+    assert opened and all(s._fd < 0 for s in opened)  # closed
+    monkeypatch.undo()
     seen = dict(tw.iter_tensors(directory, block_size=5000, memory_limit=1))
     assert_same(seen, tensors)
 

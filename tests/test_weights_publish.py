@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 import tierstore
 import tierstore.weights as tw
+from tierstore.weights import CheckpointError
 from tierstore.weights.publish import object_group
 from tierstore.weights.synth import random_tensor, write_checkpoint
 
@@ -53,16 +56,18 @@ def test_publish_roundtrip_and_sharing(tmp_path):
     assert len(os.listdir(objs)) == 10
     for f in os.listdir(objs):  # every object is a plain safetensors file named by its digest
         load_file(os.path.join(objs, f))
-    index = json.load(open(r2["index"]))
+    index = json.loads(Path(r2["index"]).read_text())
     assert index["metadata"]["format"] == "tierstore-cas/1"
-    assert same(tw.load(str(tmp_path / "pub" / "base")), base)
-    assert same(tw.load(str(tmp_path / "pub" / "tuned")), tuned)
+    with pytest.raises(CheckpointError, match="outside the checkpoint"):  # shared objects must be allowed
+        tw.load(str(tmp_path / "pub" / "base"))
+    assert same(tw.load(str(tmp_path / "pub" / "base"), objects_url=objs), base)
+    assert same(tw.load(str(tmp_path / "pub" / "tuned"), objects_url=[objs]), tuned)
 
     # objects shared by the two checkpoints share range-cache chunks too
     with tierstore.open({"tiers": [{"kind": "host", "capacity": "64MiB"}]}) as store:
-        tw.load(str(tmp_path / "pub" / "base"), store=store)
+        tw.load(str(tmp_path / "pub" / "base"), store=store, objects_url=objs)
         stats = {}
-        assert same(tw.load(str(tmp_path / "pub" / "tuned"), store=store, stats=stats), tuned)
+        assert same(tw.load(str(tmp_path / "pub" / "tuned"), store=store, stats=stats, objects_url=objs), tuned)
         assert stats["cache_hits"] > 0 and 0 < stats["cache_misses"] < stats["cache_hits"]
 
 

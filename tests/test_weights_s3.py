@@ -12,6 +12,7 @@ import torch
 import tierstore
 import tierstore.weights as tw
 from tierstore.bench.s3shim import S3Shim
+from tierstore.weights import CheckpointError
 from tierstore.weights.synth import random_tensor, write_checkpoint
 
 
@@ -131,12 +132,38 @@ def test_publish_to_s3_shares_objects_between_fine_tunes(remote, shim, s3_bucket
                     objects_url=objects)
     assert r1["objects_written"] == r1["objects"] and r2["objects_reused"] == r2["objects"] - 1
     assert r2["objects_written"] == 1
-    assert_same(tw.load(f"s3://{s3_bucket}/pub/base", storage_options=opts), tensors)
+    assert_same(tw.load(f"s3://{s3_bucket}/pub/base", storage_options=opts, objects_url=objects), tensors)
     with open_store(tmp_path / "cache") as store:
-        assert_same(tw.load(f"s3://{s3_bucket}/pub/base/", storage_options=opts, store=store), tensors)
+        assert_same(tw.load(f"s3://{s3_bucket}/pub/base/", storage_options=opts, store=store,
+                            objects_url=objects), tensors)
         store.flush()
         shim.reset()
-        assert_same(tw.load(f"s3://{s3_bucket}/pub/ft/", storage_options=opts, store=store), tuned)
+        assert_same(tw.load(f"s3://{s3_bucket}/pub/ft/", storage_options=opts, store=store,
+                            objects_url=objects), tuned)
         gets = shim.stats()["gets"]
         # only the new index and the one changed object come from S3; shared objects hit the store
         assert len(gets) == 2 and any(p.endswith("model.safetensors.index.json") for p in gets), gets
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_object_replaced_during_a_load_is_detected(remote, tmp_path, cached):
+    url, opts, tensors = remote
+    fs = s3fs_of(opts)
+    shard = sorted(p for p in fs.ls(url[len("s3://"):]) if p.endswith(".safetensors"))[0]
+    store = open_store(tmp_path / "cache") if cached else None
+    try:
+        it = tw.iter_tensors(f"s3://{shard}", storage_options=opts, store=store, block_size=4096,
+                             concurrency=1, memory_limit=1)
+        next(it)
+        data = bytearray(fs.cat_file(shard))
+        data[-64:] = bytes(64) if any(data[-64:]) else b"\x01" * 64  # same size, other bytes
+        fs.pipe_file(shard, bytes(data))
+        with pytest.raises(CheckpointError, match="replaced while being loaded"):
+            list(it)
+        if store is not None:  # nothing of the new version was cached under the old one's identity
+            fresh = tw.load(f"s3://{shard}", storage_options=opts, store=store)
+            direct = tw.load(f"s3://{shard}", storage_options=opts)
+            assert_same(fresh, direct)
+    finally:
+        if store is not None:
+            store.close()

@@ -9,11 +9,28 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from .errors import (CapacityError, ClosedError, ConfigError, CorruptObjectError, InvalidInputError,
-                     InvalidTypeError, LockedError, MissingKeyError, TierstoreError, TierTimeoutError,
-                     WriteBackError)
+from .errors import (
+    CapacityError,
+    ClosedError,
+    ConfigError,
+    CorruptObjectError,
+    InvalidInputError,
+    InvalidTypeError,
+    LockedError,
+    MissingKeyError,
+    TierstoreError,
+    TierTimeoutError,
+    UnsupportedObjectError,
+    WriteBackError,
+)
 from .keys import ChunkKey
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
+    from . import weights
+    from .kv import KVCacheStore, KVNamespace
+    from .store import TieredStore, open
 
 __version__ = "0.1.0"
 
@@ -27,7 +44,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> object:
     target = _LAZY.get(name)
     if target is None:
         raise AttributeError(f"module 'tierstore' has no attribute {name!r}")
@@ -40,6 +57,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "ChunkKey", "TierstoreError", "ConfigError", "InvalidInputError", "InvalidTypeError",
-    "CorruptObjectError", "MissingKeyError", "CapacityError", "LockedError", "TierTimeoutError",
-    "ClosedError", "WriteBackError", *_LAZY,
+    "CorruptObjectError", "UnsupportedObjectError", "MissingKeyError", "CapacityError", "LockedError",
+    "TierTimeoutError", "ClosedError", "WriteBackError", "open", "TieredStore", "KVNamespace", "KVCacheStore",
+    "weights",
 ]

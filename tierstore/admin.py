@@ -1,85 +1,158 @@
-"""``tierstore stats | verify | gc``: inspect and maintain a store from the command line."""
+"""``tierstore stats | verify | gc``: inspect and maintain a store, also beside the engine that owns it.
+
+The verbs open only the persistent tiers of the config (a host or device tier is one process's memory:
+there is nothing to inspect from outside, and allocating it would cost RAM). Every directory a disk tier
+may use is included (``path``, and ``path.1`` … with ``instances``).
+
+* ``stats`` and ``verify`` open disk directories read-only, without the lock, so they work while an
+  engine owns them; they never remove anything. ``verify`` reads every object and reports the bad ones.
+* ``verify --repair`` and ``gc`` remove: corrupt objects (``verify --repair``), plus our crashed writers'
+  temp files (``gc``: on disk when a directory is opened for writing; on a remote, those older than
+  ``--stale-after``). They need every disk directory unlocked and refuse, removing nothing, while a
+  process holds one. On a shared remote prefix they remove only what is corrupt or ours and stale.
+  Unsupported objects (a newer format, a dtype this torch lacks) are reported and always kept.
+
+Exit status: 0 all well, 1 corrupt objects were found, 2 refused (a directory is in use).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
 
+from .errors import LockedError
 from .sizes import format_size
+from .tiers.base import Tier
+
+#: objects read per batch while verifying
+_BATCH = 64
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="store config (YAML/JSON); default: $TIERSTORE_CONFIG or built-in")
     p.add_argument("--json", default=None, help="also write the result as JSON here")
 
 
-def _open(args):
-    import tierstore
+def add_verify_arguments(p: argparse.ArgumentParser) -> None:
+    add_arguments(p)
+    p.add_argument("--repair", action="store_true",
+                   help="remove corrupt objects (needs every disk directory unlocked: stop the engine first)")
 
-    return tierstore.open(args.config)
+
+def add_gc_arguments(p: argparse.ArgumentParser) -> None:
+    add_arguments(p)
+    p.add_argument("--stale-after", type=float, default=3600.0, metavar="SECONDS",
+                   help="remove remote temp files older than this (crashed writers; default 3600)")
 
 
-def _emit(args, result: dict, lines: list[str]) -> None:
+add_stats_arguments = add_arguments
+
+
+@contextmanager
+def open_persistent_tiers(config: Any, writable: bool) -> Iterator[list[Tier]]:
+    """The config's disk (each directory it may use) and remote tiers, closed on exit.
+
+    ``writable=False`` opens disk directories read-only without their lock. ``writable=True`` takes
+    each lock and raises :class:`LockedError` (after closing what it opened) if a process holds one.
+    """
+    from .config import parse_config
+    from .tiers.disk import DiskTier
+    from .tiers.remote import RemoteTier
+
+    cfg = parse_config(config)
+    with ExitStack() as stack:
+        tiers: list[Tier] = []
+        for tc in cfg.tiers:
+            if tc.kind == "disk":
+                opts = {k: v for k, v in tc.options.items() if k not in ("instances", "capacity")}
+                base = opts.pop("path")
+                for i in range(tc.options.get("instances", 1)):
+                    path = base if i == 0 else f"{base}.{i}"
+                    if os.path.isdir(path):  # capacity None: an inspection never trims
+                        opts["read_only"] = tc.options.get("read_only", False) or not writable
+                        tiers.append(stack.enter_context(DiskTier(
+                            name=tc.name if i == 0 else f"{tc.name}.{i}", path=path, **opts)))
+            elif tc.kind == "remote":
+                tiers.append(stack.enter_context(RemoteTier(name=tc.name, **tc.options)))
+        yield tiers
+
+
+def _emit(args: argparse.Namespace, result: dict[str, Any], lines: list[str]) -> None:
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
 
 
-def run_stats(args) -> int:
-    with _open(args) as store:
-        st = store.stats()
-    lines = [f"{'tier':<10} {'kind':<7} {'used':>12} {'capacity':>12} {'objects':>8} {'hits':>7} {'misses':>7} "
-             f"{'evictions':>9} {'corrupt':>7}"]
+def _refuse(exc: LockedError, verb: str) -> int:
+    print(f"tierstore {verb}: refused, nothing removed: {exc}. Stop that process first, or run "
+          "`tierstore verify` (read-only) beside it.")
+    return 2
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    with open_persistent_tiers(args.config, writable=False) as tiers:
+        st = {"tiers": {t.name: t.stats() for t in tiers}}
+    lines = [f"{'tier':<10} {'kind':<7} {'objects':>8} {'used':>12} {'capacity':>12}  location"]
     for name, t in st["tiers"].items():
         cap = "unbounded" if t["capacity_bytes"] is None else format_size(t["capacity_bytes"])
-        lines.append(f"{name:<10} {t['kind']:<7} {format_size(t['used_bytes']):>12} {cap:>12} {t['objects']:>8} "
-                     f"{t['hits']:>7} {t['misses']:>7} {t['evictions']:>9} {t['corrupt']:>7}")
+        lines.append(f"{name:<10} {t['kind']:<7} {t['objects']:>8} {format_size(t['used_bytes']):>12} {cap:>12}  "
+                     f"{t.get('path') or t.get('url', '')}")
     _emit(args, st, lines)
     return 0
 
 
-def _check_all(store) -> dict:
-    """Read every object of every tier once; corrupt ones are counted and dropped by the tier."""
-    result = {}
-    for tier in store.tiers:
-        keys = tier.keys()
-        before = tier.stats()["corrupt"]
-        ok = 0
-        for i in range(0, len(keys), 64):
-            ok += sum(r is not None for r in tier.get_many(keys[i:i + 64]))
-        result[tier.name] = {"objects": len(keys), "ok": ok, "corrupt": tier.stats()["corrupt"] - before}
-    return result
+def check_objects(tier: Tier, repair: bool) -> dict[str, int]:
+    """Read every object of ``tier`` once: counts of ``ok``, ``corrupt``, ``unsupported`` (a newer format
+    or a dtype this torch lacks: always kept, a newer reader needs it), ``missing`` (vanished since
+    listed) and ``unreadable`` (I/O errors: not judged). With ``repair`` corrupt objects are deleted (not
+    from a disk directory the config marks ``read_only``: it belongs to someone else)."""
+    repair = repair and not getattr(tier, "read_only", False)
+    keys = tier.keys()
+    counts = {"objects": len(keys), "ok": 0, "corrupt": 0, "unsupported": 0, "missing": 0, "unreadable": 0,
+              "removed": 0}
+    for i in range(0, len(keys), _BATCH):
+        for outcome in tier.verify_many(keys[i:i + _BATCH], repair=repair):
+            counts["unreadable" if outcome == "error" else outcome] += 1
+    # read-only views never remove; a writable disk directory is only opened to repair
+    counts["removed"] = counts["corrupt"] if repair else 0
+    return counts
 
 
-def run_verify(args) -> int:
-    with _open(args) as store:
-        result = _check_all(store)
-    lines = [f"{name}: {r['objects']} objects, {r['ok']} ok, {r['corrupt']} corrupt (removed)"
+def run_verify(args: argparse.Namespace) -> int:
+    try:
+        with open_persistent_tiers(args.config, writable=args.repair) as tiers:
+            result = {t.name: check_objects(t, repair=args.repair) for t in tiers}
+    except LockedError as exc:
+        return _refuse(exc, "verify --repair")
+    lines = [f"{name}: {r['objects']} objects, {r['ok']} ok, {r['corrupt']} corrupt"
+             + (f" ({r['removed']} removed)" if args.repair else " (kept; --repair removes them)" if r["corrupt"]
+                else "")
+             + (f", {r['unsupported']} unsupported (kept)" if r["unsupported"] else "")
+             + (f", {r['unreadable']} unreadable" if r["unreadable"] else "")
              for name, r in result.items()]
     _emit(args, result, lines)
     return 1 if any(r["corrupt"] for r in result.values()) else 0
 
 
-def add_gc_arguments(p) -> None:
-    add_arguments(p)
-    p.add_argument("--stale-after", type=float, default=3600.0, metavar="SECONDS",
-                   help="remove remote temp files older than this (crashed writers; default 3600)")
-
-
-def run_gc(args) -> int:
-    # Opening a disk tier already removes its stale temp files (it owns the directory); a shared remote
-    # prefix may have live writers, so only old temp files go. Verification drops corrupt objects.
+def run_gc(args: argparse.Namespace) -> int:
+    # Opening a disk directory for writing removes its stale temp files (we hold its lock); a shared
+    # remote prefix may have live writers, so only old temp files go there.
     from .tiers.remote import RemoteTier
 
-    with _open(args) as store:
-        result = _check_all(store)
-        for tier in store.tiers:
-            if isinstance(tier, RemoteTier):
-                result[tier.name]["stale_temp_removed"] = tier.remove_stale_temp(args.stale_after)
-    _emit(args, result, [f"{name}: kept {r['ok']}, removed {r['corrupt'] + r['objects'] - r['ok']}"
+    try:
+        with open_persistent_tiers(args.config, writable=True) as tiers:
+            result = {t.name: check_objects(t, repair=True) for t in tiers}
+            for tier in tiers:
+                if isinstance(tier, RemoteTier):
+                    result[tier.name]["stale_temp_removed"] = tier.remove_stale_temp(args.stale_after)
+    except LockedError as exc:
+        return _refuse(exc, "gc")
+    _emit(args, result, [f"{name}: kept {r['ok']}, removed {r['removed']} corrupt"
                          + (f", {r['stale_temp_removed']} stale temp files" if "stale_temp_removed" in r else "")
                          for name, r in result.items()])
     return 0
-
-
-add_stats_arguments = add_verify_arguments = add_arguments

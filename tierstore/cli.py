@@ -13,9 +13,9 @@ import sys
 
 VERBS = {
     "demo": ("tierstore.demo", "multi-round chat with a small transformer, KV served from the store"),
-    "stats": ("tierstore.admin", "print per-tier statistics of a store"),
-    "verify": ("tierstore.admin", "re-check every stored object's checksum"),
-    "gc": ("tierstore.admin", "remove stale temp files and corrupt objects"),
+    "stats": ("tierstore.admin", "print what each disk and remote tier holds (read-only; fine beside an engine)"),
+    "verify": ("tierstore.admin", "re-check every stored object's checksum (read-only unless --repair)"),
+    "gc": ("tierstore.admin", "remove stale temp files and corrupt objects (refused while a process owns a disk)"),
 }
 BENCHES = {
     "tiers": ("tierstore.bench.tiers", "put/get throughput of each tier vs plain copies and I/O"),
@@ -24,13 +24,14 @@ BENCHES = {
 }
 
 
-def _add(sub, name: str, module: str, help_: str, argv: list[str]) -> None:
+def _add(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str, module: str, help_: str,
+         argv: list[str]) -> None:
     p = sub.add_parser(name, help=help_, description=help_)
     p.set_defaults(_module=module, _verb=name)
     # import only the module being run: a broken or heavy verb never slows the others down
     if name in argv:
         mod = importlib.import_module(module)
-        adder = getattr(mod, f"add_{name}_arguments", None) or getattr(mod, "add_arguments")
+        adder = getattr(mod, f"add_{name}_arguments", None) or mod.add_arguments
         adder(p)
 
 
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     mod = importlib.import_module(args._module)
-    runner = getattr(mod, f"run_{args._verb}", None) or getattr(mod, "run")
+    runner = getattr(mod, f"run_{args._verb}", None) or mod.run
     return int(runner(args) or 0)
 
 

@@ -10,14 +10,16 @@ import enum
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import ConfigError
 from .sizes import parse_size
+from .tiers.layout import PERMISSIONS
 
+E = TypeVar("E", bound=enum.Enum)
 ENV_CONFIG = "TIERSTORE_CONFIG"
 DEFAULT_ROOT = "~/.cache/tierstore"
 
@@ -32,16 +34,9 @@ class PrefetchPolicy(str, enum.Enum):
     TRANSIENT = "transient"
 
 
-# Keys each tier kind accepts, and which of them are byte sizes.
-_TIER_KEYS: dict[str, set[str]] = {
-    "device": {"device", "capacity"},
-    "host": {"capacity", "pinned", "pool", "slot_size"},
-    "disk": {"path", "capacity", "durable", "read_only", "codec", "io_threads"},
-    "remote": {"url", "storage_options", "compression", "capacity", "max_in_flight", "list_on_open"},
-}
-_SIZE_KEYS = {"capacity", "slot_size"}
-_REQUIRED = {"disk": {"path"}, "remote": {"url"}}
 _STORE_KEYS = {"tiers", "write_policy", "prefetch_policy", "max_in_flight", "close_timeout"}
+#: how many directories (``disk``, ``disk.1`` …) the default disk tier may take: one per process on a host
+DEFAULT_DISK_INSTANCES = 8
 
 
 @dataclass(frozen=True)
@@ -60,8 +55,12 @@ class StoreConfig:
     close_timeout: float = 10.0  # seconds close() (and the flush at exit) waits for write-back
 
 
-def default_config(root: str = DEFAULT_ROOT) -> dict:
-    """The embedded default: a host tier and a disk tier under ``root``, sized from free RAM and disk."""
+def default_config(root: str = DEFAULT_ROOT) -> dict[str, Any]:
+    """The embedded default: a host tier and a disk tier under ``root``, sized from free RAM and disk.
+
+    Several processes on one host can each open it: the disk tier takes the first of ``disk``, ``disk.1``
+    … ``disk.7`` no other process holds (a restarted process usually finds its own directory free again).
+    """
     path = Path(os.path.expanduser(root))
     try:
         avail_ram = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -71,14 +70,15 @@ def default_config(root: str = DEFAULT_ROOT) -> dict:
     return {
         "tiers": [
             {"kind": "host", "capacity": max(64 << 20, min(avail_ram // 4, 8 << 30))},
-            {"kind": "disk", "path": str(path / "disk"), "capacity": max(256 << 20, min(free_disk // 2, 64 << 30))},
+            {"kind": "disk", "path": str(path / "disk"), "capacity": max(256 << 20, min(free_disk // 2, 64 << 30)),
+             "instances": DEFAULT_DISK_INSTANCES},
         ],
         "write_policy": "write_back",
         "prefetch_policy": "retain",
     }
 
 
-def read_config(config: Mapping | str | os.PathLike | None) -> dict:
+def read_config(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
     """Turn ``None`` (``$TIERSTORE_CONFIG`` or the default), a path or a mapping into a plain dict."""
     if config is None:
         config = os.environ.get(ENV_CONFIG) or None
@@ -106,7 +106,7 @@ def read_config(config: Mapping | str | os.PathLike | None) -> dict:
     raise ConfigError(f"config must be a mapping, a file path or None, got {type(config).__name__}")
 
 
-def parse_config(config: Mapping | str | os.PathLike | None = None) -> StoreConfig:
+def parse_config(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> StoreConfig:
     """Validate a configuration and return it as a :class:`StoreConfig`."""
     raw = read_config(config)
     unknown = set(raw) - _STORE_KEYS
@@ -131,7 +131,7 @@ def parse_config(config: Mapping | str | os.PathLike | None = None) -> StoreConf
     )
 
 
-def _enum(cls, value, key: str):
+def _enum(cls: type[E], value: Any, key: str) -> E:
     try:
         return cls(value)
     except ValueError:
@@ -139,47 +139,127 @@ def _enum(cls, value, key: str):
         raise ConfigError(f"{key}: {value!r} is not one of {allowed}") from None
 
 
-def _positive_int(value, key: str) -> int:
+def _positive_int(value: Any, key: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{key}: expected a positive integer, got {value!r}")
     return value
 
 
-def _seconds(value, key: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+def _seconds(value: Any, key: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < float("inf"):
         raise ConfigError(f"{key}: expected a non-negative number of seconds, got {value!r}")
     return float(value)
 
 
-def _parse_tier(entry, where: str) -> TierConfig:
+# ---------------------------------------------------------------------- tier options, checked in one place
+def _bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):  # "false" is truthy: a quoted YAML boolean must not flip a mode
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    return value
+
+
+def _optional_bool(value: Any, key: str) -> bool | None:
+    return None if value is None else _bool(value, key)
+
+
+def _capacity(value: Any, key: str) -> int | None:
+    return None if value is None else parse_size(value, key=key)
+
+
+def _host_capacity(value: Any, key: str) -> int | None:
+    size = _capacity(value, key)
+    ram = physical_memory()
+    if size is not None and ram is not None and size > ram:
+        raise ConfigError(f"{key}: {size} bytes is more than this host's {ram} bytes of RAM")
+    return size
+
+
+def _slot_size(value: Any, key: str) -> int:
+    size = parse_size(value, key=key)
+    if size <= 0 or size % 64:
+        raise ConfigError(f"{key}: expected a positive multiple of 64 bytes, got {value!r}")
+    return size
+
+
+def _one_of(*allowed: Any) -> Callable[[Any, str], Any]:
+    def check(value: Any, key: str) -> Any:
+        if value not in allowed:
+            raise ConfigError(f"{key}: {value!r} is not one of {' | '.join(str(a) for a in allowed)}")
+        return value
+    return check
+
+
+def _mapping(value: Any, key: str) -> Mapping[str, Any] | None:
+    if value is not None and not isinstance(value, Mapping):
+        raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def _path(value: Any, key: str) -> str:
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise ConfigError(f"{key}: expected a directory path, got {value!r}")
+    if "\0" in str(value):
+        raise ConfigError(f"{key}: the path contains a NUL character: {str(value)!r}")
+    return os.path.abspath(os.path.expanduser(os.fspath(value)))
+
+
+def _url(value: Any, key: str) -> Any:
+    _check_url(value, key)
+    return value
+
+
+def _any(value: Any, key: str) -> Any:
+    return value
+
+
+_PERMISSIONS = _one_of(*PERMISSIONS)
+#: every option of every tier kind, with the check that validates (and normalises) its value
+TIER_OPTIONS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
+    "device": {"device": _any, "capacity": _capacity},
+    "host": {"capacity": _host_capacity, "pinned": _bool, "pool": _optional_bool, "slot_size": _slot_size},
+    "disk": {"path": _path, "capacity": _capacity, "durable": _bool, "read_only": _bool,
+             "codec": _one_of("none", "zstd"), "io_threads": _positive_int, "permissions": _PERMISSIONS,
+             "instances": _positive_int},
+    "remote": {"url": _url, "storage_options": _mapping, "compression": _one_of(None, "none", "zstd"),
+               "capacity": _capacity, "max_in_flight": _positive_int, "list_on_open": _bool,
+               "permissions": _PERMISSIONS},
+}
+_REQUIRED = {"disk": {"path"}, "remote": {"url"}}
+
+
+def check_tier_options(kind: str, options: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Validate the options given for a ``kind`` tier; return them normalised (sizes in bytes, paths
+    absolute). Raises :class:`ConfigError` naming ``<where>.<key>``. Tier constructors call this too, so
+    a tier built directly is checked exactly like one from a config file."""
+    checks = TIER_OPTIONS[kind]
+    unknown = set(options) - set(checks)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) for a {kind} tier: {', '.join(sorted(unknown))}")
+    out = {key: checks[key](value, f"{where}.{key}") for key, value in options.items()}
+    if kind == "disk":
+        _check_writable(out["path"], f"{where}.path", read_only=out.get("read_only", False))
+    return out
+
+
+def physical_memory() -> int | None:
+    """Bytes of RAM on this host (``None`` where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _parse_tier(entry: Any, where: str) -> TierConfig:
     if not isinstance(entry, Mapping):
         raise ConfigError(f"{where}: expected a mapping, got {type(entry).__name__}")
     kind = entry.get("kind")
-    if kind not in _TIER_KEYS:
-        raise ConfigError(f"{where}.kind: unknown tier kind {kind!r} (one of {', '.join(_TIER_KEYS)})")
+    if kind not in TIER_OPTIONS:
+        raise ConfigError(f"{where}.kind: unknown tier kind {kind!r} (one of {', '.join(TIER_OPTIONS)})")
     options = {k: v for k, v in entry.items() if k not in ("kind", "name")}
-    unknown = set(options) - _TIER_KEYS[kind]
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) for a {kind} tier: {', '.join(sorted(unknown))}")
     missing = _REQUIRED.get(kind, set()) - set(options)
     if missing:
         raise ConfigError(f"{where}: a {kind} tier needs {', '.join(sorted(missing))}")
-    for key in _SIZE_KEYS & set(options):
-        if options[key] is not None:
-            options[key] = parse_size(options[key], key=f"{where}.{key}")
-    if "max_in_flight" in options:
-        _positive_int(options["max_in_flight"], f"{where}.max_in_flight")
-    if kind == "disk":
-        options["path"] = _check_writable(options["path"], f"{where}.path",
-                                          read_only=bool(options.get("read_only")))
-    if kind == "remote":
-        _check_url(options["url"], f"{where}.url")
-        if options.get("storage_options") is not None and not isinstance(options["storage_options"], Mapping):
-            raise ConfigError(f"{where}.storage_options: expected a mapping")
-        if options.get("compression") not in (None, "none", "zstd"):
-            raise ConfigError(f"{where}.compression: {options['compression']!r} is not one of none | zstd")
-    if kind == "disk" and options.get("codec", "none") not in ("none", "zstd"):
-        raise ConfigError(f"{where}.codec: {options['codec']!r} is not one of none | zstd")
+    options = check_tier_options(kind, options, where)
     name = entry.get("name", kind)
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{where}.name: expected a non-empty string")
@@ -193,10 +273,8 @@ def _existing_ancestor(path: Path) -> Path:
     return path
 
 
-def _check_writable(path, key: str, read_only: bool) -> str:
-    if not isinstance(path, (str, os.PathLike)) or not str(path):
-        raise ConfigError(f"{key}: expected a directory path, got {path!r}")
-    p = Path(os.path.expanduser(str(path))).absolute()
+def _check_writable(path: str, key: str, read_only: bool) -> None:
+    p = Path(path)
     probe = _existing_ancestor(p)
     if probe.exists() and not probe.is_dir():
         raise ConfigError(f"{key}: {str(probe)!r} exists and is not a directory")
@@ -204,10 +282,9 @@ def _check_writable(path, key: str, read_only: bool) -> str:
         raise ConfigError(f"{key}: {str(p)!r} is not writable")
     if read_only and not p.is_dir():
         raise ConfigError(f"{key}: {str(p)!r} does not exist (read_only tiers open an existing directory)")
-    return str(p)
 
 
-def _check_url(url, key: str) -> None:
+def _check_url(url: Any, key: str) -> None:
     import fsspec
 
     if not isinstance(url, str) or not url:

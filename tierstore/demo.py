@@ -19,8 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Any
 
 import torch
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=6, help="chat rounds (default 6)")
@@ -46,7 +48,7 @@ def _open_store(args):
     return tierstore.open(args.config)
 
 
-def _tiers(tiers: dict[str, int]) -> str:
+def _tiers(tiers: dict[str | None, int]) -> str:
     if not tiers:
         return "-"
     return "+".join(f"{name}" if len(tiers) == 1 else f"{name}:{n}" for name, n in tiers.items())
@@ -80,7 +82,8 @@ def run(args) -> int:
     print(header)
     print("-" * len(header))
     # reference: the KV this process computed itself, as an engine without the store would have kept it
-    rows, reference = [], None
+    rows: list[dict[str, Any]] = []
+    reference = None
     try:
         engine = TinyEngine(model, KVCacheStore(store, ns, chunk_tokens=args.chunk_tokens))
         for r in range(1, args.rounds + 1):

@@ -31,7 +31,13 @@ class InvalidTypeError(TierstoreError, TypeError):
 
 
 class CorruptObjectError(TierstoreError, ValueError):
-    """A stored object failed validation: bad magic, header, bounds, checksum or key."""
+    """A stored object is damaged: bad magic, header, bounds, checksum or key. Reads treat it as a miss;
+    a private tier removes it, a shared one leaves it to ``tierstore verify --repair``."""
+
+
+class UnsupportedObjectError(TierstoreError, ValueError):
+    """A stored object is intact as far as this reader can tell, but it cannot read it: a newer format
+    version, or a dtype this torch does not have. A miss, never a delete (another reader may need it)."""
 
 
 class MissingKeyError(TierstoreError, KeyError):

@@ -9,14 +9,17 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Mapping
+from typing import NoReturn
 
 import torch
 
 from .errors import InvalidInputError, InvalidTypeError
 
 DIGEST_SIZE = 32
-_PERSON_TENSORS = b"tierstore.tens"  # blake2b personalisation (<= 16 bytes) keeps domains apart
+# blake2b personalisations (<= 16 bytes): one per constructor, so no two can mint the same key
+_PERSON_TENSORS = b"tierstore.tens"
 _PERSON_CHAIN = b"tierstore.chain"
+_PERSON_BYTES = b"tierstore.bytes"
 
 
 def _frame(data: bytes) -> bytes:
@@ -28,6 +31,7 @@ class ChunkKey:
     """Immutable 32-byte digest naming one chunk; hashable and equal by digest."""
 
     __slots__ = ("_digest",)
+    _digest: bytes
 
     def __init__(self, digest: bytes):
         if not isinstance(digest, (bytes, bytearray, memoryview)):
@@ -37,7 +41,7 @@ class ChunkKey:
             raise InvalidInputError(f"ChunkKey takes {DIGEST_SIZE} bytes, got {len(digest)}")
         object.__setattr__(self, "_digest", digest)
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name: str, value: object) -> NoReturn:
         raise AttributeError("ChunkKey is immutable")
 
     @property
@@ -48,7 +52,7 @@ class ChunkKey:
         return self._digest.hex()
 
     @classmethod
-    def from_hex(cls, text: str) -> "ChunkKey":
+    def from_hex(cls, text: str) -> ChunkKey:
         if not isinstance(text, str):
             raise InvalidTypeError(f"ChunkKey.from_hex takes a str, got {type(text).__name__}")
         if len(text) != 2 * DIGEST_SIZE:
@@ -59,12 +63,13 @@ class ChunkKey:
             raise InvalidInputError(f"ChunkKey hex is not hexadecimal: {text!r}") from exc
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "ChunkKey":
-        """Digest of arbitrary bytes (e.g. a file identity plus a byte range)."""
-        return cls(hashlib.blake2b(bytes(data), digest_size=DIGEST_SIZE, person=_PERSON_CHAIN).digest())
+    def from_bytes(cls, data: bytes) -> ChunkKey:
+        """Digest of arbitrary bytes (e.g. a file identity plus a byte range); never equal to a
+        :meth:`chain` or :meth:`from_tensors` key."""
+        return cls(hashlib.blake2b(bytes(data), digest_size=DIGEST_SIZE, person=_PERSON_BYTES).digest())
 
     @classmethod
-    def from_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> "ChunkKey":
+    def from_tensors(cls, tensors: Mapping[str, torch.Tensor]) -> ChunkKey:
         """Content digest over the sorted names, dtypes, shapes and bytes of ``tensors``."""
         from .tensors import tensor_bytes, validate_tensors
 
@@ -81,7 +86,7 @@ class ChunkKey:
         return cls(h.digest())
 
     @classmethod
-    def chain(cls, parent: "ChunkKey | None", namespace: bytes, payload: bytes) -> "ChunkKey":
+    def chain(cls, parent: ChunkKey | None, namespace: bytes, payload: bytes) -> ChunkKey:
         """``H(parent ‖ namespace ‖ payload)``: the prefix-chained keys of the KV layer."""
         if parent is not None and not isinstance(parent, ChunkKey):
             raise InvalidTypeError(f"parent must be a ChunkKey or None, got {type(parent).__name__}")
@@ -91,7 +96,7 @@ class ChunkKey:
         h.update(_frame(bytes(payload)))
         return cls(h.digest())
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, ChunkKey) and other._digest == self._digest
 
     def __hash__(self) -> int:
@@ -100,11 +105,12 @@ class ChunkKey:
     def __repr__(self) -> str:
         return f"ChunkKey({self.hex()[:16]}…)"
 
-    def __reduce__(self):  # copy/deepcopy support; tierstore itself never pickles
+    # copy/deepcopy support; tierstore itself never pickles
+    def __reduce__(self) -> tuple[type[ChunkKey], tuple[bytes]]:
         return (ChunkKey, (self._digest,))
 
 
-def check_key(key) -> ChunkKey:
+def check_key(key: object) -> ChunkKey:
     """Return ``key`` if it is a ChunkKey, else raise a clear :class:`InvalidTypeError`."""
     if not isinstance(key, ChunkKey):
         raise InvalidTypeError(f"expected a tierstore.ChunkKey, got {type(key).__name__}")

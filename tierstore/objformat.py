@@ -15,36 +15,54 @@ Header fields: ``key`` (64 hex chars, must equal the key asked for), ``codec`` (
 ``{"name", "dtype", "shape", "offset", "nbytes"}`` with offsets into the raw payload, 64-byte aligned,
 ascending and non-overlapping, and ``nbytes == prod(shape) * itemsize``.
 
-The parser trusts nothing: the header is capped at 8 MiB, every field is type-checked, dtypes come from a
-fixed table, offsets are bounds-checked before any allocation, zstd output is capped at ``raw_size`` and
-the checksum covers header and payload. Any failure raises :class:`CorruptObjectError`. No pickle.
+The format's limits, checked on both sides: :func:`validate_chunk` refuses to store a chunk a reader
+would reject, and the parser trusts nothing it reads. The header is capped at :data:`MAX_HEADER`, every
+field is type-checked, offsets and sizes are bounded (:data:`MAX_RAW`, :data:`MAX_DIMS`) and checked
+against the object's real size before any allocation, a zstd payload must declare its size in the frame
+(:data:`MAX_ZSTD_RATIO` bounds it) and decompresses into exactly that many bytes, and the checksum covers
+header and payload. A damaged object raises :class:`CorruptObjectError`; an intact one this reader cannot
+represent (a newer format version, a dtype this torch lacks) raises :class:`UnsupportedObjectError`,
+and only after its checksum passed. No pickle.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
 import zstandard
 
-from .errors import CorruptObjectError, InvalidInputError
+from .errors import CorruptObjectError, InvalidInputError, UnsupportedObjectError
 from .keys import ChunkKey
-from .tensors import DTYPES, TensorDict, byte_view, dtype_name, validate_tensors
+from .tensors import DTYPES, TensorDict, byte_view, dtype_name, shape_is_valid, validate_tensors
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 MAGIC = b"TIERSTOR"
 VERSION = 1
+#: versions above ours that a reader reports as unsupported (a newer writer); others are damage
+MAX_FUTURE_VERSION = 255
 PREFIX = struct.Struct("<8sII16s")
 PREFIX_SIZE = PREFIX.size  # 32
 ALIGN = 64
+#: bytes of header JSON (with padding); a chunk whose header would be larger is refused by put
 MAX_HEADER = 8 << 20
+#: raw payload bytes of one chunk, and the largest single dimension
 MAX_RAW = 1 << 40
-CODECS = ("none", "zstd")
 MAX_DIMS = 64
+#: raw_size / stored_size above this is a lie: zstd itself stays under 32768 (a 4-byte RLE block
+#: stands for at most 128 KiB), so a frame claiming more is not one our encoder wrote
+MAX_ZSTD_RATIO = 1 << 16
+CODECS = ("none", "zstd")
+_DTYPE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")  # well-formed, possibly from a newer torch
 
 
 def _align(n: int) -> int:
@@ -54,10 +72,11 @@ def _align(n: int) -> int:
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
-    dtype: torch.dtype
+    dtype: torch.dtype | None  # None: a well-formed dtype name this torch does not have
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    dtype_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -73,48 +92,106 @@ class Header:
     def object_size(self) -> int:
         return self.payload_offset + self.stored_size
 
+    def require_supported(self) -> None:
+        """Raise :class:`UnsupportedObjectError` if a tensor has a dtype this torch lacks (call it
+        after the checksum passed: only then is the object known to be intact)."""
+        for s in self.tensors:
+            if s.dtype is None:
+                raise UnsupportedObjectError(f"object {self.key.hex()}: tensor {s.name!r} has dtype "
+                                             f"{s.dtype_name!r}, which this torch ({torch.__version__}) lacks")
+
 
 @dataclass
 class Encoded:
     """An encoded object as a list of buffers to write in order (no concatenation needed)."""
 
-    parts: list
+    parts: list[Any]
     size: int
 
     def tobytes(self) -> bytes:
         return b"".join(bytes(p) for p in self.parts)
 
 
-def encode(key: ChunkKey, tensors: Mapping[str, torch.Tensor], codec: str = "none",
-           level: int = 3) -> Encoded:
-    """Encode ``tensors`` under ``key``. Non-contiguous and device tensors are copied to CPU first."""
+def _spec_bound(name: str, ndim: int) -> int:
+    """An upper bound of one tensor entry's JSON bytes: escaped name (<= 12 bytes a character), dims of
+    up to 13 digits, fixed fields."""
+    return 12 * len(name) + 14 * ndim + 160
+
+
+def validate_chunk(tensors: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a chunk the format cannot read back.
+
+    The one check of what a chunk may be, shared by ``put`` (store and tiers, before any tier is
+    touched) and :func:`encode`: :func:`~tierstore.tensors.validate_tensors`, then at most
+    :data:`MAX_DIMS` dims, no dimension and no raw payload over :data:`MAX_RAW` bytes, and a header
+    under :data:`MAX_HEADER` bytes.
+
+    Raises:
+        InvalidTypeError, InvalidInputError: naming the offending tensor.
+    """
     validate_tensors(tensors)
-    if codec not in CODECS:
-        raise InvalidInputError(f"unknown codec {codec!r}; expected one of {CODECS}")
-    specs, views, offset = [], [], 0
+    raw_size = bound = 0
     for name, t in tensors.items():
-        v = byte_view(t)
+        if t.dim() > MAX_DIMS:
+            raise InvalidInputError(f"tensor {name!r} has {t.dim()} dims; the object format allows {MAX_DIMS}")
+        if t.dim() and max(t.shape) > MAX_RAW:
+            raise InvalidInputError(f"tensor {name!r} has a dimension over {MAX_RAW}: {tuple(t.shape)}")
+        raw_size = _align(raw_size) + t.numel() * t.element_size()
+        bound += _spec_bound(name, t.dim())
+    if raw_size > MAX_RAW:
+        raise InvalidInputError(f"chunk holds {raw_size} bytes; the object format allows {MAX_RAW}")
+    if bound + 2 * ALIGN + 256 > MAX_HEADER:  # close to the cap: measure exactly
+        specs, _ = _layout(tensors)
+        size = len(_header_bytes(ChunkKey(bytes(32)), "none", raw_size, MAX_RAW, specs))
+        if size > MAX_HEADER:
+            raise InvalidInputError(f"chunk of {len(specs)} tensors needs a {size}-byte header; the object "
+                                    f"format allows {MAX_HEADER} (store fewer or shorter-named tensors)")
+
+
+def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[dict[str, Any]], int]:
+    """Header entries of ``tensors`` (64-byte aligned offsets into the raw payload) and the raw size."""
+    specs: list[dict[str, Any]] = []
+    offset = 0
+    for name, t in tensors.items():
         offset = _align(offset)
+        nb = t.numel() * t.element_size()
         specs.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
-                      "offset": offset, "nbytes": v.numel()})
-        views.append((offset, v))
-        offset += v.numel()
-    raw_size = offset
-    payload: list = []
-    pos = 0
-    for off, v in views:
-        if off > pos:
-            payload.append(bytes(off - pos))
-        if v.numel():
-            payload.append(memoryview(v.numpy()))
-        pos = off + v.numel()
-    if codec == "zstd":
-        payload = [zstandard.ZstdCompressor(level=level).compress(b"".join(payload))]
-    stored_size = sum(len(p) for p in payload)
+                      "offset": offset, "nbytes": nb})
+        offset += nb
+    return specs, offset
+
+
+def _header_bytes(key: ChunkKey, codec: str, raw_size: int, stored_size: int,
+                  specs: list[dict[str, Any]]) -> bytes:
     header = {"key": key.hex(), "codec": codec, "raw_size": raw_size, "stored_size": stored_size,
               "tensors": specs}
     hbytes = json.dumps(header, separators=(",", ":")).encode()
-    hbytes += b" " * (_align(PREFIX_SIZE + len(hbytes)) - PREFIX_SIZE - len(hbytes))
+    return hbytes + b" " * (_align(PREFIX_SIZE + len(hbytes)) - PREFIX_SIZE - len(hbytes))
+
+
+def encode(key: ChunkKey, tensors: Mapping[str, torch.Tensor], codec: str = "none",
+           level: int = 3) -> Encoded:
+    """Encode ``tensors`` under ``key``. Non-contiguous and device tensors are copied to CPU first.
+
+    Raises:
+        InvalidInputError, InvalidTypeError: as :func:`validate_chunk`, or an unknown ``codec``.
+    """
+    if codec not in CODECS:
+        raise InvalidInputError(f"unknown codec {codec!r}; expected one of {CODECS}")
+    validate_chunk(tensors)
+    specs, raw_size = _layout(tensors)
+    payload: list[Any] = []
+    pos = 0
+    for spec, t in zip(specs, tensors.values(), strict=True):
+        if spec["offset"] > pos:
+            payload.append(bytes(spec["offset"] - pos))
+        if spec["nbytes"]:
+            payload.append(byte_view(t).numpy().data)
+        pos = spec["offset"] + spec["nbytes"]
+    if codec == "zstd":  # the frame records its content size, which the reader requires
+        payload = [zstandard.ZstdCompressor(level=level).compress(b"".join(payload))]
+    stored_size = sum(len(p) for p in payload)
+    hbytes = _header_bytes(key, codec, raw_size, stored_size, specs)
     h = xxhash.xxh3_128(hbytes)
     for p in payload:
         h.update(p)
@@ -122,25 +199,41 @@ def encode(key: ChunkKey, tensors: Mapping[str, torch.Tensor], codec: str = "non
     return Encoded([prefix + hbytes, *payload], PREFIX_SIZE + len(hbytes) + stored_size)
 
 
-def parse_header(buf, expected_key: ChunkKey | None = None, object_size: int | None = None) -> Header:
-    """Validate and parse the prefix and header at the start of ``buf`` (bytes-like).
+def header_length(prefix: bytes | bytearray | memoryview) -> int:
+    """Check the fixed 32-byte prefix (magic, version, header length) and return the header length.
 
-    ``object_size``, when known (a file size), is checked against the header. The checksum is not
-    verified here; :func:`decode` does that.
+    Raises:
+        CorruptObjectError: too short, bad magic, a header over :data:`MAX_HEADER`.
+        UnsupportedObjectError: a newer format version.
     """
-    mv = memoryview(buf).cast("B")
+    mv = memoryview(prefix).cast("B")
     if len(mv) < PREFIX_SIZE:
         raise CorruptObjectError(f"object of {len(mv)} bytes is shorter than the {PREFIX_SIZE}-byte prefix")
     magic, version, hlen, _ = PREFIX.unpack_from(mv, 0)
     if magic != MAGIC:
         raise CorruptObjectError("bad magic: not a tierstore object")
     if version != VERSION:
-        raise CorruptObjectError(f"unsupported format version {version}")
-    if hlen > MAX_HEADER or PREFIX_SIZE + hlen > len(mv):
-        raise CorruptObjectError(f"header length {hlen} exceeds the cap or the object")
+        if VERSION < version <= MAX_FUTURE_VERSION:
+            raise UnsupportedObjectError(f"format version {version} is newer than this reader's ({VERSION})")
+        raise CorruptObjectError(f"invalid format version {version}")
+    if hlen > MAX_HEADER:
+        raise CorruptObjectError(f"header length {hlen} exceeds the {MAX_HEADER}-byte cap")
+    return int(hlen)
+
+
+def parse_header(buf: Any, expected_key: ChunkKey | None = None, object_size: int | None = None) -> Header:
+    """Validate and parse the prefix and header at the start of ``buf`` (bytes-like).
+
+    ``object_size``, when known (a file size), is checked against the header. The checksum is not
+    verified here; :func:`verify` does that. Unknown dtypes are left for :meth:`Header.require_supported`.
+    """
+    mv = memoryview(buf).cast("B")
+    hlen = header_length(mv)
+    if PREFIX_SIZE + hlen > len(mv):
+        raise CorruptObjectError(f"header length {hlen} runs past the {len(mv)} bytes read")
     try:
         raw = json.loads(bytes(mv[PREFIX_SIZE:PREFIX_SIZE + hlen]))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, over-long integers, deep nesting
         raise CorruptObjectError(f"header is not valid JSON: {exc}") from None
     hdr = _validate_header(raw, PREFIX_SIZE + hlen)
     if expected_key is not None and hdr.key != expected_key:
@@ -150,18 +243,18 @@ def parse_header(buf, expected_key: ChunkKey | None = None, object_size: int | N
     return hdr
 
 
-def _int(raw: dict, field: str, hi: int = MAX_RAW) -> int:
+def _int(raw: dict[str, Any], field: str, hi: int = MAX_RAW) -> int:
     v = raw.get(field)
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi:
         raise CorruptObjectError(f"header field {field!r} is not an integer in [0, {hi}]: {v!r}")
     return v
 
 
-def _validate_header(raw, payload_offset: int) -> Header:
+def _validate_header(raw: Any, payload_offset: int) -> Header:
     if not isinstance(raw, dict):
         raise CorruptObjectError("header is not a JSON object")
     try:
-        key = ChunkKey.from_hex(raw.get("key"))
+        key = ChunkKey.from_hex(raw.get("key"))  # type: ignore[arg-type]
     except (ValueError, TypeError):
         raise CorruptObjectError(f"header key is invalid: {raw.get('key')!r}") from None
     codec = raw.get("codec")
@@ -170,6 +263,8 @@ def _validate_header(raw, payload_offset: int) -> Header:
     raw_size, stored_size = _int(raw, "raw_size"), _int(raw, "stored_size")
     if codec == "none" and stored_size != raw_size:
         raise CorruptObjectError("stored_size differs from raw_size without compression")
+    if codec == "zstd" and raw_size > max(stored_size, 1) * MAX_ZSTD_RATIO:
+        raise CorruptObjectError(f"raw_size {raw_size} is over {MAX_ZSTD_RATIO} x stored_size {stored_size}")
     items = raw.get("tensors")
     if not isinstance(items, list) or not items:
         raise CorruptObjectError("header has no tensor list")
@@ -180,24 +275,26 @@ def _validate_header(raw, payload_offset: int) -> Header:
         name, dname, shape = item.get("name"), item.get("dtype"), item.get("shape")
         if not isinstance(name, str) or not name or name in names:
             raise CorruptObjectError(f"tensor name missing or duplicated: {name!r}")
-        if dname not in DTYPES:
-            raise CorruptObjectError(f"tensor {name!r} has unknown dtype {dname!r}")
+        if not isinstance(dname, str) or not _DTYPE_NAME.fullmatch(dname):
+            raise CorruptObjectError(f"tensor {name!r} has an invalid dtype {dname!r}")
         if (not isinstance(shape, list) or len(shape) > MAX_DIMS
                 or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_RAW for d in shape)):
             raise CorruptObjectError(f"tensor {name!r} has an invalid shape {shape!r}")
-        dtype = DTYPES[dname]
+        dtype = DTYPES.get(dname)
         offset, nb = _int(item, "offset"), _int(item, "nbytes")
-        if nb != math.prod(shape) * dtype.itemsize:
+        if dtype is not None and nb != math.prod(shape) * dtype.itemsize:
             raise CorruptObjectError(f"tensor {name!r}: nbytes {nb} != numel x itemsize")
+        if dtype is not None and not shape_is_valid(shape, dtype):  # huge dims around a zero
+            raise CorruptObjectError(f"tensor {name!r}: shape {shape} overflows torch's sizes")
         if offset % ALIGN or offset < end or offset + nb > raw_size:
             raise CorruptObjectError(f"tensor {name!r}: offset {offset} misaligned, overlapping or out of range")
         end = offset + nb
         names.add(name)
-        specs.append(TensorSpec(name, dtype, tuple(shape), offset, nb))
+        specs.append(TensorSpec(name, dtype, tuple(shape), offset, nb, dname))
     return Header(key, codec, raw_size, stored_size, tuple(specs), payload_offset)
 
 
-def verify(buf, hdr: Header) -> None:
+def verify(buf: Buffer, hdr: Header) -> None:
     """Check the object's checksum; raise :class:`CorruptObjectError` on mismatch."""
     mv = memoryview(buf).cast("B")
     if len(mv) != hdr.object_size:
@@ -208,41 +305,83 @@ def verify(buf, hdr: Header) -> None:
         raise CorruptObjectError(f"checksum mismatch for {hdr.key.hex()}")
 
 
+def alloc_bytes(n: int) -> torch.Tensor:
+    """A fresh flat uint8 CPU tensor of ``n`` bytes; :class:`MemoryError` (never torch's RuntimeError)
+    when the host cannot provide it, so a reader counts a miss instead of crashing."""
+    try:
+        return torch.empty(n, dtype=torch.uint8)
+    except RuntimeError as exc:  # DefaultCPUAllocator: can't allocate memory
+        raise MemoryError(f"cannot allocate {n} bytes: {exc}") from None
+
+
+def decompress(stored: Any, hdr: Header) -> torch.Tensor:
+    """The raw payload of a verified zstd object as a fresh uint8 tensor of exactly ``hdr.raw_size`` bytes.
+
+    The frame must declare its content size and it must equal ``raw_size`` (bounded by
+    :data:`MAX_ZSTD_RATIO` at parse time), so nothing larger is ever allocated.
+    """
+    stored = memoryview(stored).cast("B")
+    try:
+        declared = zstandard.frame_content_size(stored)
+    except zstandard.ZstdError as exc:
+        raise CorruptObjectError(f"zstd payload has no valid frame header: {exc}") from None
+    if declared != hdr.raw_size:
+        raise CorruptObjectError(f"zstd frame declares {declared} bytes, the header {hdr.raw_size}")
+    out = alloc_bytes(hdr.raw_size)
+    mv = out.numpy().data if hdr.raw_size else memoryview(bytearray(0))
+    got = 0
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(stored, read_across_frames=False) as reader:
+            while got < len(mv):
+                n = reader.readinto(mv[got:])
+                if not n:
+                    break
+                got += n
+            extra = reader.read(1)
+    except zstandard.ZstdError as exc:
+        raise CorruptObjectError(f"zstd payload does not decompress: {exc}") from None
+    if got != hdr.raw_size or extra:
+        raise CorruptObjectError(f"zstd payload decompresses to other than the {hdr.raw_size} bytes declared")
+    return out
+
+
 def decode(buf: torch.Tensor | bytes | bytearray | memoryview, expected_key: ChunkKey | None = None) -> TensorDict:
     """Validate a whole object and return its tensors.
 
     With an uncompressed object in a writable uint8 CPU tensor, the tensors are views over ``buf``
     (no copy); otherwise the payload is decompressed or copied into one fresh buffer.
+
+    Raises:
+        CorruptObjectError: the object is damaged.
+        UnsupportedObjectError: it is intact but this reader cannot represent it.
+        MemoryError: the payload does not fit in memory.
     """
     if isinstance(buf, torch.Tensor):
         if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.device.type != "cpu":
             raise InvalidInputError("decode takes a flat uint8 CPU tensor")
-        mv = memoryview(buf.numpy())
+        mv = buf.numpy().data if buf.numel() else memoryview(b"")
     else:
         mv = memoryview(buf).cast("B")
     hdr = parse_header(mv, expected_key, object_size=len(mv))
     verify(mv, hdr)
+    hdr.require_supported()
     if hdr.codec == "zstd":
-        try:
-            raw = zstandard.ZstdDecompressor().decompress(mv[hdr.payload_offset:], max_output_size=hdr.raw_size)
-        except zstandard.ZstdError as exc:
-            raise CorruptObjectError(f"zstd payload does not decompress: {exc}") from None
-        if len(raw) != hdr.raw_size:
-            raise CorruptObjectError("decompressed payload has the wrong size")
-        payload = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        payload = decompress(mv[hdr.payload_offset:], hdr)
     elif isinstance(buf, torch.Tensor):
         payload = buf[hdr.payload_offset:]
     else:
-        payload = torch.empty(hdr.raw_size, dtype=torch.uint8)
+        payload = alloc_bytes(hdr.raw_size)
         if hdr.raw_size:
-            memoryview(payload.numpy())[:] = mv[hdr.payload_offset:]
+            payload.numpy().data[:] = mv[hdr.payload_offset:]
     return tensors_from_payload(payload, hdr)
 
 
 def tensors_from_payload(payload: torch.Tensor, hdr: Header) -> TensorDict:
-    """Views of each tensor over the raw ``payload`` (a flat uint8 tensor)."""
+    """Views of each tensor over the raw ``payload`` (a flat uint8 tensor) of a verified object."""
+    hdr.require_supported()
     out = {}
     for s in hdr.tensors:
+        assert s.dtype is not None  # require_supported
         flat = payload[s.offset:s.offset + s.nbytes]
         if s.dtype != torch.uint8:
             flat = flat.view(s.dtype)

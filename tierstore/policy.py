@@ -8,41 +8,44 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
 
 
-class LRUPolicy:
+class LRUPolicy(Generic[K]):
     """Byte-sized least-recently-used order over keys."""
 
     def __init__(self) -> None:
-        self._sizes: OrderedDict[Hashable, int] = OrderedDict()
+        self._sizes: OrderedDict[K, int] = OrderedDict()
         self.currsize = 0
 
-    def __contains__(self, key) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self._sizes
 
     def __len__(self) -> int:
         return len(self._sizes)
 
-    def __iter__(self) -> Iterator:
+    def __iter__(self) -> Iterator[K]:
         return iter(self._sizes)
 
-    def size(self, key) -> int:
+    def size(self, key: K) -> int:
         return self._sizes[key]
 
-    def add(self, key, size: int) -> None:
+    def add(self, key: K, size: int) -> None:
         """Insert or replace ``key`` as the most recently used."""
         self.currsize += size - self._sizes.pop(key, 0)
         self._sizes[key] = size
 
-    def touch(self, key) -> None:
+    def touch(self, key: K) -> None:
         if key in self._sizes:
             self._sizes.move_to_end(key)
 
-    def remove(self, key) -> int:
+    def remove(self, key: K) -> int:
         size = self._sizes.pop(key)
         self.currsize -= size
         return size
 
-    def victims(self) -> Iterator:
+    def victims(self) -> Iterator[K]:
         """Keys from least to most recently used (a live view: do not add or remove while iterating)."""
         return iter(self._sizes)

@@ -29,7 +29,8 @@ import torch
 from .config import PrefetchPolicy, StoreConfig, WritePolicy, parse_config
 from .errors import ClosedError, TierTimeoutError, WriteBackError
 from .keys import ChunkKey, check_key
-from .tensors import TensorDict, validate_tensors
+from .objformat import validate_chunk
+from .tensors import TensorDict
 from .tiers import Tier, tier_class
 from .writeback import STAT_KEYS, WriteBack
 
@@ -75,7 +76,7 @@ class TieredStore:
         dropped from a tier before a tier below holds it. :meth:`flush` waits for that and reports failures.
         """
         check_key(key)
-        validate_tensors(tensors)
+        validate_chunk(tensors)  # before any tier: a chunk the object format cannot hold is refused whole
         with self._operation():
             self._count("puts")
             with self._wb.claim(key):
@@ -100,7 +101,7 @@ class TieredStore:
         return landed
 
     def _put_through(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
-        return any([t.put(key, tensors) for t in self.tiers if not t.read_only])
+        return any([t.put(key, tensors) for t in self.tiers])  # a read-only tier skips it (and counts that)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until write-back has brought every chunk put so far to every tier below it.
@@ -184,7 +185,7 @@ class TieredStore:
             rest = [i for i, f in enumerate(found) if not f]
             if not rest:
                 break
-            for i, hit in zip(rest, t.contains_many([keys[i] for i in rest], probe=False)):
+            for i, hit in zip(rest, t.contains_many([keys[i] for i in rest], probe=False), strict=True):
                 found[i] = hit
         n = found.index(False) if False in found else len(found)
         while n < len(keys) and (found[n] or any(t.contains(keys[n]) for t in self.tiers)):
@@ -366,7 +367,7 @@ def build_tiers(config: StoreConfig) -> list[Tier]:
     return tiers
 
 
-def open(config: Mapping | str | os.PathLike | None = None) -> TieredStore:  # noqa: A001 - public name
+def open(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> TieredStore:  # noqa: A001 - public name
     """Open a store from a dict, a YAML/JSON file, ``$TIERSTORE_CONFIG`` or the embedded default.
 
     The whole configuration is validated first; a bad key raises :class:`~tierstore.ConfigError`

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -32,8 +33,12 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise InvalidInputError(f"unsupported dtype {dtype}") from None
 
 
-def validate_tensors(tensors) -> None:
-    """Raise a clear error unless ``tensors`` is a non-empty ``Mapping[str, Tensor]`` of known dtypes."""
+def validate_tensors(tensors: object) -> None:
+    """Raise a clear error unless ``tensors`` is a non-empty ``Mapping[str, Tensor]`` of dense tensors
+    with data (not on the ``meta`` device) and known dtypes.
+
+    The size limits of a storable chunk are the object format's: see :func:`tierstore.objformat.validate_chunk`.
+    """
     if not isinstance(tensors, Mapping):
         raise InvalidTypeError(f"expected a Mapping[str, torch.Tensor], got {type(tensors).__name__}")
     if not tensors:
@@ -45,7 +50,21 @@ def validate_tensors(tensors) -> None:
             raise InvalidTypeError(f"value for {name!r} is {type(t).__name__}, not a torch.Tensor")
         if t.is_sparse or t.layout != torch.strided:
             raise InvalidInputError(f"tensor {name!r} has layout {t.layout}; only dense tensors are stored")
+        if t.is_meta:
+            raise InvalidInputError(f"tensor {name!r} is on the meta device: it has no data to store")
         dtype_name(t.dtype)
+
+
+def shape_is_valid(shape: Sequence[int], dtype: torch.dtype) -> bool:
+    """Whether torch can make a ``dtype`` tensor of ``shape`` (non-negative ints): sizes and strides
+    must fit in int64. Asked of a meta tensor (no memory) when the dims are large enough to matter."""
+    if math.prod(max(d, 1) for d in shape) * dtype.itemsize < 1 << 62:
+        return True
+    try:
+        torch.empty(tuple(shape), dtype=dtype, device="meta")
+    except (RuntimeError, TypeError, OverflowError, ValueError):
+        return False
+    return True
 
 
 def nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
@@ -59,10 +78,14 @@ def byte_alias(t: torch.Tensor) -> torch.Tensor:
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous CPU copy of ``t`` (no copy when already so)."""
+    """A flat uint8 view of a contiguous CPU copy of ``t`` (no copy when already so).
+
+    A conjugate or negative view (``x.conj()``, ``x.conj().imag``) is resolved first: the bytes are its
+    values, as ``copy_`` into a plain tensor would give them.
+    """
     if t.device.type != "cpu":
         t = t.cpu()
-    return byte_alias(t.contiguous())
+    return byte_alias(t.resolve_conj().resolve_neg().contiguous())
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -70,7 +93,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     v = byte_view(t)
     if v.numel() == 0:
         return memoryview(b"")
-    return memoryview(v.numpy()).cast("B")
+    return v.numpy().data.cast("B")
 
 
 def copy_tensors(tensors: Mapping[str, torch.Tensor], device: str | torch.device = "cpu",

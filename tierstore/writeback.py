@@ -252,7 +252,7 @@ class WriteBack:
                     items.append((k, data))
                     gens.append(gen)
             results = tier.put_many(items) if items else []
-        for (k, _), gen, ok in zip(items, gens, results):
+        for (k, _), gen, ok in zip(items, gens, results, strict=True):
             self._settle(k, level, gen, ok)
         for k, gen, sources in missing:
             if any(self.tiers[i].contains_many([k], probe=False)[0] for i in sources):

@@ -50,7 +50,7 @@ class Report:
         head = ("measurement", "value", "unit", "ratio", "vs", "note")
         body = [(r.name, f"{r.value:.3g}", r.unit, "" if r.ratio is None else f"{r.ratio:.2f}x", r.baseline, r.note)
                 for r in self.rows]
-        widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *body, strict=True)]
         fmt = "  ".join(f"{{:<{w}}}" for w in widths)
         lines = [self.title, fmt.format(*head), fmt.format(*("-" * w for w in widths))]
         lines += [fmt.format(*row) for row in body]

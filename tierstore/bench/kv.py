@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -194,7 +195,7 @@ def chunk_costs(model, ns, root: Path, sizes: list[int], args, repeats: int = 7)
     for size in sizes:
         toks = synthetic(size, 99 + size, vocab)
         model.prefill(toks)  # warm
-        prefill = min(_timed(lambda: model.prefill(toks, last_only=True)) for _ in range(repeats))
+        prefill = min(_timed(partial(model.prefill, toks, last_only=True)) for _ in range(repeats))
         row = {"chunk_tokens": size, "chunk_bytes": size * model.config.kv_bytes_per_token(model.dtype),
                "prefill_s": prefill}
         layers = model.prefill(toks).kv
@@ -206,7 +207,7 @@ def chunk_costs(model, ns, root: Path, sizes: list[int], args, repeats: int = 7)
                 kv = tierstore.KVCacheStore(store, ns.replace(tenant=f"cost-{size}"), chunk_tokens=size)
                 kv.save(toks, layers)
                 store.flush()
-                row[f"{name}_load_s"] = min(_timed(lambda: kv.load(toks)) for _ in range(repeats))
+                row[f"{name}_load_s"] = min(_timed(partial(kv.load, toks)) for _ in range(repeats))
             row[f"{name}_ratio"] = row[f"{name}_load_s"] / prefill
         rows.append(row)
     return rows
@@ -245,9 +246,9 @@ def cost_table(rows: list[dict]) -> str:
 
 
 def _format(head: list[str], body: list[list[str]]) -> str:
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
     line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths)))
+                                   for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
 
 
@@ -260,7 +261,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     bad = [s for s in scenarios if s not in SCENARIOS]
-    if bad or args.qps <= 0 or args.rounds < 1 or not 0 < args.host_fraction:
+    if bad or args.qps <= 0 or args.rounds < 1 or not args.host_fraction > 0:
         raise SystemExit(f"tierstore bench kv: bad --scenarios {bad} / --qps / --rounds / --host-fraction")
     model = TinyDecoder(TinyConfig())
     ns = KVNamespace(**model.namespace_fields())

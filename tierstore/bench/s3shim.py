@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import Any
 
 _HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
         "transfer-encoding", "upgrade", "host", "content-length", "expect"}
@@ -29,7 +30,8 @@ CHUNK = 64 * 1024
 def serve(upstream: str, port: int, latency: float, bandwidth: float) -> None:
     from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
-    stats = {"requests": 0, "by_method": {}, "gets": {}, "bytes_out": 0}
+    stats: dict[str, Any] = {"requests": 0, "by_method": {}, "gets": {}, "bytes_out": 0}
+    session: ClientSession | None = None
 
     async def handle(request: web.BaseRequest):
         if request.path == "/__shim__/stats":
@@ -46,6 +48,7 @@ def serve(upstream: str, port: int, latency: float, bandwidth: float) -> None:
             await request.writer.write(b"HTTP/%d.%d 100 Continue\r\n\r\n" % request.version)
         body = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        assert session is not None  # opened by main() before the server starts
         async with session.request(request.method, upstream + request.path_qs, headers=headers,
                                    data=body or None, allow_redirects=False) as up:
             out_headers = {k: v for k, v in up.headers.items() if k.lower() not in _HOP}
@@ -78,10 +81,9 @@ def serve(upstream: str, port: int, latency: float, bandwidth: float) -> None:
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", port)
         await site.start()
-        print(site._server.sockets[0].getsockname()[1], flush=True)
+        print(runner.addresses[0][1], flush=True)
         await asyncio.Event().wait()
 
-    session = None
     asyncio.run(main())
 
 
@@ -93,6 +95,7 @@ class S3Shim:
             [sys.executable, "-m", "tierstore.bench.s3shim", "--upstream", upstream, "--port", "0",
              "--latency-ms", str(latency * 1000), "--mbps", str(bandwidth / 1e6)],
             stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line.strip().isdigit():
             self.proc.kill()

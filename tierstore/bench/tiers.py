@@ -44,7 +44,8 @@ def _tier_rows(report: Report, name: str, tier, items, total: int, repeats: int,
     put_all()
     t_get = median_time(lambda: [tier.get(k) for k, _ in items], repeats, setup=os.sync)
     outs = [{n: torch.empty_like(t) for n, t in v.items()} for _, v in items]
-    t_into = median_time(lambda: [tier.get(k, out=o) for (k, _), o in zip(items, outs)], repeats, setup=os.sync)
+    t_into = median_time(lambda: [tier.get(k, out=o) for (k, _), o in zip(items, outs, strict=True)], repeats,
+                         setup=os.sync)
     report.add(f"{name} put", gbps(total, t_put), "GB/s", put_base)
     report.add(f"{name} get", gbps(total, t_get), "GB/s", get_base)
     report.add(f"{name} get(out=)", gbps(total, t_into), "GB/s", get_base)
@@ -69,7 +70,7 @@ def run(args) -> int:
         lambda: [{n: t.clone() for n, t in v.items()} for v in src], r)), "GB/s")
     dst = [{n: torch.empty_like(t) for n, t in v.items()} for v in src]
     report.add("memcpy into existing buffers", gbps(total, median_time(
-        lambda: [[d[n].copy_(t) for n, t in v.items()] for v, d in zip(src, dst)], r)), "GB/s")
+        lambda: [[d[n].copy_(t) for n, t in v.items()] for v, d in zip(src, dst, strict=True)], r)), "GB/s")
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         host = HostTier(capacity=2 * total + (64 << 20), pinned=False)
@@ -77,15 +78,15 @@ def run(args) -> int:
         host.close()
 
         files = [os.path.join(tmp, f"plain{i}") for i in range(len(items))]
-        payloads = [memoryview(torch.cat([v["k"], v["v"]]).numpy()).cast("B") for _, v in items]
+        payloads = [torch.cat([v["k"], v["v"]]).numpy().data.cast("B") for _, v in items]
 
         def plain_write():
-            for path, data in zip(files, payloads):
+            for path, data in zip(files, payloads, strict=True):
                 with open(path, "wb") as f:
                     f.write(data)
 
         # a torch buffer, as the tier uses: on this VM a bytearray target reads 4-5x slower (page mapping)
-        buf = memoryview(torch.empty(size, dtype=torch.uint8).numpy())
+        buf = torch.empty(size, dtype=torch.uint8).numpy().data
 
         def plain_read():
             for path in files:
@@ -128,7 +129,7 @@ def _s3_rows(report: Report, items, payloads, total: int, r: int) -> None:
         paths = [f"{bucket}/plain/{i}" for i in range(len(items))]
         reps = max(1, r // 2)
         pw = report.add("plain s3fs pipe_file (sequential)", gbps(total, median_time(
-            lambda: [fs.pipe_file(p, bytes(d)) for p, d in zip(paths, payloads)], reps)), "GB/s")
+            lambda: [fs.pipe_file(p, bytes(d)) for p, d in zip(paths, payloads, strict=True)], reps)), "GB/s")
         pr = report.add("plain s3fs cat_file (sequential)", gbps(total, median_time(
             lambda: [fs.cat_file(p) for p in paths], reps)), "GB/s")
         remote = RemoteTier(url=f"s3://{bucket}/tier", storage_options=s3.storage_options)
@@ -147,7 +148,7 @@ def _store_rows(report: Report, tmp: str, items, total: int, r: int, clone, n_lo
     cfg = {"tiers": [{"kind": "host", "capacity": 2 * total + (64 << 20), "pinned": False},
                      {"kind": "disk", "path": os.path.join(tmp, "store-disk"), "capacity": 4 * total}]}
     with tierstore.open(cfg) as store:
-        t_put = median_time(lambda: [store.put(k, v) for k, v in items], r)
+        t_put = median_time(lambda: [store.put(k, v) for k, v in items], r)  # type: ignore[func-returns-value]
         store.flush()
         t_get = median_time(lambda: [store.get(k) for k, _ in items], r)
         clone_t = total / clone.value / 1e9
@@ -156,12 +157,14 @@ def _store_rows(report: Report, tmp: str, items, total: int, r: int, clone, n_lo
         t_disk = median_time(lambda: [disk.put(k, v) for k, v in items], r)
         report.add("store.put write_back per chunk", t_put / len(items) * 1e3, "ms")
         report.add("disk tier put per chunk", t_disk / len(items) * 1e3, "ms")
-        report.add("write_back put speed-up vs disk put", t_disk / t_put, "x", note=f"{per_chunk / 2**20:.0f} MiB chunks")
+        report.add("write_back put speed-up vs disk put", t_disk / t_put, "x",
+                   note=f"{per_chunk / 2**20:.0f} MiB chunks")
 
     keys = [ChunkKey.from_bytes(f"lookup-{i}".encode()) for i in range(n_lookup)]
     small = {"x": torch.zeros(16)}
-    with tierstore.open({"tiers": [{"kind": "host", "capacity": "64MiB", "pinned": False, "pool": False},
-                                   {"kind": "disk", "path": os.path.join(tmp, "lookup-disk"), "capacity": "1GiB"}]}) as store:
+    tiers = [{"kind": "host", "capacity": "64MiB", "pinned": False, "pool": False},
+             {"kind": "disk", "path": os.path.join(tmp, "lookup-disk"), "capacity": "1GiB"}]
+    with tierstore.open({"tiers": tiers}) as store:
         for k in keys:
             store.put(k, small)
         store.flush()

@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -81,7 +82,9 @@ def _timed(fn, *a, **k) -> float:
 
 class Results:
     def __init__(self, total: int):
-        self.total, self.rows, self.limits = total, [], {}
+        self.total = total
+        self.rows: list[dict[str, Any]] = []
+        self.limits: dict[str, Any] = {}
 
     def add(self, scenario: str, method: str, seconds: float | None, nbytes: int | None = None,
             note: str = "") -> None:
@@ -237,8 +240,9 @@ def _targets(res: Results) -> list[dict]:
         out.append({"target": name, "value": value, "needed": target, "met": ok if value is not None else None})
 
     ours, st = "tierstore load_into (direct)", "safetensors load_file + copy"
-    if g("warm", ours) and g("warm", st):
-        check("warm: >= 0.9x safetensors", g("warm", ours), 0.9 * g("warm", st))
+    warm_st = g("warm", st)
+    if g("warm", ours) and warm_st:
+        check("warm: >= 0.9x safetensors", g("warm", ours), 0.9 * warm_st)
         check("warm: >= 0.7x memcpy", g("warm", ours), 0.7 * res.limits["memcpy"])
     if g("cold", ours):
         if res.limits.get("readinto_cold"):

@@ -41,7 +41,7 @@ def memcpy(src: np.ndarray, dst: np.ndarray) -> None:
 
 def readinto(paths: list[str], buf: torch.Tensor) -> int:
     """Sequential ``readinto`` of each file into the existing ``buf``; returns bytes read."""
-    view = memoryview(buf.numpy())
+    view = buf.numpy().data
     total = 0
     for p in paths:
         with open(p, "rb", buffering=0) as f:

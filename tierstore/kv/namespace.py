@@ -13,6 +13,7 @@ import json
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,19 +21,25 @@ from ..errors import InvalidInputError, InvalidTypeError
 from ..keys import ChunkKey
 from ..tensors import DTYPES, dtype_name
 
+if TYPE_CHECKING:
+    import numpy as np
+
+    #: token ids as callers hold them: a list/tuple of ints or a 1-D integer tensor / array
+    TokenIds = Sequence[int] | torch.Tensor | np.ndarray[Any, Any]
+
 #: Version of the KV key derivation; bump it when the canonical bytes or chunking change.
 KV_FORMAT_VERSION = 1
 _MAGIC = b"tierstore.kv\x00"
 
 
-def _check_str(name: str, value, *, allow_empty: bool = False) -> None:
+def _check_str(name: str, value: object, *, allow_empty: bool = False) -> None:
     if not isinstance(value, str):
         raise InvalidTypeError(f"KVNamespace.{name} must be a str, got {type(value).__name__}")
     if not allow_empty and not value:
         raise InvalidInputError(f"KVNamespace.{name} must not be empty")
 
 
-def _check_int(name: str, value, minimum: int) -> None:
+def _check_int(name: str, value: object, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidTypeError(f"KVNamespace.{name} must be an int, got {type(value).__name__}")
     if value < minimum:
@@ -79,7 +86,7 @@ class KVNamespace:
     tenant: str | None = None
     format_version: int = KV_FORMAT_VERSION
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         _check_str("model", self.model)
         _check_str("revision", self.revision, allow_empty=True)
         if isinstance(self.dtype, torch.dtype):
@@ -110,7 +117,7 @@ class KVNamespace:
         """True when chunks hold MLA latents ``(tokens, latent_dim)`` instead of K and V."""
         return self.layout.lower().startswith("mla")
 
-    def replace(self, **changes) -> "KVNamespace":
+    def replace(self, **changes: Any) -> KVNamespace:
         """A copy with ``changes`` applied (validated like a new namespace)."""
         return dataclasses.replace(self, **changes)
 
@@ -125,7 +132,7 @@ class KVNamespace:
                                    ensure_ascii=True).encode("ascii")
 
 
-def token_tensor(token_ids) -> torch.Tensor:
+def token_tensor(token_ids: TokenIds) -> torch.Tensor:
     """``token_ids`` as a 1-D contiguous CPU ``int64`` tensor.
 
     Accepts a list/tuple of ints (Python or numpy integers), or a 1-D integer ``torch.Tensor`` /
@@ -141,10 +148,10 @@ def token_tensor(token_ids) -> torch.Tensor:
                 raise InvalidTypeError(f"token ids must be integers, got {type(tok).__name__} {tok!r}")
         t = torch.tensor([int(tok) for tok in token_ids], dtype=torch.int64)
     elif type(token_ids).__module__ == "numpy" and hasattr(token_ids, "dtype"):
-        kind = token_ids.dtype.kind
-        if kind not in "iu":
-            raise InvalidTypeError(f"token ids must have an integer dtype, got numpy {token_ids.dtype}")
-        t = torch.from_numpy(token_ids.astype("int64", copy=False).reshape(token_ids.shape))
+        arr: Any = token_ids  # a numpy array, recognised without importing numpy
+        if arr.dtype.kind not in "iu":
+            raise InvalidTypeError(f"token ids must have an integer dtype, got numpy {arr.dtype}")
+        t = torch.from_numpy(arr.astype("int64", copy=False).reshape(arr.shape))
     elif isinstance(token_ids, Sequence) and not isinstance(token_ids, (str, bytes)):
         return token_tensor(list(token_ids))
     else:

@@ -58,13 +58,17 @@ class PagedLayout(str, enum.Enum):
         return self in (PagedLayout.MLA, PagedLayout.SGLANG_MLA_PAGE_FIRST)
 
 
+#: a request's block table, and one cache per layer or one multi-layer pool
+BlockIds = Sequence[int] | torch.Tensor
+Caches = torch.Tensor | Sequence[torch.Tensor]
+
 # rank of the cache tensor and how many leading dims are indexed (the rest is one row: heads×dim or latent)
 _RANKS = {PagedLayout.VLLM: (5, 3), PagedLayout.FLASHINFER: (5, 3), PagedLayout.MLA: (3, 2),
           PagedLayout.SGLANG_PAGE_FIRST: (5, 3), PagedLayout.SGLANG_PAGE_FIRST_DIRECT: (6, 4),
           PagedLayout.SGLANG_MLA_PAGE_FIRST: (4, 3)}
 
 
-def _layout(layout) -> PagedLayout:
+def _layout(layout: PagedLayout | str) -> PagedLayout:
     try:
         return PagedLayout(layout)
     except ValueError:
@@ -72,7 +76,8 @@ def _layout(layout) -> PagedLayout:
                                 f"{[m.value for m in PagedLayout]}") from None
 
 
-def _check_cache(cache, layout: PagedLayout) -> None:
+def _check_cache(cache: object, layout: PagedLayout) -> torch.Tensor:
+    """``cache`` if it is a tensor of ``layout``'s rank and fixed dims, else raise."""
     if not isinstance(cache, torch.Tensor):
         raise InvalidTypeError(f"a {layout.value} KV cache must be a torch.Tensor, got {type(cache).__name__}")
     rank, _ = _RANKS[layout]
@@ -87,6 +92,7 @@ def _check_cache(cache, layout: PagedLayout) -> None:
         raise InvalidInputError(f"{layout.value} host pool must start with a K/V dim of 2, got {tuple(cache.shape)}")
     if layout is PagedLayout.SGLANG_MLA_PAGE_FIRST and cache.shape[2] != 1:
         raise InvalidInputError(f"sglang MLA host pool must be (slots, layers, 1, latent), got {tuple(cache.shape)}")
+    return cache
 
 
 def _geometry(cache: torch.Tensor, layout: PagedLayout, block_size: int | None) -> tuple[int, int, int]:
@@ -116,7 +122,7 @@ def _geometry(cache: torch.Tensor, layout: PagedLayout, block_size: int | None) 
     return block_size, slots // block_size, layers
 
 
-def _positions(block_ids, start: int, end: int, block_size: int, num_blocks: int,
+def _positions(block_ids: BlockIds, start: int, end: int, block_size: int, num_blocks: int,
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Block id and in-block offset of every token in ``[start, end)``."""
     for name, v in (("start", start), ("end", end)):
@@ -149,7 +155,8 @@ def _positions(block_ids, start: int, end: int, block_size: int, num_blocks: int
     return ids[pos // block_size], pos % block_size
 
 
-def _index(layout: PagedLayout, blk, off, block_size: int, layers: int, layer: int | None):
+def _index(layout: PagedLayout, blk: torch.Tensor, off: torch.Tensor, block_size: int, layers: int,
+           layer: int | None) -> tuple[torch.Tensor, ...]:
     """Multi-index into the cache's leading dims, broadcast to the result order.
 
     Result order is ``(2, n)`` for one MHA layer, ``(n,)`` for one MLA layer, and ``(layers, 2, n)`` /
@@ -177,9 +184,10 @@ def _index(layout: PagedLayout, blk, off, block_size: int, layers: int, layer: i
 class _Plan:
     """Where the rows of one gather/scatter live in ``cache``; the shape of the canonical result."""
 
-    def __init__(self, cache, layout, block_ids, start, end, block_size, layer):
+    def __init__(self, cache: Caches, layout: PagedLayout | str, block_ids: BlockIds, start: int, end: int,
+                 block_size: int | None, layer: int | None) -> None:
         layout = _layout(layout)
-        _check_cache(cache, layout)
+        cache = _check_cache(cache, layout)
         self.cache, self.layout = cache, layout
         bs, nblocks, layers = _geometry(cache, layout, block_size)
         if layer is not None and not layout.multi_layer:
@@ -198,11 +206,11 @@ class _Plan:
         self.parts = tuple(i.reshape(-1) for i in idx)
         lead_shape = cache.shape[:lead]
         flat = torch.zeros_like(self.parts[0])
-        for part, size in zip(self.parts, lead_shape):
+        for part, size in zip(self.parts, lead_shape, strict=True):
             flat = flat * size + part
         self.flat_index = flat
         try:  # a flat (rows, *row_shape) view exists unless the strides interleave (e.g. vLLM HND)
-            self.flat = cache.view(-1, *cache.shape[lead:])
+            self.flat: torch.Tensor | None = cache.view(-1, *cache.shape[lead:])
         except RuntimeError:
             self.flat = None
 
@@ -239,8 +247,8 @@ class _Plan:
             self.cache.index_put_(self.parts, values.reshape(-1, *self.tail))
 
 
-def gather(cache: torch.Tensor, layout, block_ids, start: int, end: int, *, block_size: int | None = None,
-           layer: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def gather(cache: torch.Tensor, layout: PagedLayout | str, block_ids: BlockIds, start: int, end: int, *,
+           block_size: int | None = None, layer: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy tokens ``[start, end)`` of one layer out of a paged ``cache`` in canonical form.
 
     Returns ``(2, end - start, heads, dim)`` (MLA: ``(end - start, latent_dim)``), on the cache's device;
@@ -254,7 +262,7 @@ def gather(cache: torch.Tensor, layout, block_ids, start: int, end: int, *, bloc
     return _Plan(cache, layout, block_ids, start, end, block_size, layer).gather(out)
 
 
-def scatter(cache: torch.Tensor, layout, block_ids, kv: torch.Tensor, start: int = 0, *,
+def scatter(cache: torch.Tensor, layout: PagedLayout | str, block_ids: BlockIds, kv: torch.Tensor, start: int = 0, *,
             block_size: int | None = None, layer: int | None = None) -> None:
     """Write canonical ``kv`` (one layer) into the blocks of ``cache`` holding tokens ``[start, start+n)``.
 
@@ -272,7 +280,7 @@ def scatter(cache: torch.Tensor, layout, block_ids, kv: torch.Tensor, start: int
     plan.scatter(kv)
 
 
-def gather_layers(caches, layout, block_ids, start: int, end: int, *,
+def gather_layers(caches: Caches, layout: PagedLayout | str, block_ids: BlockIds, start: int, end: int, *,
                   block_size: int | None = None) -> list[torch.Tensor]:
     """:func:`gather` for every layer: ``caches`` is the list of per-layer tensors (vLLM) or one pool
     tensor (SGLang). Returns one canonical tensor per layer; a pool is read with a single index op."""
@@ -284,8 +292,8 @@ def gather_layers(caches, layout, block_ids, start: int, end: int, *,
     return [gather(c, layout, block_ids, start, end, block_size=block_size) for c in caches]
 
 
-def scatter_layers(caches, layout, block_ids, layers: Sequence[torch.Tensor], start: int = 0, *,
-                   block_size: int | None = None) -> None:
+def scatter_layers(caches: Caches, layout: PagedLayout | str, block_ids: BlockIds, layers: Sequence[torch.Tensor],
+                   start: int = 0, *, block_size: int | None = None) -> None:
     """:func:`scatter` for every layer; ``layers`` holds one canonical tensor per layer."""
     layout = _layout(layout)
     if not isinstance(layers, Sequence) or not all(isinstance(t, torch.Tensor) for t in layers):
@@ -302,10 +310,10 @@ def scatter_layers(caches, layout, block_ids, layers: Sequence[torch.Tensor], st
     _check_layer_list(caches)
     if len(layers) != len(caches):
         raise InvalidInputError(f"{len(caches)} layer caches but {len(layers)} KV tensors")
-    for c, kv in zip(caches, layers):
+    for c, kv in zip(caches, layers, strict=True):
         scatter(c, layout, block_ids, kv, start, block_size=block_size)
 
 
-def _check_layer_list(caches) -> None:
+def _check_layer_list(caches: object) -> None:
     if isinstance(caches, torch.Tensor) or not isinstance(caches, Sequence):
         raise InvalidTypeError("per-layer layouts take a sequence with one cache tensor per layer")

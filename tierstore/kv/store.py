@@ -7,12 +7,18 @@ import math
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import InvalidInputError, InvalidTypeError, MissingKeyError
 from ..keys import ChunkKey
 from .namespace import KVNamespace, prefix_keys, token_tensor
+
+if TYPE_CHECKING:
+    from ..store import TieredStore
+    from ..tensors import TensorDict
+    from .namespace import TokenIds
 
 log = logging.getLogger("tierstore.kv")
 
@@ -46,8 +52,8 @@ class KVCacheStore:
         Store and look up a trailing partial chunk (see above).
     """
 
-    def __init__(self, store, namespace: KVNamespace, chunk_tokens: int | None = None, *,
-                 partial_chunks: bool = False):
+    def __init__(self, store: TieredStore, namespace: KVNamespace, chunk_tokens: int | None = None, *,
+                 partial_chunks: bool = False) -> None:
         if not isinstance(namespace, KVNamespace):
             raise InvalidTypeError(f"namespace must be a tierstore.KVNamespace, got {type(namespace).__name__}")
         for method in ("put", "get", "lookup", "where", "prefetch"):
@@ -63,6 +69,7 @@ class KVCacheStore:
                                     f"chunk_tokens={namespace.chunk_tokens}")
         self.store = store
         self.namespace = namespace
+        assert namespace.chunk_tokens is not None  # set just above
         self.chunk_tokens: int = namespace.chunk_tokens
         self.partial_chunks = bool(partial_chunks)
         self._lock = threading.Lock()
@@ -70,7 +77,7 @@ class KVCacheStore:
                                       "skipped_chunks", "loaded_chunks", "load_misses", "bad_chunks"), 0)
 
     # ------------------------------------------------------------------ keys
-    def keys(self, token_ids) -> list[ChunkKey]:
+    def keys(self, token_ids: TokenIds) -> list[ChunkKey]:
         """One chained key per full chunk of ``token_ids`` (plus the trailing partial chunk when
         ``partial_chunks``). ``token_ids``: list/tuple of ints or a 1-D integer tensor/array of any
         integer dtype — the same ids always give the same keys."""
@@ -80,7 +87,7 @@ class KVCacheStore:
         """Tokens covered by the first ``n_chunks`` chunks of an ``n_tokens``-long sequence."""
         return min(n_chunks * self.chunk_tokens, n_tokens)
 
-    def lookup(self, token_ids) -> int:
+    def lookup(self, token_ids: TokenIds) -> int:
         """Number of leading tokens whose KV the store holds (index checks only, nothing is read)."""
         tokens = token_tensor(token_ids)
         keys = prefix_keys(self.namespace, tokens, partial=self.partial_chunks)
@@ -88,17 +95,17 @@ class KVCacheStore:
         self._count(lookups=1, lookup_tokens=len(tokens), hit_tokens=hit)
         return hit
 
-    def where(self, token_ids) -> list[str | None]:
+    def where(self, token_ids: TokenIds) -> list[str | None]:
         """Per chunk key of ``token_ids``: name of the highest tier holding it, or ``None``."""
         return [self.store.where(k) for k in self.keys(token_ids)]
 
-    def prefetch(self, token_ids) -> Future:
+    def prefetch(self, token_ids: TokenIds) -> Future[int]:
         """Start promoting the chunks of ``token_ids`` toward the top tier (``store.prefetch``); call it
         when a request arrives so a later :meth:`load` reads from memory."""
         return self.store.prefetch(self.keys(token_ids))
 
     # ------------------------------------------------------------------ save
-    def save(self, token_ids, layers: Sequence[torch.Tensor]) -> int:
+    def save(self, token_ids: TokenIds, layers: Sequence[torch.Tensor]) -> int:
         """Store the KV of ``token_ids``; return how many tokens' chunks were newly written.
 
         ``layers`` holds one tensor per layer, ``(2, n_tokens, kv_heads, head_dim)`` (MLA namespaces:
@@ -119,7 +126,7 @@ class KVCacheStore:
         self._count(saved_chunks=len(keys) - have, skipped_chunks=have)
         return written
 
-    def _check_layers(self, layers, n_tokens: int) -> None:
+    def _check_layers(self, layers: object, n_tokens: int) -> None:
         if isinstance(layers, torch.Tensor) or not isinstance(layers, Sequence):
             raise InvalidTypeError("layers must be a list/tuple with one tensor per layer, got "
                                    f"{type(layers).__name__}")
@@ -152,7 +159,7 @@ class KVCacheStore:
         return t[start:end] if self.namespace.is_mla else t[:, start:end]
 
     # ------------------------------------------------------------------ load
-    def load(self, token_ids, n_tokens: int | None = None, *,
+    def load(self, token_ids: TokenIds, n_tokens: int | None = None, *,
              device: str | torch.device = "cpu") -> list[torch.Tensor] | None:
         """The KV of the first ``n_tokens`` tokens, one tensor per layer, or ``None`` if nothing is cached.
 
@@ -183,7 +190,7 @@ class KVCacheStore:
                 raise MissingKeyError(f"only {have} of the requested {want} tokens are cached")
         if want == 0:
             return None
-        chunks = []
+        chunks: list[TensorDict] = []
         for i in range(math.ceil(want / self.chunk_tokens)):
             data = self.store.get(keys[i], device=device)
             if data is not None and not self._valid(data, chunks, i, total):
@@ -198,14 +205,14 @@ class KVCacheStore:
         self._count(loaded_chunks=len(chunks))
         return self._assemble(chunks, want, device) if want else None
 
-    def _valid(self, data: dict, chunks: list[dict], index: int, total: int) -> bool:
+    def _valid(self, data: TensorDict, chunks: list[TensorDict], index: int, total: int) -> bool:
         """Whether a fetched chunk has the layout its key promises: the same layer names and per-token
         shape as the first chunk, the namespace dtype, and the chunk's token count."""
         d = self._token_dim
         ref = chunks[0] if chunks else data
         first = ref.get(_LAYER.format(0))
         per_token = None if first is None else first.shape[:d] + first.shape[d + 1:]
-        ok = (per_token is not None and first.dim() == (2 if self.namespace.is_mla else 4)
+        ok = (first is not None and per_token is not None and first.dim() == (2 if self.namespace.is_mla else 4)
               and set(data) == {_LAYER.format(j) for j in range(len(ref))}
               and all(t.dtype == self.namespace.torch_dtype and t.dim() == first.dim()
                       and t.shape[d] == min(self.chunk_tokens, total - index * self.chunk_tokens)
@@ -216,7 +223,7 @@ class KVCacheStore:
                         {k: (tuple(v.shape), str(v.dtype)) for k, v in data.items()})
         return ok
 
-    def _assemble(self, chunks: list[dict], n: int, device) -> list[torch.Tensor]:
+    def _assemble(self, chunks: list[TensorDict], n: int, device: str | torch.device) -> list[torch.Tensor]:
         layers = []
         for j in range(len(chunks[0])):
             name = _LAYER.format(j)
@@ -239,7 +246,7 @@ class KVCacheStore:
             for k, v in deltas.items():
                 self._counts[k] += v
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         """Counters: lookups, lookup/hit tokens, saved/skipped/loaded chunks, load misses, bad chunks."""
         with self._lock:
             return dict(self._counts)

@@ -32,7 +32,7 @@ class CachedPrefill:
     kv: list[torch.Tensor]
     prompt_tokens: int
     cached_tokens: int
-    tiers: dict[str, int] = field(default_factory=dict)
+    tiers: dict[str | None, int] = field(default_factory=dict)
     lookup_s: float = 0.0
     load_s: float = 0.0
     compute_s: float = 0.0
@@ -71,7 +71,7 @@ class TinyEngine:
                 past = self.kv.load(tokens[:hit])
             hit = 0 if past is None else past[0].shape[1]
         t2 = time.perf_counter()
-        tiers = Counter()
+        tiers: Counter[str | None] = Counter()
         for i, tier in enumerate(where):
             tiers[tier] += max(0, min(self.kv.chunk_tokens, hit - i * self.kv.chunk_tokens))
         out = self.model.prefill(tokens[hit:], past, last_only=self.last_only)

@@ -26,7 +26,6 @@ from torch import nn
 from ..errors import InvalidInputError, InvalidTypeError
 from ..tensors import dtype_name
 
-
 #: Max |Δlogit| allowed between a prefix/suffix split and a full recompute, by dtype (tests, demo, bench).
 #: Continuing from the same past KV is bit-identical; a different split only reorders float sums.
 RECOMPUTE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
@@ -164,6 +163,8 @@ class Block(nn.Module):
 class TinyDecoder(nn.Module):
     """The decoder. Build with ``TinyDecoder(config, dtype=torch.bfloat16)``; call :meth:`prefill`."""
 
+    inv_freq: torch.Tensor  # a registered buffer
+
     def __init__(self, config: TinyConfig | None = None, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu"):
         super().__init__()
@@ -228,7 +229,7 @@ class TinyDecoder(nn.Module):
             if t.dtype != self.dtype:
                 raise InvalidInputError(f"past[{i}] has dtype {t.dtype}, the model runs in {self.dtype}")
             n = t.shape[1]
-        return n
+        return 0 if n is None else n
 
     @torch.inference_mode()
     def prefill(self, token_ids, past: Sequence[torch.Tensor] | None = None, *,

@@ -10,11 +10,13 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 
-def stop_process(proc: subprocess.Popen, timeout: float = 10) -> None:
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 10) -> None:
     """Terminate a helper server, killing it if it has not exited within ``timeout`` seconds."""
     proc.terminate()
     try:
@@ -27,7 +29,8 @@ def stop_process(proc: subprocess.Popen, timeout: float = 10) -> None:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 @dataclass
@@ -35,15 +38,15 @@ class LocalS3:
     """A running local S3 server; ``storage_options`` feeds s3fs / fsspec."""
 
     endpoint_url: str
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
     buckets: list[str] = field(default_factory=list)
 
     @property
-    def storage_options(self) -> dict:
+    def storage_options(self) -> dict[str, Any]:
         return {"endpoint_url": self.endpoint_url, "key": "testing", "secret": "testing",
                 "skip_instance_cache": True}
 
-    def filesystem(self):
+    def filesystem(self) -> Any:
         import s3fs
         return s3fs.S3FileSystem(**self.storage_options)
 
@@ -87,7 +90,7 @@ def start_local_s3(timeout: float = 30.0) -> LocalS3:
 
 
 @contextmanager
-def local_s3():
+def local_s3() -> Iterator[LocalS3]:
     server = start_local_s3()
     try:
         yield server

@@ -17,7 +17,8 @@ _KINDS = {
 def tier_class(kind: str) -> type[Tier]:
     """The class registered for ``kind`` (imported lazily so s3fs is only needed for remote)."""
     module, _, attr = _KINDS[kind].partition(":")
-    return getattr(importlib.import_module(module), attr)
+    cls: type[Tier] = getattr(importlib.import_module(module), attr)
+    return cls
 
 
 __all__ = ["Tier", "tier_class"]

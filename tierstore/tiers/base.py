@@ -21,21 +21,27 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..errors import CorruptObjectError, InvalidInputError
+from ..errors import CorruptObjectError, InvalidInputError, UnsupportedObjectError
 from ..keys import ChunkKey, check_key
+from ..objformat import validate_chunk
 from ..policy import LRUPolicy
-from ..tensors import TensorDict, fill_out, nbytes, validate_tensors
+from ..tensors import TensorDict, fill_out, nbytes
 from .claims import Claims
 from .space import SpaceLimit
 
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
 log = logging.getLogger("tierstore")
 
-COUNTERS = ("hits", "misses", "puts", "evictions", "bytes_in", "bytes_out", "corrupt", "errors",
+COUNTERS = ("hits", "misses", "puts", "evictions", "bytes_in", "bytes_out", "corrupt", "unsupported", "errors",
             "skipped", "enospc")
+#: outcomes of reading one object (see ``Tier._read_checked``)
+OK, MISSING, CORRUPT, UNSUPPORTED, ERROR = "ok", "missing", "corrupt", "unsupported", "error"
 
 #: ``before_evict(tier, key) -> bool``: ``False`` keeps the victim (a dirty chunk that could not be saved)
 BeforeEvict = Callable[["Tier", ChunkKey], "bool | None"]
@@ -59,6 +65,9 @@ class Tier(ABC):
     max_enospc_recheck: ClassVar[float] = 60.0
     #: a read-only tier serves reads and refuses writes; the tiered store never writes to one
     read_only: bool = False
+    #: storage other processes read and write (a remote prefix): a reader never deletes there, not even
+    #: a damaged object; it forgets it in this process and leaves removal to ``verify_many(repair=True)``
+    shared: ClassVar[bool] = False
 
     def __init__(self, name: str | None = None, capacity: int | None = None):
         if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0):
@@ -66,7 +75,7 @@ class Tier(ABC):
         self.name = name or self.kind
         self.capacity = capacity
         self.before_evict: BeforeEvict | None = None
-        self._lru = LRUPolicy()
+        self._lru: LRUPolicy[ChunkKey] = LRUPolicy()
         self._claims = Claims(self._lru, self.name)
         self._cond = self._claims.cond
         self._counts = dict.fromkeys(COUNTERS, 0)
@@ -83,7 +92,7 @@ class Tier(ABC):
         """Write ``payload`` so that a reader sees all of it or nothing."""
 
     @abstractmethod
-    def _load(self, key: ChunkKey, size: int, device: Any, borrow: bool = False) -> TensorDict | None:
+    def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
         """Read a chunk. ``None`` if it vanished; raise :class:`CorruptObjectError` if it is bad.
 
         With ``borrow``, memory tiers may return their own tensors (the caller holds a pin and must not
@@ -208,14 +217,14 @@ class Tier(ABC):
         keys = [check_key(k) for k in keys]
         with self._cond:
             found = [k in self._lru for k in keys]
-        missing = list(dict.fromkeys(k for k, f in zip(keys, found) if not f))
+        missing = list(dict.fromkeys(k for k, f in zip(keys, found, strict=True) if not f))
         if missing and probe:
-            probed = dict(zip(missing, self._probe(missing)))
+            probed = dict(zip(missing, self._probe(missing), strict=True))
             with self._cond:
                 for k, size in probed.items():
                     if size is not None and k not in self._lru:
                         self._index_add(k, size)
-            found = [f or probed.get(k) is not None for k, f in zip(keys, found)]
+            found = [f or probed.get(k) is not None for k, f in zip(keys, found, strict=True)]
         return found
 
     def get_many(self, keys: Sequence[ChunkKey], device: str | torch.device = "cpu") -> list[TensorDict | None]:
@@ -226,11 +235,12 @@ class Tier(ABC):
         self._check_open()
         keys = list(keys)
         unique = list(dict.fromkeys(keys))
-        held = [k for k, p in zip(unique, self.contains_many(unique)) if p]
-        size_of = {k: s for k, s in zip(held, self.pin(held)) if s is not None}
+        held = [k for k, p in zip(unique, self.contains_many(unique), strict=True) if p]
+        size_of = {k: s for k, s in zip(held, self.pin(held), strict=True) if s is not None}
         try:
-            loaded = dict(zip(unique, self._map(
-                lambda k: None if k not in size_of else self._load_checked(k, size_of[k], device), unique)))
+            values = self._map(lambda k: None if k not in size_of else self._load_checked(k, size_of[k], device),
+                               unique)
+            loaded = dict(zip(unique, values, strict=True))
         finally:
             self.unpin(size_of)
         results: list[TensorDict | None] = []
@@ -245,29 +255,75 @@ class Tier(ABC):
         with self._cond:
             self._counts["hits"] += hits
             self._counts["misses"] += len(results) - hits
-            self._counts["bytes_out"] += sum(size_of[k] for k, r in zip(keys, results) if r is not None)
+            self._counts["bytes_out"] += sum(size_of[k] for k, r in zip(keys, results, strict=True) if r is not None)
         return results
 
-    def _load_checked(self, key: ChunkKey, size: int, device, borrow: bool = False,
+    def _load_checked(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False,
                       out: Mapping[str, torch.Tensor] | None = None) -> TensorDict | None:
+        """Read a chunk; anything wrong with the stored object is a counted miss, never an exception."""
+        return self._read_checked(key, size, device, borrow, out)[0]
+
+    def _read_checked(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False,
+                      out: Mapping[str, torch.Tensor] | None = None,
+                      repair: bool = False) -> tuple[TensorDict | None, str]:
+        """``(tensors or None, outcome)``: read a chunk and classify what went wrong.
+
+        * damaged (:class:`CorruptObjectError`): counted ``corrupt``, forgotten; removed from storage on
+          a private tier, on a :attr:`shared` one only with ``repair``;
+        * unsupported (:class:`UnsupportedObjectError`: newer format, dtype this torch lacks): counted
+          ``unsupported``, never removed (another reader may need it); a shared tier forgets it, a private
+          one keeps it indexed so its bytes stay accounted for until it is evicted;
+        * gone (``FileNotFoundError``): forgotten;
+        * an I/O error or an object too large for memory right now: counted ``errors``, kept.
+
+        :class:`InvalidInputError` (``out`` does not match an intact chunk) propagates.
+        """
         try:
-            if out is not None:
-                return self._load_into(key, size, out)
-            return self._load(key, size, device, borrow)
+            data = self._load_into(key, size, out) if out is not None else self._load(key, size, device, borrow)
+            return data, OK if data is not None else MISSING
+        except UnsupportedObjectError as exc:
+            self._count("unsupported")
+            self._log_once("unsupported", "cannot read object %s (left in place): %s", key.hex(), exc)
+            if self.shared:
+                self._forget(key, remove=False)
+            return None, UNSUPPORTED
         except CorruptObjectError as exc:
             self._count("corrupt")
-            self._log_once("corrupt", "dropping corrupt object %s: %s", key.hex(), exc)
-        except FileNotFoundError:
-            pass  # removed by another process or a racing delete: a miss
-        except OSError as exc:
+            remove = repair or not self.shared
+            self._log_once("corrupt", "%s damaged object %s: %s", "removing" if remove else "skipping",
+                           key.hex(), exc)
+            self._forget(key, remove=remove)
+            return None, CORRUPT
+        except FileNotFoundError:  # removed by another process or a racing delete
+            self._forget(key, remove=False)
+            return None, MISSING
+        except (OSError, MemoryError) as exc:
             self._count("errors")
-            self._log_once("read", "read failed (%s); treating as a miss", exc)
-            return None
-        self._forget(key)
-        return None
+            self._log_once("read", "read failed (%s: %s); treating as a miss", type(exc).__name__, exc)
+            return None, ERROR
 
-    def _forget(self, key: ChunkKey) -> None:
-        """Drop a key whose object is gone or corrupt from index and storage.
+    def verify_many(self, keys: Sequence[ChunkKey], repair: bool = False) -> list[str]:
+        """Read and check each key's stored object; return each outcome (``"ok"``, ``"missing"``,
+        ``"corrupt"``, ``"unsupported"``, ``"error"``).
+
+        Outcomes are handled as on any read; ``repair`` also removes damaged objects from a shared tier
+        (``tierstore verify --repair``). Unsupported objects are never removed. No hit/miss counting.
+        """
+        self._check_open()
+        keys = [check_key(k) for k in keys]
+        unique = list(dict.fromkeys(keys))
+        self.contains_many(unique)  # a shared tier also checks objects this process has not indexed
+        held = [(k, size) for k, size in zip(unique, self.pin(unique, touch=False), strict=True) if size is not None]
+        try:
+            outcomes = self._map(lambda kv: self._read_checked(kv[0], kv[1], "cpu", True, None, repair)[1], held)
+        finally:
+            self.unpin(k for k, _ in held)
+        outcome = dict(zip((k for k, _ in held), outcomes, strict=True))
+        return [outcome.get(k, MISSING) for k in keys]
+
+    def _forget(self, key: ChunkKey, remove: bool = True) -> None:
+        """Drop a key whose object is gone, damaged or unreadable from the index, and with ``remove``
+        from storage.
 
         Never waits: the caller may itself be evicting the key (``before_evict`` reads it). A key that is
         being written, deleted or evicted is left to that operation, which replaces or removes it anyway;
@@ -276,7 +332,14 @@ class Tier(ABC):
         if not self._claims.try_claim_to_forget(key):
             return
         try:
-            self._discard(key, drop_absent=True)
+            with self._cond:
+                if key in self._lru:
+                    self._lru.remove(key)
+            if remove:
+                try:
+                    self._drop(key)
+                except OSError:
+                    pass
         finally:
             self._claims.unclaim(key)
 
@@ -343,7 +406,7 @@ class Tier(ABC):
         items = list(items)
         for key, tensors in items:
             check_key(key)
-            validate_tensors(tensors)
+            validate_chunk(tensors)
         return self._map(lambda item: self._put_one(*item), items)
 
     def put(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -464,7 +527,7 @@ class Tier(ABC):
         if self._claims.close(timeout):
             self._close()
 
-    def __enter__(self) -> Tier:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

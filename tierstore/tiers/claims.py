@@ -32,7 +32,7 @@ Evict = Callable[[list[tuple[ChunkKey, int]]], set[ChunkKey]]
 class Claims:
     """The lock-protected control state of one tier (see the module docstring)."""
 
-    def __init__(self, index: LRUPolicy, name: str) -> None:
+    def __init__(self, index: LRUPolicy[ChunkKey], name: str) -> None:
         self.cond = threading.Condition(threading.Lock())
         self.index = index
         self.name = name

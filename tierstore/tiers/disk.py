@@ -2,117 +2,77 @@
 
 Layout under ``path``::
 
-    .lock            flock'ed by the owning process; holds "<pid> <hostname>"
-    tmp/             objects being written (unique names; whatever is left here at open is removed)
-    00/ … ff/        finished objects, ``<2 hex>/<64 hex>.tso`` (see :mod:`tierstore.tiers.layout`)
+    .lock            "<pid> <hostname>" of the owning process (a note: the lock is on the directory)
+    00/ … ff/        finished objects, ``<2 hex>/<64 hex>.tso``, and the temp files they are written
+                     through, ``<64 hex>.tso.<32 hex>.tmp`` (see :mod:`tierstore.tiers.layout`)
 
-A put encodes the chunk (:mod:`tierstore.objformat`), writes it to a temp file with ``writev`` and
-renames it into place, so a reader sees the whole object or nothing; ``durable=True`` adds an fsync of
-the file before the rename and of its folder after. A get reads the whole file into one fresh uint8
-tensor and returns views over it after checking the header's key and the checksum (hashed piecewise as
-it is read). :meth:`DiskTier._load_into` reads the payload straight into caller-owned tensors instead:
-no allocation, which matters because first-touch page faults on fresh memory cost more than the read.
-The index is rebuilt on open by listing the 256 folders (sizes from ``stat``, LRU order from mtime; a
-hit refreshes mtime at most once a second). Files that are not ours are listed past and left alone.
+A put encodes the chunk (:mod:`tierstore.objformat`), writes it to a temp file in the object's folder
+with ``writev`` and renames it into place, so a reader sees the whole object or nothing; ``durable=True``
+adds an fsync of the file before the rename and of its folder after. A get reads the whole file into one
+fresh uint8 tensor and returns views over it after checking the header's key and the checksum (hashed
+piecewise as it is read). :meth:`DiskTier._load_into` reads the payload straight into caller-owned tensors
+instead: no allocation, which matters because first-touch page faults on fresh memory cost more than the
+read. The index is rebuilt on open by listing the 256 folders (sizes from ``stat``, LRU order from mtime;
+a hit refreshes mtime at most once a second); temp files a crashed writer left are removed then.
 
-A directory belongs to one process at a time: ``fcntl.flock`` on ``.lock``, released by :meth:`close`
-or by the kernel when the process dies (the descriptor is close-on-exec, but a ``fork``ed child shares
-it until it exits). ``read_only=True`` opens without the lock (an inspector beside a running engine): it
-lists, serves gets, sees objects the owner adds later, and refuses writes.
+**Only our own files are touched.** Writes, renames and deletes go through descriptors of the directory
+and its folders opened without following symlinks, and only names matching our patterns are removed:
+files that are not ours (and a folder that is a symlink) are listed past and left alone. Directories are
+created 0700 and files 0600 (``permissions: group``: 0770 and 0660), whatever the umask.
+
+A directory belongs to one process at a time (:mod:`tierstore.tiers.dirlock`: an ``flock`` on the
+directory, released by :meth:`close` or by the kernel when the process dies). With ``instances: N`` a
+tier whose directory is held takes the first free one of ``path.1`` … ``path.<N-1>`` instead, so several
+processes on a host can share one config. ``read_only=True`` opens without the lock (an inspector beside
+a running engine): it lists, serves gets, sees objects the owner adds later, never removes a file and
+skips puts.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
+import contextlib
 import logging
 import os
-import secrets
+import re
 import shutil
-import socket
 import stat
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 import xxhash
 
 from .. import objformat
-from ..errors import ClosedError, ConfigError, CorruptObjectError, InvalidInputError, LockedError
-from ..keys import ChunkKey
-from ..iov import IOV_MAX, advance
+from ..config import check_tier_options
+from ..errors import ClosedError, ConfigError, CorruptObjectError, InvalidInputError
+from ..iov import read_into, writev_all
+from ..keys import ChunkKey, check_key
+from ..objformat import validate_chunk
 from ..tensors import TensorDict, byte_alias, fill_out
+from . import objfile
 from .base import Tier
-from .layout import TMP_SUFFIX, key_from_name, object_relpath
+from .dirlock import DirLock, lock_first_free, open_dir
+from .layout import PERMISSIONS, is_temp_name, key_from_name, object_relpath, temp_name
 
 log = logging.getLogger("tierstore")
 
-LOCK_NAME = ".lock"
-TMP_DIR = "tmp"
 _HEX = "0123456789abcdef"
 _FANOUT = [a + b for a in _HEX for b in _HEX]
+#: the temp folder older versions wrote through, and their temp names (removed at open, nothing else)
+_LEGACY_TMP_DIR = "tmp"
+_LEGACY_TEMP_NAME = re.compile(r"[0-9a-f]{64}\.\d+\.[0-9a-f]{12}\.tmp")
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-#: reads are hashed in steps of this size (L2-sized: the bytes are hashed while still in cache)
-_PIECE = 256 << 10
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_CLOEXEC
 #: a hit refreshes the file's mtime (the LRU order after a restart) at most this often
 _TOUCH_EVERY_NS = 1_000_000_000
 
 
 class ReadOnlyError(InvalidInputError):
-    """A write (put, delete) was attempted on a disk tier opened with ``read_only=True``."""
-
-
-def _writev_all(fd: int, bufs: Sequence) -> int:
-    """Write every buffer in order; loops on partial writes and batches by IOV_MAX. Returns bytes written."""
-    views = [mv for mv in (memoryview(b).cast("B") for b in bufs) if len(mv)]
-    total, i = 0, 0
-    while i < len(views):
-        n = os.writev(fd, views[i:i + IOV_MAX])
-        if n <= 0:
-            raise OSError(errno.EIO, "writev wrote nothing")
-        total += n
-        i = advance(views, i, n)
-    return total
-
-
-def _read_into(fd: int, bufs: Sequence, hasher=None, skip: int = 0) -> int:
-    """Fill ``bufs`` in order from the current position; returns the bytes read (short only at EOF).
-
-    Reads go in steps of about :data:`_PIECE` bytes and each step is hashed (after the first ``skip``
-    bytes of the stream) right away, while it is still in cache: checksumming then costs little on top of
-    the read itself, where hashing a whole multi-MiB buffer afterwards would stream it from RAM again.
-    """
-    views = [mv for mv in (memoryview(b).cast("B") for b in bufs) if len(mv)]
-    total, i, off = 0, 0, 0
-    while i < len(views):
-        batch, room, j, o = [], _PIECE, i, off
-        while j < len(views) and room > 0 and len(batch) < IOV_MAX:
-            take = min(len(views[j]) - o, room)
-            batch.append(views[j][o:o + take])
-            room -= take
-            j, o = (j + 1, 0) if o + take == len(views[j]) else (j, o + take)
-        n = os.readv(fd, batch)
-        if n == 0:
-            break  # end of file
-        for b in batch:
-            if n <= 0:
-                break
-            m = min(len(b), n)
-            if hasher is not None:
-                if skip >= m:
-                    skip -= m
-                else:
-                    hasher.update(b[skip:m])
-                    skip = 0
-            n -= m
-            total += m
-            off += m
-            if off == len(views[i]):
-                i, off = i + 1, 0
-    return total
+    """A delete was attempted on a disk tier opened with ``read_only=True``."""
 
 
 class DiskTier(Tier):
@@ -121,130 +81,141 @@ class DiskTier(Tier):
     Args:
         name: tier name (default ``"disk"``).
         capacity: bytes the objects may occupy (their exact file sizes); ``None`` = unbounded, until
-            the filesystem fills up (then the tier adopts what it holds as its capacity).
+            the filesystem fills up (then the tier adopts what it holds as its capacity). A capacity
+            above the free space is allowed for the same reason: the tier adapts when it runs out.
         path: the directory. An unusable path raises :class:`~tierstore.ConfigError` naming it.
         durable: fsync each object and its folder before a put returns (off: a torn file after a power
             loss fails its checksum and is a miss).
-        read_only: open without the lock and refuse writes (:class:`ReadOnlyError`).
+        read_only: open without the lock; never remove a file; puts are skipped (``False``, counted
+            ``skipped``) and deletes raise :class:`ReadOnlyError`.
         codec: ``"none"`` (reads are zero-copy views) or ``"zstd"``.
         io_threads: batched calls (``get_many``, ``put_many``) read and write up to this many objects at
             once (a queue depth for NVMe); 1 = serial. Single-key calls always run on the caller's thread.
+        permissions: ``"private"`` (directories 0700, files 0600) or ``"group"`` (0770, 0660).
+        instances: when ``path`` is held by another process, take the first free directory of
+            ``path.1`` … ``path.<instances-1>`` instead (the path actually used is :attr:`path`).
 
     Raises:
-        LockedError: another process (or another open tier in this one) holds the directory; the
-            message names the holder's pid and host.
+        LockedError: another process (or another open tier in this one) holds the directory (every one
+            of them, with ``instances``); the message names the holder's pid and host.
     """
 
     kind = "disk"
 
-    def __init__(self, name: str | None = None, capacity: int | None = None, path: str | os.PathLike | None = None,
-                 durable: bool = False, read_only: bool = False, codec: str = "none", io_threads: int = 4):
-        super().__init__(name, capacity)
-        if not isinstance(io_threads, int) or isinstance(io_threads, bool) or io_threads < 1:
-            raise ConfigError(f"disk tier io_threads must be a positive int, got {io_threads!r}")
-        if path is None or not str(path):
+    def __init__(self, name: str | None = None, capacity: int | None = None, path: str | os.PathLike[str] | None = None,
+                 durable: bool = False, read_only: bool = False, codec: str = "none", io_threads: int = 4,
+                 permissions: str = "private", instances: int = 1):
+        if path is None:
             raise ConfigError("disk tier: 'path' is required")
-        if codec not in objformat.CODECS:
-            raise ConfigError(f"disk tier codec: {codec!r} is not one of {' | '.join(objformat.CODECS)}")
-        self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
-        self.durable = bool(durable)
-        self.read_only = bool(read_only)
-        self.codec = codec
-        self._tmp = os.path.join(self.path, TMP_DIR)
-        self._lock_fd: int | None = None
+        opts = check_tier_options("disk", {"capacity": capacity, "path": path, "durable": durable,
+                                           "read_only": read_only, "codec": codec, "io_threads": io_threads,
+                                           "permissions": permissions, "instances": instances},
+                                  where=f"disk tier {name or self.kind!r}")
+        super().__init__(name, opts["capacity"])
+        self.durable, self.read_only, self.codec = durable, read_only, codec
         self.io_threads = io_threads
+        self.permissions = permissions
+        self._dir_mode, self._file_mode = PERMISSIONS[permissions]
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._worker = threading.local()
+        self._lock: DirLock | None = None
+        base = opts["path"]
         if read_only:
-            if not os.path.isdir(self.path):
-                raise ConfigError(f"disk tier path {self.path!r} does not exist "
-                                  "(a read_only tier opens an existing directory)")
+            self._root_fd, self.path = open_dir(base), base
         else:
-            self._create_dirs()
-            self._lock_fd = self._acquire_lock()
+            self._root_fd, self._lock, self.path = lock_first_free(
+                [base] + [f"{base}.{i}" for i in range(1, instances)], self._dir_mode, self._file_mode)
         try:
             self._rebuild_index()
         except BaseException:
             self._close()
             raise
 
-    # ------------------------------------------------------------------ open: dirs, lock, index
-    def _create_dirs(self) -> None:
+    # ------------------------------------------------------------------ open: directory, lock, index
+    def _open_folder(self, sub: str, create: bool = False) -> int:
+        """A descriptor of fan-out folder ``sub``; never follows a symlink (``OSError`` ELOOP/ENOTDIR)."""
         try:
-            os.makedirs(self.path, exist_ok=True)
-            for sub in (TMP_DIR, *_FANOUT):
-                try:
-                    os.mkdir(os.path.join(self.path, sub))
-                except FileExistsError:
-                    pass
-        except OSError as exc:
-            raise ConfigError(f"disk tier path {self.path!r} is not a writable directory: {exc}") from None
-
-    def _acquire_lock(self) -> int:
-        lock_path = os.path.join(self.path, LOCK_NAME)
-        try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC | _O_NOFOLLOW, 0o644)
-        except OSError as exc:
-            raise ConfigError(f"disk tier path {self.path!r}: cannot open {LOCK_NAME}: {exc}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            try:
-                holder = os.pread(fd, 256, 0).decode(errors="replace").split()
-            except OSError:
-                holder = []
-            os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise ConfigError(f"disk tier path {self.path!r}: cannot lock {LOCK_NAME}: {exc}") from None
-            who = (f"pid {holder[0]} on host {holder[1] if len(holder) > 1 else '?'}" if holder
-                   else "another process")
-            raise LockedError(errno.EWOULDBLOCK,
-                              f"disk tier directory {self.path!r} is in use by {who}; a directory belongs to "
-                              "one process at a time (open it with read_only=True to inspect it)") from None
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
-        except OSError:
-            pass  # the lock itself is what counts; the note is for humans
+            return os.open(sub, _DIR_FLAGS | _O_NOFOLLOW, dir_fd=self._root_fd)
+        except FileNotFoundError:
+            if not create:
+                raise
+        with contextlib.suppress(FileExistsError):  # a racing writer made it
+            os.mkdir(sub, self._dir_mode, dir_fd=self._root_fd)
+        fd = os.open(sub, _DIR_FLAGS | _O_NOFOLLOW, dir_fd=self._root_fd)
+        self._fix_mode(fd, self._dir_mode)
         return fd
 
+    def _fix_mode(self, fd: int, mode: int) -> None:
+        try:
+            st = os.fstat(fd)
+            if stat.S_IMODE(st.st_mode) != mode and st.st_uid == os.geteuid():
+                os.fchmod(fd, mode)
+        except OSError:
+            pass
+
     def _rebuild_index(self) -> None:
-        """List the fan-out folders: register objects (oldest mtime first), drop stale temp files."""
+        """List the fan-out folders: register objects (oldest mtime first), remove our stale temp files."""
         found: list[tuple[int, str, ChunkKey, int]] = []
-        stale: list[str] = []
+        stale = 0
         if not self.read_only:
-            stale += [e.path for e in _scandir(self._tmp)]
+            stale += self._remove_legacy_temp()
         for sub in _FANOUT:
-            for entry in _scandir(os.path.join(self.path, sub)):
-                if entry.name.endswith(TMP_SUFFIX):
-                    stale.append(entry.path)
-                    continue
-                key = key_from_name(entry.name)
-                if key is None or object_relpath(key) != f"{sub}/{entry.name}":
-                    continue  # not ours (or not where we would look for it): leave it alone
-                try:
+            try:
+                fd = self._open_folder(sub, create=not self.read_only)
+            except FileNotFoundError:
+                continue
+            except OSError as exc:  # a symlink or a file where our folder should be: not ours
+                self._log_once("folder", "%s/%s is not a folder (%s); left alone, not used", self.path, sub, exc)
+                continue
+            try:
+                if not self.read_only:
+                    self._fix_mode(fd, self._dir_mode)
+                for entry in _scandir(fd):
                     if not entry.is_file(follow_symlinks=False):
                         continue
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                found.append((st.st_mtime_ns, entry.name, key, st.st_size))
-        if not self.read_only:
-            for p in stale:
-                _unlink_quietly(p)
+                    if is_temp_name(entry.name):
+                        if not self.read_only:
+                            stale += _unlink_quietly(entry.name, fd)
+                        continue
+                    key = key_from_name(entry.name)
+                    if key is None or object_relpath(key) != f"{sub}/{entry.name}":
+                        continue  # not ours (or not where we would look for it): leave it alone
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    found.append((st.st_mtime_ns, entry.name, key, st.st_size))
+            finally:
+                os.close(fd)
         found.sort()
         with self._cond:
             for _, _, key, size in found:
                 self._index_add(key, size)
         if stale or found:
             log.debug("tier %s: indexed %d objects (%d bytes) under %s, removed %d temp files",
-                      self.name, len(found), self.used_bytes, self.path, len(stale))
+                      self.name, len(found), self.used_bytes, self.path, stale)
         if not self.read_only and self.capacity is not None and self.used_bytes > self.capacity:
             self._trim_to_capacity()
 
+    def _remove_legacy_temp(self) -> int:
+        """Remove temp files older versions left in ``tmp/`` (only those names), then ``tmp/`` if empty."""
+        try:
+            fd = os.open(_LEGACY_TMP_DIR, _DIR_FLAGS | _O_NOFOLLOW, dir_fd=self._root_fd)
+        except OSError:
+            return 0  # absent, or not a real folder: nothing of ours
+        try:
+            removed = sum(_unlink_quietly(e.name, fd) for e in _scandir(fd)
+                          if _LEGACY_TEMP_NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False))
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError):  # fails while it holds files that are not ours
+            os.rmdir(_LEGACY_TMP_DIR, dir_fd=self._root_fd)
+        return removed
+
     def _trim_to_capacity(self) -> None:
         """The directory holds more than the (lowered) capacity: drop least-recently-used objects."""
+        assert self.capacity is not None
         with self._cond:
             victims = []
             excess = self._lru.currsize - self.capacity
@@ -265,57 +236,36 @@ class DiskTier(Tier):
         return os.path.join(self.path, object_relpath(key))
 
     def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> tuple[objformat.Encoded, int]:
-        if self.read_only:
-            raise ReadOnlyError(f"disk tier {self.name!r} at {self.path!r} is read-only")
         enc = objformat.encode(key, tensors, self.codec)
         return enc, enc.size
 
     def _store(self, key: ChunkKey, payload: objformat.Encoded, size: int) -> None:
-        final = self._object_path(key)
-        tmp = os.path.join(self._tmp, f"{key.hex()}.{os.getpid()}.{secrets.token_hex(6)}{TMP_SUFFIX}")
-        fd = self._open_new(tmp)
+        sub, name = object_relpath(key).split("/")
+        tmp = temp_name(key)
+        folder = self._open_folder(sub, create=True)
         try:
             try:
-                written = _writev_all(fd, payload.parts)
-                if written != size:
-                    raise RuntimeError(f"encoded object is {written} bytes, expected {size}")
-                if self.durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            try:
-                os.replace(tmp, final)
-            except FileNotFoundError:  # a fan-out folder was removed under us: recreate it once
-                os.makedirs(os.path.dirname(final), exist_ok=True)
-                os.replace(tmp, final)
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
-        if self.durable:
-            try:
-                _fsync_dir(os.path.dirname(final))
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | _O_NOFOLLOW,
+                             self._file_mode, dir_fd=folder)
+                try:
+                    os.fchmod(fd, self._file_mode)  # exactly the mode asked for, whatever the umask
+                    writev_all(fd, payload.parts)
+                    if self.durable:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
             except BaseException:
-                _unlink_quietly(final)  # the put fails as a whole: storage and index keep agreeing
+                _unlink_quietly(tmp, folder)
                 raise
-
-    def _open_new(self, tmp: str) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
-        try:
-            return os.open(tmp, flags, 0o644)
-        except FileNotFoundError:
-            os.makedirs(self._tmp, exist_ok=True)
-            return os.open(tmp, flags, 0o644)
-
-    def _open_object(self, key: ChunkKey) -> tuple[int, os.stat_result]:
-        fd = os.open(self._object_path(key), os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW)
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptObjectError("not a regular file")
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd, st
+            if self.durable:
+                try:
+                    os.fsync(folder)
+                except BaseException:
+                    _unlink_quietly(name, folder)  # the put fails as a whole: storage and index keep agreeing
+                    raise
+        finally:
+            os.close(folder)
 
     def _touch(self, fd: int, st: os.stat_result) -> None:
         """Refresh mtime on a hit so the LRU order rebuilt after a restart follows use, not creation."""
@@ -323,30 +273,16 @@ class DiskTier(Tier):
             return
         now = time.time_ns()
         if now - st.st_mtime_ns > _TOUCH_EVERY_NS:
-            try:
+            with contextlib.suppress(OSError):
                 os.utime(fd, ns=(now, now))
-            except OSError:
-                pass
 
-    def _load(self, key: ChunkKey, size: int, device, borrow: bool = False) -> TensorDict | None:
-        fd, st = self._open_object(key)
+    def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
+        fd, st = objfile.open_object(self._object_path(key))
         try:
-            buf = torch.empty(st.st_size, dtype=torch.uint8)
-            mv = memoryview(buf.numpy())
-            h = xxhash.xxh3_128()
-            got = _read_into(fd, [mv], h, skip=objformat.PREFIX_SIZE)
-            if got != st.st_size:
-                raise CorruptObjectError(f"short read: {got} of {st.st_size} bytes")
-            hdr = objformat.parse_header(mv, key, object_size=st.st_size)
-            if h.digest() != bytes(mv[16:32]):
-                raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
+            tensors = objfile.read_object(fd, st, key)  # views over one buffer when uncompressed
             self._touch(fd, st)
         finally:
             os.close(fd)
-        if hdr.codec == "none":
-            tensors = objformat.tensors_from_payload(buf[hdr.payload_offset:], hdr)  # views over buf
-        else:
-            tensors = objformat.decode(buf, key)
         device = torch.device(device)
         if device.type != "cpu":
             tensors = {n: t.to(device) for n, t in tensors.items()}
@@ -355,58 +291,55 @@ class DiskTier(Tier):
     def _load_into(self, key: ChunkKey, size: int, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
         """Read the payload straight into caller-owned ``out`` (contiguous CPU tensors): no allocation.
 
-        Names, shapes and dtypes must match the stored chunk exactly (else :class:`InvalidInputError`,
-        nothing read). The checksum is verified after the read: on :class:`CorruptObjectError` ``out``
-        holds unspecified bytes. Compressed objects and non-CPU or non-contiguous ``out`` tensors go
-        through :meth:`_load` and a copy.
+        The checksum is verified after the read: on :class:`CorruptObjectError` ``out`` holds unspecified
+        bytes. Compressed objects, non-CPU or non-contiguous ``out`` tensors, and an ``out`` that differs
+        from what the (not yet verified) header says go through :meth:`_load` and a copy, so a damaged
+        object is a miss and only an intact one that differs raises :class:`InvalidInputError`.
         """
-        if not all(t.device.type == "cpu" and t.is_contiguous() for t in out.values()):
-            data = self._load(key, size, "cpu")
-            return None if data is None else fill_out(out, data)
-        fd, st = self._open_object(key)
+        fd, st = objfile.open_object(self._object_path(key))
         try:
-            head = os.pread(fd, 8 << 10, 0)
-            if len(head) >= objformat.PREFIX_SIZE:
-                hlen = objformat.PREFIX.unpack_from(head)[2]
-                if objformat.PREFIX_SIZE + hlen > len(head) and hlen <= objformat.MAX_HEADER:
-                    head = os.pread(fd, objformat.PREFIX_SIZE + hlen, 0)
-            hdr = objformat.parse_header(head, key, object_size=st.st_size)
-            if hdr.codec != "none":
-                os.close(fd)
-                fd = -1
-                data = self._load(key, size, "cpu")
-                return None if data is None else fill_out(out, data)
-            _check_out(out, hdr)
+            head, hdr = objfile.read_header(fd, st, key)
+            if (hdr.codec != "none" or not _matches(out, hdr)
+                    or not all(t.device.type == "cpu" and t.is_contiguous() for t in out.values())):
+                data = objfile.read_object(fd, st, key)
+                self._touch(fd, st)
+                return fill_out(out, data)
             segments: list[memoryview] = []
             pos = 0
             for s in hdr.tensors:
                 if s.offset > pos:
                     segments.append(memoryview(bytearray(s.offset - pos)))
                 if s.nbytes:
-                    segments.append(memoryview(byte_alias(out[s.name]).numpy()))
+                    segments.append(byte_alias(out[s.name]).numpy().data)
                 pos = s.offset + s.nbytes
             if hdr.raw_size > pos:
                 segments.append(memoryview(bytearray(hdr.raw_size - pos)))
             os.lseek(fd, hdr.payload_offset, os.SEEK_SET)
             h = xxhash.xxh3_128(memoryview(head)[objformat.PREFIX_SIZE:hdr.payload_offset])
-            got = _read_into(fd, segments, h)
+            got = read_into(fd, segments, h)
             if got != hdr.raw_size:
                 raise CorruptObjectError(f"short read: {got} of {hdr.raw_size} payload bytes")
             if h.digest() != head[16:32]:
                 raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
             self._touch(fd, st)
         finally:
-            if fd >= 0:
-                os.close(fd)
+            os.close(fd)
         return dict(out)
 
     def _drop(self, key: ChunkKey) -> None:
         if self.read_only:
             return  # forget it in this view only; the owner's files are not ours to remove
+        sub, name = object_relpath(key).split("/")
         try:
-            os.unlink(self._object_path(key))
+            folder = self._open_folder(sub)
+        except FileNotFoundError:
+            return
+        try:
+            os.unlink(name, dir_fd=folder)
         except FileNotFoundError:
             pass
+        finally:
+            os.close(folder)
 
     def _probe(self, keys: Sequence[ChunkKey]) -> list[int | None]:
         """A read-only view also finds objects the owning process wrote after this one opened."""
@@ -427,7 +360,7 @@ class DiskTier(Tier):
         except OSError:
             return None
 
-    def _map(self, fn: Callable, items: Sequence) -> list:
+    def _map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
         """Batched I/O on a small pool (inline for one item, for ``io_threads=1`` and inside a worker)."""
         items = list(items)
         if len(items) <= 1 or self.io_threads == 1 or getattr(self._worker, "active", False):
@@ -451,61 +384,59 @@ class DiskTier(Tier):
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-        fd, self._lock_fd = self._lock_fd, None
-        if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            finally:
+        lock, self._lock = self._lock, None
+        fd, self._root_fd = self._root_fd, -1
+        try:
+            if lock is not None:
+                lock.release()
+        finally:
+            if fd >= 0:
                 os.close(fd)
 
-    # ------------------------------------------------------------------ writes refused when read-only
-    def put_many(self, items):
-        if self.read_only:
-            raise ReadOnlyError(f"disk tier {self.name!r} at {self.path!r} is read-only; puts are refused")
-        return super().put_many(items)
+    # ------------------------------------------------------------------ a read-only view never writes
+    def put_many(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]) -> list[bool]:
+        if not self.read_only:
+            return super().put_many(items)
+        items = list(items)
+        for key, tensors in items:  # bad input still raises, as for every tier
+            check_key(key)
+            validate_chunk(tensors)
+        if items:
+            self._count("skipped", len(items))
+            self._log_once("read-only", "opened read_only: puts are skipped")
+        return [False] * len(items)
 
-    def delete_many(self, keys):
+    def delete_many(self, keys: Sequence[ChunkKey]) -> int:
         if self.read_only:
             raise ReadOnlyError(f"disk tier {self.name!r} at {self.path!r} is read-only; deletes are refused")
         return super().delete_many(keys)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {**super().stats(), "path": self.path, "durable": self.durable, "read_only": self.read_only,
-                "codec": self.codec}
+                "codec": self.codec, "permissions": self.permissions}
 
 
-def _check_out(out: Mapping[str, torch.Tensor], hdr: objformat.Header) -> None:
-    names = {s.name for s in hdr.tensors}
-    if set(out) != names:
-        raise InvalidInputError(f"out has tensors {sorted(out)}, the chunk has {sorted(names)}")
-    for s in hdr.tensors:
-        dst = out[s.name]
-        if tuple(dst.shape) != s.shape or dst.dtype != s.dtype:
-            raise InvalidInputError(
-                f"out[{s.name!r}] is {tuple(dst.shape)} {dst.dtype}, the chunk holds {s.shape} {s.dtype}")
+def _matches(out: Mapping[str, torch.Tensor], hdr: objformat.Header) -> bool:
+    """Whether ``out`` has exactly the header's names, shapes and dtypes."""
+    return set(out) == {s.name for s in hdr.tensors} and all(
+        tuple(out[s.name].shape) == s.shape and out[s.name].dtype == s.dtype for s in hdr.tensors)
 
 
-def _scandir(path: str) -> list[os.DirEntry]:
+def _scandir(dir_fd: int) -> list[os.DirEntry[str]]:
     try:
-        with os.scandir(path) as it:
+        with os.scandir(dir_fd) as it:
             return list(it)
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:
         return []
 
 
-def _unlink_quietly(path: str) -> None:
+def _unlink_quietly(name: str, dir_fd: int) -> int:
+    """Remove ``name`` in the folder open as ``dir_fd``; 1 if it was removed, else 0."""
     try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
+        return 1
     except OSError:
-        pass
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        return 0
 
 
 __all__ = ["DiskTier", "ReadOnlyError"]

@@ -37,17 +37,16 @@ class HostTier(MemoryTier):
                  pool: bool | None = None, slot_size: int = 64 << 10):
         super().__init__(name, capacity, device="cpu", pinned=pinned)
         use_pool = (capacity is not None and capacity >= 1024 * slot_size) if pool is None else pool
+        self.pool: SlotPool | None = None
         if use_pool and capacity:
             slot_size = max(ALIGN, min(slot_size, capacity // ALIGN * ALIGN))  # a tiny tier still gets a slot
             self.pool = SlotPool(capacity, slot_size, pinned=self.pinned)
-        else:
-            self.pool = None
         if self.pool is not None:
             self.capacity = self.pool.capacity
         self._runs: dict[ChunkKey, tuple[int, int]] = {}
         self._retired: dict[ChunkKey, list[tuple[int, int]]] = {}  # replaced or dropped while pinned
 
-    def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]):
+    def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> tuple[Mapping[str, torch.Tensor], int]:
         if self.pool is None:
             return tensors, nbytes(tensors)
         return tensors, self.pool.slots_for(_layout(tensors)[1]) * self.pool.slot_size
@@ -77,6 +76,7 @@ class HostTier(MemoryTier):
 
         An overwrite whose new run only fits where the old value lies gives the old value up first.
         """
+        assert self.pool is not None  # runs exist only in a pooled tier
         kept: set[ChunkKey] = set()
         while (run := self.pool.alloc(size)) is None:
             with self._cond:
@@ -103,11 +103,14 @@ class HostTier(MemoryTier):
 
         Call with the lock held: a reader pins under it before it looks the key up.
         """
+        assert self.pool is not None
         if self._claims.pinned(key):
             self._retired.setdefault(key, []).append(run)
         else:
             self.pool.free(run)
 
     def _last_unpin(self, key: ChunkKey) -> None:
-        for run in self._retired.pop(key, ()):
-            self.pool.free(run)
+        if self._retired:
+            assert self.pool is not None
+            for run in self._retired.pop(key, ()):
+                self.pool.free(run)

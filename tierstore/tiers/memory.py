@@ -24,7 +24,7 @@ class MemoryTier(Tier):
     def _store(self, key: ChunkKey, payload: Mapping[str, torch.Tensor], size: int) -> None:
         self._data[key] = copy_tensors(payload, self.device, pin_memory=self.pinned)
 
-    def _load(self, key: ChunkKey, size: int, device, borrow: bool = False) -> TensorDict | None:
+    def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
         data = self._data.get(key)
         if data is None or borrow:
             return data

@@ -18,7 +18,10 @@ Rules this tier keeps:
   thread pool of ``max_in_flight`` workers shared by all callers of the tier; the base class keeps the
   accounting, pins and counters.
 * **Degrade, don't fail.** Any storage or network error on a read is a miss, on a write a skipped put; it
-  is counted (``errors``) and logged once. A bad object is a counted miss (``corrupt``) and is removed.
+  is counted (``errors``) and logged once. A damaged object is a counted miss (``corrupt``), one this
+  reader cannot represent (newer format, unknown dtype) a counted miss (``unsupported``); neither is
+  deleted by a reader (``shared = True``): this process forgets it, and ``tierstore verify --repair``
+  removes damaged ones.
 * **Capacity** is optional (``None`` = unbounded). With one, LRU eviction runs over the objects this
   process knows (its listing and what it has written or found), and an evicted object is deleted.
 """
@@ -36,15 +39,17 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 import torch
+from fsspec.implementations.local import LocalFileSystem
 
 from .. import objformat
+from ..config import check_tier_options
 from ..errors import ClosedError, ConfigError, InvalidInputError, TierstoreError
 from ..keys import ChunkKey
 from ..tensors import TensorDict
+from . import objfile
 from .base import Tier
-from .layout import TMP_SUFFIX, key_from_name, object_relpath
+from .layout import PERMISSIONS, TMP_SUFFIX, key_from_name, object_relpath
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -61,7 +66,7 @@ class _Unavailable(OSError):
 _NO_LINK = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV, errno.ENOSYS}
 
 
-def _check_url(url) -> None:
+def _check_url(url: object) -> None:
     """Raise :class:`ConfigError` unless every protocol in ``url`` is one fsspec can load."""
     if not isinstance(url, str) or not url:
         raise ConfigError(f"remote tier needs `url` (an fsspec URL such as s3://bucket/prefix), got {url!r}")
@@ -77,7 +82,7 @@ def _check_url(url) -> None:
             raise ConfigError(f"remote tier url {url!r}: scheme {protocol!r} needs a package: {exc}") from None
 
 
-def _mtime(info: Mapping) -> float:
+def _mtime(info: Mapping[str, Any]) -> float:
     """Modification time of a listing entry across fsspec implementations (0 when unknown)."""
     for field in ("LastModified", "mtime", "updated", "created"):
         v = info.get(field)
@@ -118,25 +123,27 @@ class RemoteTier(Tier):
     list_on_open:
         Rebuild the index by listing the prefix at open. Without it the index fills lazily, as lookups
         find objects in storage.
+    permissions:
+        For a local or mounted path: ``"private"`` (folders 0700, objects 0600) or ``"group"`` (0770,
+        0660) for the folders and objects this tier creates.
     """
 
     kind = "remote"
     overwrites = False
+    shared = True
     #: seconds to fail fast after a connection error or timeout (doubling while down, up to the max)
     retry_after: float = 1.0
     max_retry_after: float = 30.0
 
     def __init__(self, name: str | None = None, capacity: int | None = None, url: str | None = None,
                  storage_options: Mapping[str, Any] | None = None, compression: str | None = None,
-                 max_in_flight: int = 8, list_on_open: bool = True):
+                 max_in_flight: int = 8, list_on_open: bool = True, permissions: str = "private"):
         _check_url(url)
-        if compression not in (None, "none", "zstd"):
-            raise ConfigError(f"remote tier compression must be null, 'none' or 'zstd', got {compression!r}")
-        if not isinstance(max_in_flight, int) or isinstance(max_in_flight, bool) or max_in_flight < 1:
-            raise ConfigError(f"remote tier max_in_flight must be a positive int, got {max_in_flight!r}")
-        if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise ConfigError(f"remote tier storage_options must be a mapping, got {storage_options!r}")
+        check_tier_options("remote", {"compression": compression, "max_in_flight": max_in_flight,
+                                      "storage_options": storage_options, "list_on_open": list_on_open,
+                                      "permissions": permissions}, where=f"remote tier {name or self.kind!r}")
         super().__init__(name, capacity)
+        self._dir_mode, self._file_mode = PERMISSIONS[permissions]
         self.url = url
         self.codec = compression or "none"
         self.max_in_flight = max_in_flight
@@ -176,7 +183,7 @@ class RemoteTier(Tier):
             raise ClosedError(f"tier {self.name!r} is closed") from None
         return [f.result() for f in futures]
 
-    def _io(self, fn: Callable[..., R], *args, **kwargs) -> R:
+    def _io(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         """Call a filesystem function; non-``OSError`` failures (botocore, aiohttp …) become ``OSError``.
 
         A connection failure or timeout marks the storage unreachable for ``retry_after`` seconds (doubling
@@ -249,7 +256,7 @@ class RemoteTier(Tier):
             for _, key, size in found:
                 self._index_add(key, size)
 
-    def _list_root(self) -> dict[str, dict]:
+    def _list_root(self) -> dict[str, dict[str, Any]]:
         """Every file under the root with its details (empty if the root does not exist yet)."""
         try:
             return self._io(self.fs.find, self.root, detail=True)
@@ -286,8 +293,8 @@ class RemoteTier(Tier):
         try:
             if self._s3:  # one HEAD; fs.info would add a LIST for every miss
                 bucket, name, _ = self.fs.split_path(path)
-                return self._io(self.fs.call_s3, "head_object", self.fs.kwargs, Bucket=bucket,
-                                Key=name)["ContentLength"]
+                return int(self._io(self.fs.call_s3, "head_object", self.fs.kwargs, Bucket=bucket,
+                                    Key=name)["ContentLength"])
             info = self._io(self.fs.info, path)
         except FileNotFoundError:
             return None
@@ -324,7 +331,7 @@ class RemoteTier(Tier):
                 raise OSError(f"no space left under {self.url}: {exc}") from exc
             raise
 
-    def _publish(self, path: str, data: bytes) -> None:
+    def _publish(self, path: str, data: bytes | bytearray) -> None:
         if self._create_mode:
             try:
                 self._io(self.fs.pipe_file, path, data, mode="create")
@@ -343,10 +350,10 @@ class RemoteTier(Tier):
         """Write a unique temp file next to ``path``, then link it into place (fails if it exists)."""
         tmp = f"{path}.{uuid.uuid4().hex}{TMP_SUFFIX}"
         try:
-            f = open(tmp, "xb")
+            f = open(tmp, "xb", opener=self._create_file)  # noqa: SIM115 - closed by the `with f:` below
         except FileNotFoundError:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            f = open(tmp, "xb")
+            self._make_folders(os.path.dirname(path))
+            f = open(tmp, "xb", opener=self._create_file)  # noqa: SIM115
         try:
             with f:
                 for part in enc.parts:
@@ -367,17 +374,39 @@ class RemoteTier(Tier):
             except FileNotFoundError:
                 pass
 
-    def _read(self, path: str) -> torch.Tensor | bytes:
-        """The whole object: a fresh uint8 tensor for local files (decoded without a copy), else bytes."""
-        if not self._local:
-            return self._io(self.fs.cat_file, path)
-        with open(path, "rb") as f:
-            buf = torch.empty(os.fstat(f.fileno()).st_size, dtype=torch.uint8)
-            n = f.readinto(memoryview(buf.numpy())) if buf.numel() else 0
-        return buf[:n]
+    def _create_file(self, path: str, flags: int) -> int:
+        fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), self._file_mode)
+        os.fchmod(fd, self._file_mode)  # exactly the configured mode, whatever the umask
+        return fd
 
-    def _load(self, key: ChunkKey, size: int, device, borrow: bool = False) -> TensorDict | None:
-        tensors = objformat.decode(self._read(self._path(key)), expected_key=key)
+    def _make_folders(self, folder: str) -> None:
+        """Create ``folder`` and its missing parents with the configured directory mode."""
+        missing = []
+        while folder and not os.path.isdir(folder):
+            missing.append(folder)
+            folder = os.path.dirname(folder)
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, self._dir_mode)
+                os.chmod(d, self._dir_mode)
+            except FileExistsError:
+                pass  # a concurrent writer made it
+
+    def _read(self, path: str) -> bytes:
+        """The whole object in one GET: what is allocated is bounded by the object's real size."""
+        data: bytes = self._io(self.fs.cat_file, path)
+        return data
+
+    def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
+        path = self._path(key)
+        if self._local:  # a mount: read like the disk tier (no symlinks, no FIFOs, sizes checked first)
+            fd, st = objfile.open_object(path)
+            try:
+                tensors = objfile.read_object(fd, st, key)
+            finally:
+                os.close(fd)
+        else:
+            tensors = objformat.decode(self._read(path), expected_key=key)
         device = torch.device(device)
         if device.type != "cpu":
             tensors = {name: t.to(device) for name, t in tensors.items()}
@@ -392,5 +421,5 @@ class RemoteTier(Tier):
     def _close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {**super().stats(), "url": self.url, "compression": self.codec}

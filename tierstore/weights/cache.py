@@ -13,12 +13,16 @@ from __future__ import annotations
 import logging
 import struct
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import TierstoreError
 from ..keys import ChunkKey
 from .sources import Source
+
+if TYPE_CHECKING:
+    from ..store import TieredStore
 
 log = logging.getLogger(__name__)
 _DOMAIN = b"tierstore.weights.range\0"
@@ -33,7 +37,7 @@ class RangeCache:
         write: put missed ranges into the store (default True).
     """
 
-    def __init__(self, store, write: bool = True):
+    def __init__(self, store: TieredStore, write: bool = True) -> None:
         self.store = store
         self.write = write
         self.hits = self.misses = self.errors = 0
@@ -86,7 +90,7 @@ class RangeCache:
         key = self.key(source, offset, offset + out.numel())
         if self.get_into(key, out):
             return
-        source.read_into(offset, memoryview(out.numpy()))
+        source.read_into(offset, out.numpy().data)
         self.put(key, out)
 
     def read(self, source: Source, offset: int, length: int) -> bytes:
@@ -94,7 +98,7 @@ class RangeCache:
         self.read_into(source, offset, out)
         return out.numpy().tobytes()
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, int]:
         with self._lock:
             return {"cache_hits": self.hits, "cache_misses": self.misses, "cache_errors": self.errors,
                     "cache_bytes_hit": self.bytes_hit, "cache_bytes_missed": self.bytes_missed}

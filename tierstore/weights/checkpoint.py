@@ -13,12 +13,22 @@ import json
 import os
 import posixpath
 import re
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from .cache import RangeCache, read_bytes
-from .header import (PREFIX_SIZE, CheckpointError, CheckpointNotFoundError, ShardHeader, TensorInfo,
-                     header_length, parse_header)
+from .header import (
+    MAX_HEADER_SIZE,
+    PREFIX_SIZE,
+    CheckpointError,
+    CheckpointNotFoundError,
+    ShardHeader,
+    TensorInfo,
+    header_length,
+    parse_header,
+)
 from .sources import FsspecSource, LocalFileSource, Source, filesystem, is_local, local_path
 
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -50,10 +60,10 @@ class Checkpoint:
         for s in self.shards:
             s.source.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Checkpoint:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -70,13 +80,14 @@ def read_header(source: Source, cache: RangeCache | None, max_header_size: int) 
 class _Opener:
     """Filesystem-neutral helpers: list a directory, open a file as a Source."""
 
-    def __init__(self, uri: str, storage_options: dict | None, concurrency: int):
+    def __init__(self, uri: str, storage_options: dict[str, Any] | None, concurrency: int):
         self.local = is_local(uri)
+        self.fs: Any  # an fsspec filesystem; None for local paths
         if self.local:
             self.fs, self.path = None, local_path(uri)
         else:
             self.fs, self.path = filesystem(uri, storage_options, concurrency)
-        self._infos: dict[str, dict] = {}
+        self._infos: dict[str, dict[str, Any]] = {}
 
     def kind(self, path: str) -> str | None:
         if self.local:
@@ -100,6 +111,18 @@ class _Opener:
         return os.path.normpath(os.path.join(base, name)) if self.local else posixpath.normpath(
             posixpath.join(base, name))
 
+    def root(self, url: str) -> str:
+        """``url`` as a normalised path on this filesystem (for :meth:`inside`)."""
+        if self.local:
+            return os.path.normpath(os.path.abspath(local_path(url)))
+        return posixpath.normpath(str(self.fs._strip_protocol(url)))
+
+    def inside(self, path: str, root: str) -> bool:
+        """Whether normalised ``path`` lies under ``root``, lexically (symlinks inside, such as a
+        Hugging Face snapshot's links to its blobs, are the checkpoint owner's business)."""
+        sep = os.sep if self.local else "/"
+        return path.startswith(root.rstrip(sep) + sep)
+
     def dirname(self, path: str) -> str:
         return os.path.dirname(path) if self.local else posixpath.dirname(path)
 
@@ -116,11 +139,11 @@ class _Opener:
         return f"{proto}://{path}"
 
 
-def _parse_index(name: str, data: bytes) -> tuple[dict[str, str], dict]:
+def _parse_index(name: str, data: bytes) -> tuple[dict[str, str], dict[str, Any]]:
     try:
         raw = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise CheckpointError(name, f"index is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, over-long integers, deep nesting
+        raise CheckpointError(name, f"index is not valid JSON: {type(exc).__name__}: {exc}") from None
     wmap = raw.get("weight_map") if isinstance(raw, dict) else None
     if not isinstance(wmap, dict) or not wmap:
         raise CheckpointError(name, "index has no 'weight_map' object")
@@ -133,16 +156,21 @@ def _parse_index(name: str, data: bytes) -> tuple[dict[str, str], dict]:
     return wmap, meta
 
 
-def open_checkpoint(uri: str, storage_options: dict | None = None, cache: RangeCache | None = None,
-                    concurrency: int = 16, max_header_size: int | None = None) -> Checkpoint:
+def open_checkpoint(uri: str, storage_options: dict[str, Any] | None = None, cache: RangeCache | None = None,
+                    concurrency: int = 16, max_header_size: int | None = None,
+                    objects_url: str | Sequence[str] | None = None) -> Checkpoint:
     """Resolve ``uri`` to shards and validate every header and the index.
+
+    An index may name shards only under its own directory, or under ``objects_url`` (one URL or several,
+    on the same filesystem): where :func:`~tierstore.weights.publish` put the objects it shares between
+    checkpoints. A ``..`` leading anywhere else is refused, so an index cannot make the loader read other
+    files the caller's credentials reach.
 
     Raises:
         CheckpointNotFoundError: ``uri`` or a shard the index names does not exist.
-        CheckpointError: a malformed header or index, or a tensor found in two shards.
+        CheckpointError: a malformed header or index, a shard outside the allowed places, or a tensor
+            found in two shards.
     """
-    from .header import MAX_HEADER_SIZE
-
     max_header_size = MAX_HEADER_SIZE if max_header_size is None else max_header_size
     op = _Opener(uri, storage_options, concurrency)
     kind = op.kind(op.path)
@@ -175,8 +203,14 @@ def open_checkpoint(uri: str, storage_options: dict | None = None, cache: RangeC
         finally:
             src.close()
         base = op.dirname(index_path)
+        roots = [base] + [op.root(u) for u in ([objects_url] if isinstance(objects_url, str)
+                                               else objects_url or [])]
         for tensor, rel in wmap.items():
-            expected.setdefault(op.join(base, rel), []).append(tensor)
+            path = op.join(base, rel)
+            if not any(op.inside(path, r) for r in roots):
+                raise CheckpointError(src.name, f"weight_map entry {rel!r} leads outside the checkpoint "
+                                                "(pass objects_url= to allow a shared objects location)", tensor)
+            expected.setdefault(path, []).append(tensor)
         files = sorted(expected)
         if meta.get("format") == CAS_LAYOUT:
             # content-addressed objects: the name is the content digest, so equal objects published
@@ -212,7 +246,7 @@ def open_checkpoint(uri: str, storage_options: dict | None = None, cache: RangeC
 
     ckpt = Checkpoint(uri, shards, {})
     try:
-        for i, (path, shard) in enumerate(zip(files, shards)):
+        for i, (path, shard) in enumerate(zip(files, shards, strict=True)):
             names = shard.header.by_name()
             for tensor in expected.get(path, ()):
                 if tensor not in names:

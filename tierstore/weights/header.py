@@ -17,16 +17,18 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from ..errors import CorruptObjectError
+from ..errors import TierstoreError
+from ..tensors import shape_is_valid
 
 MAX_HEADER_SIZE = 100 * 1000 * 1000  # the reference implementation's anti-DoS cap
 PREFIX_SIZE = 8
 
 
-class CheckpointError(CorruptObjectError):
+class CheckpointError(TierstoreError, ValueError):
     """A checkpoint is malformed: truncated, lying header, bad offsets, unknown dtype, missing shard.
 
     Attributes:
@@ -110,10 +112,10 @@ def header_length(file: str, prefix: bytes, file_size: int, max_header_size: int
     if PREFIX_SIZE + n > file_size:
         raise CheckpointError(file, f"truncated: header length {n} runs past the end of the "
                                     f"{file_size}-byte file")
-    return n
+    return int(n)
 
 
-def _no_duplicates(pairs):
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = {}
     for k, v in pairs:
         if k in out:
@@ -122,7 +124,7 @@ def _no_duplicates(pairs):
     return out
 
 
-def _is_int(x) -> bool:
+def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -141,11 +143,11 @@ def parse_header(file: str, header_bytes: bytes, file_size: int) -> ShardHeader:
         raise CheckpointError(file, "header does not start with '{' (not a safetensors file?)")
     try:
         raw = json.loads(text, object_pairs_hook=_no_duplicates)
-    except ValueError as exc:
-        raise CheckpointError(file, f"header is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # also over-long integers and deep nesting
+        raise CheckpointError(file, f"header is not valid JSON: {type(exc).__name__}: {exc}") from None
     if not isinstance(raw, dict):
         raise CheckpointError(file, "header is not a JSON object")
-    metadata = raw.pop("__metadata__", None) or {}
+    metadata = raw.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                  for k, v in metadata.items()):
         raise CheckpointError(file, "__metadata__ must map str to str")
@@ -167,7 +169,7 @@ def parse_header(file: str, header_bytes: bytes, file_size: int) -> ShardHeader:
     return ShardHeader(file, file_size, data_start, tuple(infos), dict(metadata))
 
 
-def _tensor_info(file: str, name, entry, data_start: int) -> TensorInfo:
+def _tensor_info(file: str, name: object, entry: object, data_start: int) -> TensorInfo:
     if not isinstance(name, str) or not name:
         raise CheckpointError(file, f"tensor names must be non-empty strings, got {name!r}")
     if not isinstance(entry, dict):
@@ -176,7 +178,7 @@ def _tensor_info(file: str, name, entry, data_start: int) -> TensorInfo:
     if extra:
         raise CheckpointError(file, f"unexpected fields {sorted(extra)}", name)
     code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if code not in DTYPES:
+    if not isinstance(code, str) or code not in DTYPES:
         raise CheckpointError(file, f"unknown dtype {code!r} (known: {', '.join(sorted(DTYPES))})", name)
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise CheckpointError(file, f"shape must be a list of non-negative ints, got {shape!r}", name)
@@ -185,6 +187,8 @@ def _tensor_info(file: str, name, entry, data_start: int) -> TensorInfo:
         raise CheckpointError(file, f"data_offsets must be [begin, end] with 0 <= begin <= end, "
                                     f"got {offsets!r}", name)
     dtype, itemsize = DTYPES[code]
+    if not shape_is_valid(shape, dtype):
+        raise CheckpointError(file, f"shape {shape} overflows torch's 64-bit sizes", name)
     need = math.prod(shape) * itemsize
     if offsets[1] - offsets[0] != need:
         raise CheckpointError(file, f"data_offsets {offsets} span {offsets[1] - offsets[0]} bytes but "
@@ -203,7 +207,7 @@ def build_header(tensors: list[tuple[str, torch.dtype, tuple[int, ...], int]],
     The JSON is space-padded so the data region starts 8-byte aligned, as the reference writer does.
     Deterministic: the same tensors in the same order give the same bytes.
     """
-    entries: dict = {}
+    entries: dict[str, Any] = {}
     if metadata:
         entries["__metadata__"] = dict(metadata)
     pos = 0

@@ -15,11 +15,13 @@ A piece lands in one of two ways:
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,11 +30,25 @@ from ..tensors import byte_alias
 from .cache import RangeCache
 from .checkpoint import Checkpoint, open_checkpoint
 from .header import TensorInfo
-from .options import (CASTABLE, HOST_ALIGN, LOCAL_BLOCK_SIZE, LOCAL_CONCURRENCY, REMOTE_BLOCK_SIZE,
-                      REMOTE_CONCURRENCY, Options)
+from .options import (
+    CASTABLE,
+    HOST_ALIGN,
+    LOCAL_BLOCK_SIZE,
+    LOCAL_CONCURRENCY,
+    REMOTE_BLOCK_SIZE,
+    REMOTE_CONCURRENCY,
+    Options,
+)
 from .plan import Group, Piece, plan
 from .sources import Source
-from .staging import alloc_host, copy_segments, get_ring, put_ring
+from .staging import StagingRing, alloc_host, copy_segments, get_ring, put_ring
+
+if TYPE_CHECKING:
+    from ..store import TieredStore
+
+#: ``(dst, dst_offset, lo, hi)``: bytes ``[lo, hi)`` of a piece go to ``dst[dst_offset:]``
+Segment = tuple[torch.Tensor, int, int, int]
+
 
 @dataclass
 class _Job:
@@ -44,11 +60,11 @@ class _Job:
     finish: Callable[[], list[tuple[str, torch.Tensor]]]
     remaining: int = field(init=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.remaining = len(self.tasks)
 
 
-def _select(ckpt: Checkpoint, names) -> set[str]:
+def _select(ckpt: Checkpoint, names: Iterable[str] | Callable[[str], bool] | None) -> set[str]:
     if names is None:
         return set(ckpt.tensors)
     if callable(names):
@@ -67,10 +83,10 @@ def _read_into(source: Source, offset: int, out: torch.Tensor, cache: RangeCache
     if cache is not None:
         cache.read_into(source, offset, out)
     else:
-        source.read_into(offset, memoryview(out.numpy()))
+        source.read_into(offset, out.numpy().data)
 
 
-def _segments(g: Group, p: Piece, dests: Mapping[str, torch.Tensor]) -> list[tuple]:
+def _segments(g: Group, p: Piece, dests: Mapping[str, torch.Tensor]) -> list[Segment]:
     """``(dst, dst_offset, lo, hi)`` for every selected tensor overlapping piece ``p``."""
     out = []
     for t in g.tensors:
@@ -80,7 +96,7 @@ def _segments(g: Group, p: Piece, dests: Mapping[str, torch.Tensor]) -> list[tup
     return out
 
 
-def _tiles(p: Piece, segs: list[tuple]) -> bool:
+def _tiles(p: Piece, segs: list[Segment]) -> bool:
     pos = 0
     for _, _, lo, hi in segs:
         if lo != pos:
@@ -104,17 +120,18 @@ class _Pipeline:
         self.ckpt, self.o, self.cache = ckpt, o, cache
         remote = any(s.source.remote for s in ckpt.shards)
         self.concurrency = o.concurrency or (REMOTE_CONCURRENCY if remote else LOCAL_CONCURRENCY)
-        self._ring = None
+        self._ring: StagingRing | None = None
         self._pinned = staged_device and torch.cuda.is_available()
 
-    def ring(self):
+    def ring(self) -> StagingRing:
         if self._ring is None:
+            assert self.o.block_size is not None  # resolved by _open
             slot = -(-self.o.block_size // 4096) * 4096
             count = max(2, min(self.concurrency, self.o.memory_limit // slot))
             self._ring = get_ring(count, slot, self._pinned)
         return self._ring
 
-    def piece_task(self, g: Group, p: Piece, segs: list[tuple]) -> Callable[[], None]:
+    def piece_task(self, g: Group, p: Piece, segs: list[Segment]) -> Callable[[], None]:
         """Direct when every destination is CPU memory the piece tiles (and a cache, if any, gets one
         contiguous range); staged otherwise."""
         source = self.ckpt.shards[g.shard].source
@@ -126,10 +143,10 @@ class _Pipeline:
             out = dst[off:off + p.nbytes]
             return lambda: _read_into(source, p.start, out, cache)
         if direct:
-            bufs = [memoryview(d[off:off + hi - lo].numpy()) for d, off, lo, hi in segs]
+            bufs = [d[off:off + hi - lo].numpy().data for d, off, lo, hi in segs]
             return lambda: source.readv_into(p.start, bufs)
 
-        def staged():
+        def staged() -> None:
             ring = self.ring()
             slot = ring.acquire()
             try:
@@ -145,7 +162,7 @@ class _Pipeline:
         """Run ``groups`` with bounded memory and yield each group's tensors as soon as it completes."""
         o, t0 = self.o, time.perf_counter()
         pending = deque(groups)
-        running: dict = {}
+        running: dict[Future[None], _Job] = {}
         inflight = pieces = 0
         max_pieces = 4 * self.concurrency
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="tierstore-weights")
@@ -190,7 +207,7 @@ class _Pipeline:
                 o.stats.update(self._stats(groups, time.perf_counter() - t0, delivered))
             self.ckpt.close()
 
-    def _stats(self, groups, seconds: float, delivered: int) -> dict:
+    def _stats(self, groups: list[Group], seconds: float, delivered: int) -> dict[str, Any]:
         out = {"tensors": delivered, "bytes": sum(t.nbytes for g in groups for t in g.tensors),
                "bytes_planned": sum(g.nbytes for g in groups), "seconds": seconds,
                "source_reads": sum(s.source.reads for s in self.ckpt.shards),
@@ -201,24 +218,26 @@ class _Pipeline:
         return out
 
 
-def _open(uri, store, storage_options, o: Options):
+def _open(uri: str | os.PathLike[str], store: TieredStore | None, storage_options: dict[str, Any] | None,
+          o: Options) -> tuple[Checkpoint, RangeCache | None, int]:
     if not isinstance(uri, (str, bytes)) and not hasattr(uri, "__fspath__"):
         raise InvalidTypeError(f"uri must be a path or URL, got {type(uri).__name__}")
     uri = str(uri.__fspath__() if hasattr(uri, "__fspath__") else uri)
     cache = RangeCache(store, write=o.cache_writes) if store is not None else None
     conc = o.concurrency or REMOTE_CONCURRENCY
-    ckpt = open_checkpoint(uri, storage_options, cache, conc, o.max_header_size)
+    ckpt = open_checkpoint(uri, storage_options, cache, conc, o.max_header_size, o.objects_url)
     if o.block_size is None:
         remote = any(s.source.remote for s in ckpt.shards)
         o.block_size = REMOTE_BLOCK_SIZE if remote else LOCAL_BLOCK_SIZE
-    return ckpt, cache
+    return ckpt, cache, o.block_size
 
 
-def _shard_tensors(ckpt: Checkpoint):
+def _shard_tensors(ckpt: Checkpoint) -> list[tuple[TensorInfo, ...]]:
     return [s.header.tensors for s in ckpt.shards]
 
 
-def iter_tensors(uri, device="cpu", store=None, storage_options=None, **opts) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(uri: str | os.PathLike[str], device: str | torch.device = "cpu", store: TieredStore | None = None,
+                 storage_options: dict[str, Any] | None = None, **opts: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream ``(name, tensor)`` pairs of a safetensors checkpoint, each as soon as its bytes land.
 
     Every header (and the index, if any) is read and validated when this is called, before any tensor
@@ -239,7 +258,8 @@ def iter_tensors(uri, device="cpu", store=None, storage_options=None, **opts) ->
             ``memory_limit`` (bytes of read-but-undelivered data and staging, default 1 GiB — one
             group larger than the limit still loads, alone); ``dtype`` (cast F16/BF16/F32/F64 tensors
             to this float dtype; other dtypes are left alone); ``max_header_size``; ``stats`` (a dict
-            filled with counters when the iteration ends).
+            filled with counters when the iteration ends); ``objects_url`` (where an index may name
+            shards besides its own directory: the ``objects_url`` given to :func:`publish`).
 
     Raises:
         CheckpointError: a malformed or truncated file, index or header (names the file and tensor).
@@ -250,13 +270,13 @@ def iter_tensors(uri, device="cpu", store=None, storage_options=None, **opts) ->
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError(f"device {device} requested but CUDA is not available")
-    ckpt, cache = _open(uri, store, storage_options, o)
+    ckpt, cache, block_size = _open(uri, store, storage_options, o)
     try:
         selected = _select(ckpt, o.names)
     except BaseException:
         ckpt.close()
         raise
-    groups = plan(_shard_tensors(ckpt), selected, o.block_size, whole=cache is not None)
+    groups = plan(_shard_tensors(ckpt), selected, block_size, whole=cache is not None)
     pipe = _Pipeline(ckpt, o, cache, staged_device=device.type != "cpu")
 
     def cast(t: torch.Tensor) -> torch.Tensor:
@@ -282,7 +302,8 @@ def iter_tensors(uri, device="cpu", store=None, storage_options=None, **opts) ->
     return pipe.run(groups, prepare)
 
 
-def load(uri, device="cpu", store=None, storage_options=None, **opts) -> dict[str, torch.Tensor]:
+def load(uri: str | os.PathLike[str], device: str | torch.device = "cpu", store: TieredStore | None = None,
+         storage_options: dict[str, Any] | None = None, **opts: Any) -> dict[str, torch.Tensor]:
     """Load a whole safetensors checkpoint (or the ``names`` subset) into a dict on ``device``.
 
     Same arguments and errors as :func:`iter_tensors`; either every tensor is returned or an error is
@@ -291,8 +312,8 @@ def load(uri, device="cpu", store=None, storage_options=None, **opts) -> dict[st
     return dict(iter_tensors(uri, device, store, storage_options, **opts))
 
 
-def load_into(params: Mapping[str, torch.Tensor], uri, store=None, storage_options=None,
-              *, strict: bool = True, **opts) -> list[str]:
+def load_into(params: Mapping[str, torch.Tensor], uri: str | os.PathLike[str], store: TieredStore | None = None,
+              storage_options: dict[str, Any] | None = None, *, strict: bool = True, **opts: Any) -> list[str]:
     """Fill the existing tensors ``params`` (e.g. ``model.state_dict()``) in place from a checkpoint.
 
     Reads land straight in the parameters' memory where they can (CPU, contiguous, same dtype, no
@@ -323,7 +344,7 @@ def load_into(params: Mapping[str, torch.Tensor], uri, store=None, storage_optio
     for name, p in params.items():
         if not isinstance(p, torch.Tensor):
             raise InvalidTypeError(f"params[{name!r}] is {type(p).__name__}, not a torch.Tensor")
-    ckpt, cache = _open(uri, store, storage_options, o)
+    ckpt, cache, block_size = _open(uri, store, storage_options, o)
     try:
         missing = sorted(set(params) - set(ckpt.tensors))
         if missing and strict:
@@ -339,7 +360,7 @@ def load_into(params: Mapping[str, torch.Tensor], uri, store=None, storage_optio
     except BaseException:
         ckpt.close()
         raise
-    groups = plan(_shard_tensors(ckpt), selected, o.block_size, whole=cache is not None)
+    groups = plan(_shard_tensors(ckpt), selected, block_size, whole=cache is not None)
     pipe = _Pipeline(ckpt, o, cache, staged_device=any(p.device.type != "cpu" for p in params.values()))
 
     def prepare(g: Group) -> _Job:
@@ -356,7 +377,7 @@ def load_into(params: Mapping[str, torch.Tensor], uri, store=None, storage_optio
         tasks = [pipe.piece_task(g, pc, segs) for pc in g.pieces
                  if (segs := _segments(g, pc, dests)) or cache is not None]
 
-        def finish():
+        def finish() -> list[tuple[str, torch.Tensor]]:
             for p, tmp, t in post:
                 with torch.no_grad():
                     p.copy_(_view(tmp, 0, t))

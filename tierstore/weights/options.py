@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,17 +27,18 @@ HOST_ALIGN = 64
 class Options:
     """Validated loader options (see :func:`tierstore.weights.iter_tensors`)."""
 
-    names: object = None
+    names: Iterable[str] | Callable[[str], bool] | None = None
     concurrency: int | None = None
-    block_size: int | str | None = None
+    block_size: int | None = None  # build() also takes a size string; the loader fills in the default
     memory_limit: int = DEFAULT_MEMORY_LIMIT
     dtype: torch.dtype | None = None
     max_header_size: int | None = None
-    stats: dict | None = None
+    stats: dict[str, Any] | None = None
     cache_writes: bool = True
+    objects_url: str | list[str] | tuple[str, ...] | None = None
 
     @classmethod
-    def build(cls, opts: dict) -> "Options":
+    def build(cls, opts: dict[str, Any]) -> Options:
         unknown = set(opts) - set(cls.__dataclass_fields__)
         if unknown:
             raise InvalidInputError(f"unknown option(s) {sorted(unknown)}; known: "
@@ -48,6 +51,9 @@ class Options:
             raise InvalidInputError("block_size must be positive")
         if o.concurrency is not None and (not isinstance(o.concurrency, int) or o.concurrency < 1):
             raise InvalidInputError(f"concurrency must be a positive int, got {o.concurrency!r}")
+        if o.objects_url is not None and not (isinstance(o.objects_url, str) or (
+                isinstance(o.objects_url, (list, tuple)) and all(isinstance(u, str) for u in o.objects_url))):
+            raise InvalidInputError(f"objects_url must be a URL or a list of URLs, got {o.objects_url!r}")
         if o.dtype is not None and o.dtype not in CASTABLE:
             raise InvalidInputError(f"dtype must be one of {CASTABLE}, got {o.dtype!r}")
         return o

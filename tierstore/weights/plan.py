@@ -12,6 +12,7 @@ pieces — and hence the cache keys — are the same whatever subset is loaded.
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 
 from .header import TensorInfo
@@ -59,7 +60,7 @@ def split(start: int, end: int, block_size: int) -> tuple[Piece, ...]:
     return tuple(Piece(start + k * step, min(end, start + (k + 1) * step)) for k in range(n))
 
 
-def plan_shard(shard: int, tensors: tuple[TensorInfo, ...], selected, block_size: int,
+def plan_shard(shard: int, tensors: tuple[TensorInfo, ...], selected: Container[str], block_size: int,
                whole: bool) -> list[Group]:
     """Groups for one shard; ``tensors`` in file order, ``selected`` a set of names.
 
@@ -69,7 +70,7 @@ def plan_shard(shard: int, tensors: tuple[TensorInfo, ...], selected, block_size
     groups: list[Group] = []
     members: list[TensorInfo] = []
 
-    def close():
+    def close() -> None:
         chosen = tuple(t for t in members if t.name in selected)
         if chosen:
             start, end = members[0].start, members[-1].end
@@ -87,7 +88,7 @@ def plan_shard(shard: int, tensors: tuple[TensorInfo, ...], selected, block_size
     return groups
 
 
-def plan(shard_tensors: list[tuple[TensorInfo, ...]], selected, block_size: int,
+def plan(shard_tensors: list[tuple[TensorInfo, ...]], selected: Container[str], block_size: int,
          whole: bool) -> list[Group]:
     """Groups of every shard, shard by shard, in file order."""
     out: list[Group] = []

@@ -20,6 +20,7 @@ import os
 import posixpath
 import re
 import tempfile
+from typing import Any
 
 import torch
 
@@ -43,8 +44,9 @@ def object_group(name: str, nbytes: int) -> str:
 
 
 class _Target:
-    def __init__(self, url: str, storage_options: dict | None):
+    def __init__(self, url: str, storage_options: dict[str, Any] | None):
         self.local = is_local(url)
+        self.fs: Any  # an fsspec filesystem; None for local paths
         if self.local:
             self.fs, self.path = None, os.path.abspath(local_path(url))
         else:
@@ -56,7 +58,7 @@ class _Target:
     def exists(self, path: str) -> bool:
         return os.path.exists(path) if self.local else self.fs.exists(path)
 
-    def write(self, path: str, chunks: list) -> None:
+    def write(self, path: str, chunks: list[bytes | memoryview]) -> None:
         """Publish ``path`` whole or not at all (temp + rename locally, one PUT remotely)."""
         if not self.local:
             self.fs.pipe_file(path, b"".join(bytes(c) for c in chunks))
@@ -74,18 +76,19 @@ class _Target:
             raise
 
 
-def _object(tensors: list[tuple[str, torch.Tensor]]) -> tuple[str, list]:
+def _object(tensors: list[tuple[str, torch.Tensor]]) -> tuple[str, list[bytes | memoryview]]:
     tensors = sorted(tensors)
     header = build_header([(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in tensors])
-    chunks = [header] + [memoryview(byte_view(t).numpy()) for _, t in tensors if t.numel()]
+    chunks = [header] + [byte_view(t).numpy().data for _, t in tensors if t.numel()]
     h = hashlib.blake2b(digest_size=32)
     for c in chunks:
         h.update(c)
     return h.hexdigest() + ".safetensors", chunks
 
 
-def publish(src, dst_url: str, *, storage_options: dict | None = None,
-            dst_storage_options: dict | None = None, objects_url: str | None = None, **opts) -> dict:
+def publish(src: str | os.PathLike[str], dst_url: str, *, storage_options: dict[str, Any] | None = None,
+            dst_storage_options: dict[str, Any] | None = None, objects_url: str | None = None,
+            **opts: Any) -> dict[str, Any]:
     """Copy checkpoint ``src`` to ``dst_url`` in the content-addressed layout above.
 
     Args:
@@ -114,9 +117,10 @@ def publish(src, dst_url: str, *, storage_options: dict | None = None,
         group_of = {n: g for g, names in members.items() for n in names}
         metadata = {k: v for s in ckpt.shards for k, v in s.header.metadata.items()}
 
-    waiting: dict[str, list] = {}
+    waiting: dict[str, list[tuple[str, torch.Tensor]]] = {}
     weight_map: dict[str, str] = {}
-    summary = {"tensors": 0, "objects": 0, "objects_written": 0, "objects_reused": 0, "bytes_written": 0}
+    summary: dict[str, Any] = {"tensors": 0, "objects": 0, "objects_written": 0, "objects_reused": 0,
+                               "bytes_written": 0}
     for name, t in iter_tensors(src, storage_options=storage_options, **opts):
         g = group_of[name]
         waiting.setdefault(g, []).append((name, t))

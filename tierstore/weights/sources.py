@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 import threading
 from abc import ABC, abstractmethod
+from typing import Any
 
 from ..iov import IOV_MAX, advance
 from .header import CheckpointError
-
 
 
 class Source(ABC):
@@ -85,20 +85,15 @@ class LocalFileSource(Source):
     def __init__(self, path: str, identity: bytes | None = None):
         super().__init__()
         self.name = path
-        try:
-            self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError:
-            raise
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         st = os.fstat(self._fd)
         self.size = st.st_size
+        self._version = _file_version(st)
         self._identity = identity or (
             f"file\0{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}".encode())
 
     def identity(self) -> bytes:
         return self._identity
-
-    def fileno(self) -> int:
-        return self._fd
 
     def _read(self, offset: int, bufs: list[memoryview]) -> None:
         bufs = [b for b in bufs if len(b)]
@@ -110,13 +105,17 @@ class LocalFileSource(Source):
                                                  f"(file changed while loading?)")
             offset += n
             i = advance(bufs, i, n)
+        # A file replaced by rename keeps serving the version we opened; one rewritten in place shows a
+        # new size or mtime: refuse rather than hand out (or cache) a mix of two versions.
+        if _file_version(os.fstat(self._fd)) != self._version:
+            raise CheckpointError(self.name, "changed while being loaded (rewritten in place)")
 
     def close(self) -> None:
         fd, self._fd = self._fd, -1
         if fd >= 0:
             os.close(fd)
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.close()
         except Exception:
@@ -128,24 +127,40 @@ class FsspecSource(Source):
 
     remote = True
 
-    def __init__(self, fs, path: str, info: dict | None = None, identity: bytes | None = None):
+    def __init__(self, fs: Any, path: str, info: dict[str, Any] | None = None, identity: bytes | None = None):
         super().__init__()
         self.fs = fs
         self.path = path
         protocol = fs.protocol[0] if isinstance(fs.protocol, (tuple, list)) else fs.protocol
         self.name = f"{protocol}://{path}" if protocol not in ("file", "local") else path
+        self._pinned = None
+        if type(fs).__module__.startswith("s3fs"):
+            # s3fs sends If-Match: <the ETag it saw at open> with every ranged GET of this handle, so a
+            # replaced object fails the read (412) instead of mixing versions
+            self._pinned = fs.open(path, "rb", cache_type="none")
+            info = self._pinned.details
         info = info if info is not None else fs.info(path)
         self.size = int(info["size"])
-        etag = info.get("ETag") or info.get("etag") or info.get("md5Hash") or ""
-        mtime = info.get("LastModified") or info.get("mtime") or info.get("updated") or ""
-        self._identity = identity or f"{self.name}\0{self.size}\0{etag}\0{mtime}".encode()
+        self._version = _object_version(info)
+        self._identity = identity or f"{self.name}\0{self.size}\0{self._version[1]}\0{self._version[2]}".encode()
 
     def identity(self) -> bytes:
         return self._identity
 
     def _read(self, offset: int, bufs: list[memoryview]) -> None:
         total = sum(len(b) for b in bufs)
-        data = self.fs.cat_file(self.path, start=offset, end=offset + total)
+        if self._pinned is not None:
+            try:
+                data = self._pinned._fetch_range(offset, offset + total)
+            except OSError as exc:
+                if type(exc).__name__ == "FileExpired":
+                    raise CheckpointError(self.name, "replaced while being loaded (its ETag changed)") from None
+                raise
+        else:  # no conditional reads: check the version after each read instead
+            data = self.fs.cat_file(self.path, start=offset, end=offset + total)
+            self.fs.invalidate_cache(self.path)
+            if _object_version(self.fs.info(self.path)) != self._version:
+                raise CheckpointError(self.name, "replaced while being loaded (size, ETag or mtime changed)")
         if len(data) != total:
             raise CheckpointError(self.name, f"truncated: ranged read [{offset}, {offset + total}) "
                                              f"returned {len(data)} bytes")
@@ -153,6 +168,22 @@ class FsspecSource(Source):
         for b in bufs:
             b[:] = data[pos:pos + len(b)]
             pos += len(b)
+
+
+    def close(self) -> None:
+        pinned, self._pinned = self._pinned, None
+        if pinned is not None:
+            pinned.close()
+
+
+def _file_version(st: os.stat_result) -> tuple[int, int, int]:
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
+def _object_version(info: dict[str, Any]) -> tuple[int, str, str]:
+    etag = info.get("ETag") or info.get("etag") or info.get("md5Hash") or ""
+    mtime = info.get("LastModified") or info.get("mtime") or info.get("updated") or ""
+    return int(info["size"]), str(etag), str(mtime)
 
 
 def is_local(uri: str) -> bool:
@@ -164,7 +195,7 @@ def local_path(uri: str) -> str:
     return uri[len("file://"):] if uri.startswith("file://") else os.path.expanduser(uri)
 
 
-def filesystem(uri: str, storage_options: dict | None, concurrency: int):
+def filesystem(uri: str, storage_options: dict[str, Any] | None, concurrency: int) -> tuple[Any, str]:
     """``(fs, path)`` for an fsspec URL; S3 gets a connection pool as large as ``concurrency``."""
     import fsspec
 

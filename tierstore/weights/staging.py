@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Iterable
 
 import torch
 
 _cache_lock = threading.Lock()
-_cached: "StagingRing | None" = None
+_cached: StagingRing | None = None
 
 
 class StagingRing:
@@ -25,7 +26,7 @@ class StagingRing:
     def __init__(self, count: int, slot_size: int, pinned: bool):
         self.count, self.slot_size, self.pinned = count, slot_size, pinned
         self.buffer = torch.empty(count * slot_size, dtype=torch.uint8, pin_memory=pinned)
-        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         for i in range(count):
             self._free.put(self.buffer[i * slot_size:(i + 1) * slot_size])
 
@@ -56,7 +57,7 @@ def put_ring(ring: StagingRing) -> None:
 _local = threading.local()
 
 
-def _stream(device: torch.device):
+def _stream(device: torch.device) -> torch.cuda.Stream:
     streams = getattr(_local, "streams", None)
     if streams is None:
         streams = _local.streams = {}
@@ -66,7 +67,7 @@ def _stream(device: torch.device):
     return s
 
 
-def copy_segments(src: torch.Tensor, segments) -> None:
+def copy_segments(src: torch.Tensor, segments: Iterable[tuple[torch.Tensor, int, int, int]]) -> None:
     """Copy byte ranges of the CPU tensor ``src`` into their destinations, and wait for the copies.
 
     Args:

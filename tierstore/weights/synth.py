@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from ..errors import InvalidInputError
 from .header import build_header
 
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
@@ -43,7 +44,7 @@ def llm_shapes(size: int) -> list[tuple[str, tuple[int, ...]]]:
     per_layer = 2 * sum(math.prod(s) for _, s in layer)
     fixed = 2 * (2 * vocab * hidden + hidden)
     n = max(1, round((size - fixed) / per_layer))
-    shapes = [("model.embed_tokens.weight", (vocab, hidden))]
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(n):
         shapes += [(f"model.layers.{i}.{name}", shape) for name, shape in layer]
     return shapes + [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
@@ -75,9 +76,13 @@ def write_checkpoint(directory: str, specs: Sequence[Spec] | Mapping[str, torch.
         values = list(specs.values())
         make = values.__getitem__
         specs = [(n, t.dtype, tuple(t.shape)) for n, t in specs.items()]
+    elif make is None:
+        raise InvalidInputError("write_checkpoint: specs without tensors need make=")
     os.makedirs(directory, exist_ok=True)
     sizes = [math.prod(shape) * itemsize(dt) for _, dt, shape in specs]
-    shards, cur, cur_size = [], [], 0
+    shards: list[list[int]] = []
+    cur: list[int] = []
+    cur_size = 0
     for i, n in enumerate(sizes):
         if cur and cur_size + n > shard_size:
             shards.append(cur)
@@ -96,7 +101,7 @@ def write_checkpoint(directory: str, specs: Sequence[Spec] | Mapping[str, torch.
             for i in idx:
                 t = make(i).contiguous()
                 if t.numel():
-                    f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+                    f.write(t.reshape(-1).view(torch.uint8).numpy().data)
                 weight_map[specs[i][0]] = fname
         paths.append(path)
     if len(shards) > 1:

@@ -1,0 +1,95 @@
+"""Reading chunk objects from local files (the disk tier, and remote tiers on a local or shared mount).
+
+A reader trusts neither the path nor the bytes: :func:`open_object` never follows a symlink and never
+blocks (a FIFO, socket or directory where an object should be is a :class:`CorruptObjectError`, not a
+hang), :func:`read_header` reads only the prefix and header and checks the sizes they claim against the
+file's real size, and :func:`read_object` allocates exactly that size only then, hashing the bytes piece
+by piece as they arrive. So a sparse 64 GiB file with a small header costs one header read.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import xxhash
+
+from .. import objformat
+from ..errors import CorruptObjectError
+from ..iov import read_into
+from ..keys import ChunkKey
+from ..tensors import TensorDict
+
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+#: the first read of an object: its prefix and header, and all of a small object
+HEAD_READ = 64 << 10
+
+
+def open_object(path: str) -> tuple[int, os.stat_result]:
+    """Open ``path`` read-only as a regular file: ``(fd, fstat)``.
+
+    Raises:
+        FileNotFoundError: nothing there.
+        CorruptObjectError: a symlink, FIFO, socket, directory or device sits where an object should be.
+        OSError: any other I/O failure.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | _O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP):  # a symlink; a socket
+            raise CorruptObjectError(f"{path} is not a regular file ({os.strerror(exc.errno)})") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptObjectError(f"{path} is not a regular file (mode {stat.filemode(st.st_mode)})")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_header(fd: int, st: os.stat_result, key: ChunkKey) -> tuple[bytes, objformat.Header]:
+    """Read and validate the prefix and header of the open object: ``(bytes read, header)``.
+
+    At most :data:`HEAD_READ` bytes, or the header's length when it is longer (capped by the format);
+    the object size the header implies must equal the file's size.
+    """
+    head = os.pread(fd, min(st.st_size, HEAD_READ), 0)
+    hlen = objformat.header_length(head)
+    if objformat.PREFIX_SIZE + hlen > len(head):
+        if objformat.PREFIX_SIZE + hlen > st.st_size:
+            raise CorruptObjectError(f"header length {hlen} runs past the {st.st_size}-byte file")
+        head += os.pread(fd, objformat.PREFIX_SIZE + hlen - len(head), len(head))
+    return head, objformat.parse_header(head, key, object_size=st.st_size)
+
+
+def read_object(fd: int, st: os.stat_result, key: ChunkKey) -> TensorDict:
+    """Read, verify and decode the whole open object: its tensors (views over one fresh buffer when
+    uncompressed).
+
+    Raises:
+        CorruptObjectError: damaged (header, size, checksum).
+        UnsupportedObjectError: intact, but this reader cannot represent it.
+        MemoryError: the object does not fit in memory now.
+    """
+    head, hdr = read_header(fd, st, key)
+    buf = objformat.alloc_bytes(st.st_size)
+    mv = buf.numpy().data if st.st_size else memoryview(bytearray(0))
+    mv[:len(head)] = head
+    h = xxhash.xxh3_128(memoryview(head)[objformat.PREFIX_SIZE:])
+    os.lseek(fd, len(head), os.SEEK_SET)
+    got = len(head) + read_into(fd, [mv[len(head):]], h)
+    if got != st.st_size:
+        raise CorruptObjectError(f"short read: {got} of {st.st_size} bytes")
+    if h.digest() != head[16:32]:
+        raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
+    hdr.require_supported()
+    payload = buf[hdr.payload_offset:]
+    if hdr.codec == "zstd":
+        payload = objformat.decompress(mv[hdr.payload_offset:], hdr)
+    return objformat.tensors_from_payload(payload, hdr)
+
