@@ -306,8 +306,9 @@ class WriteBack:
         if tier.overwrites:
             tier.delete(key)  # whatever older value it holds must not be served as the current one
 
-    def _backing_off(self, key: ChunkKey, level: int) -> bool:
-        return key in self._retry_at[level]
+    def _backing_off(self, rec: _Dirty, key: ChunkKey, level: int) -> bool:
+        """Whether writes of ``key`` to ``level`` failed and the next retry is not due yet (lock held)."""
+        return rec.pending.get(level, 0) > 0 and key in self._retry_at[level]
 
     # ------------------------------------------------------------------ eviction hook
     def before_evict(self, tier: Tier, key: ChunkKey) -> bool:
@@ -334,7 +335,7 @@ class WriteBack:
         with self._cond:
             rec = self._dirty[key]
             gen = rec.gen
-            targets = [j for j in sorted(rec.pending) if j > level and not self._backing_off(key, j)]
+            targets = [j for j in sorted(rec.pending) if j > level and not self._backing_off(rec, key, j)]
         with tier.borrowed(key) as data:
             if data is None:
                 return True  # it vanished (or was damaged) meanwhile: nothing left to save
