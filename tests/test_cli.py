@@ -59,6 +59,7 @@ def test_unknown_verb_exits_nonzero():
 def test_gc_removes_stale_remote_temp_files_only(tmp_path, capsys):
     import os
     import time
+    import uuid
 
     root = tmp_path / "shared"
     cfg = {"tiers": [{"kind": "host", "capacity": "1MiB", "pinned": False},
@@ -68,19 +69,28 @@ def test_gc_removes_stale_remote_temp_files_only(tmp_path, capsys):
     with tierstore.open(str(path)) as store:
         store.put(key_of(1), chunk(1))
     obj = root / object_relpath(key_of(1))
-    stale, fresh = obj.parent / "crashed.abc.tmp", obj.parent / "live.def.tmp"
+    stale, fresh = (obj.parent / f"{obj.name}.{uuid.uuid4().hex}.tmp" for _ in range(2))
+    foreign = obj.parent / "crashed.abc.tmp"  # not a name the remote tier writes: never ours to delete
     stale.write_bytes(b"half an object")
     fresh.write_bytes(b"still being written")
+    foreign.write_bytes(b"someone else's")
     hour_ago = time.time() - 3700
     os.utime(stale, (hour_ago, hour_ago))
+    os.utime(foreign, (hour_ago, hour_ago))
     assert main(["gc", "--config", str(path), "--json", str(tmp_path / "gc.json")]) == 0
     assert "1 stale temp files" in capsys.readouterr().out
     assert not stale.exists() and fresh.exists() and obj.exists()
     assert json.loads((tmp_path / "gc.json").read_text())["remote"]["stale_temp_removed"] == 1
     assert main(["gc", "--config", str(path), "--stale-after", "0"]) == 0
-    assert not fresh.exists() and obj.exists()
+    assert not fresh.exists() and obj.exists() and foreign.exists()
     with tierstore.open(str(path)) as store:
         assert torch.equal(store.get(key_of(1))["k"], chunk(1)["k"])
+    assert main(["gc", "--config", str(path), "--older-than", "3600"]) == 0
+    assert obj.exists()
+    os.utime(obj, (hour_ago, hour_ago))
+    assert main(["gc", "--config", str(path), "--older-than", "3600"]) == 0
+    assert "1 expired objects" in capsys.readouterr().out
+    assert not obj.exists() and foreign.exists()
 
 
 def _owner(config_path, ready: str = "ready"):

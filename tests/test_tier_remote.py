@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -16,8 +17,10 @@ import fsspec
 import pytest
 import torch
 
+import tierstore
+import tierstore.config
 from tierstore.errors import ConfigError, InvalidInputError
-from tierstore.testing.s3 import free_port
+from tierstore.testing.s3 import free_port, local_s3
 from tierstore.testing.tiers import TierTests, assert_same, chunk, key_of
 from tierstore.tiers.layout import object_relpath
 from tierstore.tiers.remote import RemoteTier
@@ -50,6 +53,7 @@ def memory_url() -> str:
 class _RemoteTierTests(TierTests):
     persistent = True
     checksummed = True
+    bounded = False
     url: str
     storage_options: dict | None = None
 
@@ -228,19 +232,6 @@ def test_shared_mount_publish_is_atomic_and_listing_ignores_junk(tmp_path):
     assert not t2.contains(key_of(9))
 
 
-def test_open_over_capacity_indexes_the_newest(tmp_path):
-    b = Backend((tmp_path / "kv").as_uri())
-    t = b.tier()
-    for i in range(4):
-        t.put(key_of(i), chunk(i, 8000))
-        time.sleep(0.01)
-    size = b.size(key_of(0))
-    t.close()
-    t2 = b.tier(capacity=2 * size + 100)
-    assert sorted(k.hex() for k in t2.keys()) == sorted(key_of(i).hex() for i in (2, 3))
-    assert t2.used_bytes <= t2.capacity
-
-
 def test_bad_configuration_is_a_config_error(tmp_path):
     for url in ("nosuchscheme://bucket/kv", "", None):
         with pytest.raises(ConfigError, match=re.escape(repr(url))):
@@ -278,7 +269,7 @@ def test_unreachable_endpoint_degrades(caplog):
 
 def test_failing_storage_fails_fast_then_recovers(monkeypatch):
     with RemoteTier(url=memory_url()) as t:
-        t.retry_after = 0.5  # long enough that a loaded machine still calls again inside it
+        t.storage.retry_after = 0.5  # long enough that a loaded machine still calls again inside it
         assert t.put(key_of(0), chunk(0))
         calls = []
         real_cat = t.fs.cat_file
@@ -363,16 +354,110 @@ def test_two_processes_share_a_prefix(s3_prefix, tmp_path):
         t.close()
 
 
-def test_remove_stale_temp(backend):
+def test_remove_stale_temp_removes_only_our_temp_names(backend):
+    """Probe 8.9: gc deleted a foreign ``exports/nightly.tmp`` under a shared prefix (any ``*.tmp``)."""
     t = backend.tier()
     assert t.put(key_of(0), chunk(0))
-    junk = backend.path(key_of(0)) + ".0123abcd.tmp"
-    backend.fs.pipe_file(junk, b"partial object of a writer that died")
+    hexkey = key_of(1).hex()
+    ours = f"{backend.root}/{hexkey[:2]}/{hexkey}.tso.{uuid.uuid4().hex}.tmp"  # what _publish_local writes
+    foreign = [f"{backend.root}/exports/nightly.tmp",                       # someone else's file
+               f"{backend.root}/{hexkey[:2]}/{hexkey}.tso.0123abcd.tmp",  # not our uuid form
+               f"{backend.root}/00/{hexkey}.tso.{uuid.uuid4().hex}.tmp",  # not in its key's folder
+               f"{backend.root}/{hexkey[:2]}/notes.tmp"]
+    for path in [ours, *foreign]:
+        backend.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        backend.fs.pipe_file(path, b"partial object of a writer that died")
     assert t.remove_stale_temp(older_than=3600) == 0  # young: a live writer may still own it
-    assert backend.fs.exists(junk)
+    assert backend.fs.exists(ours)
     time.sleep(0.05)
     assert t.remove_stale_temp(older_than=0) == 1
-    assert not backend.fs.exists(junk)
+    assert not backend.fs.exists(ours)
+    assert all(backend.fs.exists(path) for path in foreign)
     assert_same(t.get(key_of(0)), chunk(0))  # objects are never temp files
     with pytest.raises(InvalidInputError):
         t.remove_stale_temp(older_than=-1)
+
+
+def test_stale_temp_gc_never_follows_a_symlink(tmp_path):
+    b = Backend((tmp_path / "kv").as_uri())
+    t = b.tier()
+    hexkey = key_of(1).hex()
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    victim = outside / f"{hexkey}.tso.{uuid.uuid4().hex}.tmp"
+    victim.write_bytes(b"not under the prefix")
+    (tmp_path / "kv").mkdir(exist_ok=True)
+    (tmp_path / "kv" / hexkey[:2]).symlink_to(outside, target_is_directory=True)
+    time.sleep(0.05)
+    assert t.remove_stale_temp(older_than=0) == 0
+    assert victim.exists()
+
+
+def test_remote_capacity_is_refused_and_writers_never_delete_each_other(backend, tmp_path):
+    """Review C5: probes overfilled a bounded remote index, and the next put evicted (deleted) the objects
+    another writer had just published. A shared prefix has no per-process capacity."""
+    with pytest.raises(ConfigError, match="lifecycle"):
+        backend.tier(capacity=3 * 8192)
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.capacity.*lifecycle"):
+        tierstore.config.parse_config({"tiers": [{"kind": "host", "capacity": "1MiB"},
+                                                 {"kind": "remote", "url": memory_url(), "capacity": "1GiB"}]})
+    first, second = backend.tier(), backend.tier()
+    for i in range(8):
+        assert first.put(key_of(i), chunk(i, 8000))
+    assert second.contains_many([key_of(i) for i in range(8)]) == [True] * 8  # probes index them
+    for i in range(8, 24):
+        assert second.put(key_of(i), chunk(i, 8000))
+    assert all(backend.fs.exists(backend.path(key_of(i))) for i in range(24))
+    assert second.stats()["evictions"] == first.stats()["evictions"] == 0
+
+
+def test_remove_older_than_bounds_a_shared_prefix_by_age(backend):
+    t = backend.tier()
+    for i in range(3):
+        assert t.put(key_of(i), chunk(i))
+    foreign = f"{backend.root}/exports/model.bin"
+    backend.fs.makedirs(f"{backend.root}/exports", exist_ok=True)
+    backend.fs.pipe_file(foreign, b"someone else's")
+    assert t.remove_older_than(3600) == 0
+    time.sleep(0.05)
+    assert t.remove_older_than(0) == 3
+    assert backend.fs.exists(foreign) and len(t) == 0 and t.get(key_of(0)) is None
+    with pytest.raises(InvalidInputError):
+        t.remove_older_than(float("nan"))
+
+
+@pytest.mark.parametrize("url", ["http://[::1", "http://[::1/kv", "s3://bucket:notaport/kv", "memory://kv\0x"])
+def test_malformed_url_is_a_config_error_at_open(url, tmp_path):
+    """Probe 4.18: ``http://[::1`` opened, and then every listing and put failed with logged errors."""
+    with pytest.raises(ConfigError, match="url"):
+        RemoteTier(url=url)
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.url"):
+        tierstore.open({"tiers": [{"kind": "remote", "url": url}]})
+    with pytest.raises(ConfigError, match="endpoint_url"):
+        tierstore.config.parse_config({"tiers": [{"kind": "remote", "url": memory_url(),
+                                                  "storage_options": {"endpoint_url": url}}]})
+
+
+def test_config_and_tier_accept_the_same_urls():
+    """Review A.7: the two URL checks diverged (``simplecache::memory://`` passed one, failed the other)."""
+    for url in (f"simplecache::{memory_url()}", memory_url(), "file:///tmp/kv", "/tmp/kv"):
+        tierstore.config.parse_config({"tiers": [{"kind": "remote", "url": url}]})
+        RemoteTier(url=url, list_on_open=False).close()
+    for url in ("nosuch://x", "simplecache::nosuch://x"):
+        with pytest.raises(ConfigError):
+            tierstore.config.parse_config({"tiers": [{"kind": "remote", "url": url}]})
+        with pytest.raises(ConfigError):
+            RemoteTier(url=url)
+
+
+def test_local_s3_leaves_the_environment_alone(monkeypatch):
+    """Review A.8: starting the test server set AWS_ACCESS_KEY_ID=testing for the rest of the process."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(name, raising=False)
+    before = dict(os.environ)
+    with local_s3() as server:
+        assert dict(os.environ) == before
+        fs = server.filesystem()  # credentials travel in storage_options
+        bucket = server.new_bucket()
+        fs.pipe_file(f"{bucket}/x", b"x")
+        assert fs.cat_file(f"{bucket}/x") == b"x"

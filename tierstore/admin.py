@@ -9,7 +9,8 @@ may use is included (``path``, and ``path.1`` … with ``instances``).
 * ``verify --repair`` and ``gc`` remove: corrupt objects (``verify --repair``), plus our crashed writers'
   temp files (``gc``: on disk when a directory is opened for writing; on a remote, those older than
   ``--stale-after``). They need every disk directory unlocked and refuse, removing nothing, while a
-  process holds one. On a shared remote prefix they remove only what is corrupt or ours and stale.
+  process holds one. On a shared remote prefix they remove only what is corrupt or ours and stale, and
+  with ``gc --older-than`` chunk objects past that age, whoever wrote them.
   Unsupported objects (a newer format, a dtype this torch lacks) are reported and always kept.
 
 Exit status: 0 all well, 1 corrupt objects were found, 2 refused (a directory is in use).
@@ -47,6 +48,9 @@ def add_gc_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
     p.add_argument("--stale-after", type=float, default=3600.0, metavar="SECONDS",
                    help="remove remote temp files older than this (crashed writers; default 3600)")
+    p.add_argument("--older-than", type=float, default=None, metavar="SECONDS",
+                   help="also remove remote objects last written longer ago than this, by any writer "
+                        "(the age bound of a shared prefix without a bucket lifecycle rule)")
 
 
 add_stats_arguments = add_arguments
@@ -150,9 +154,12 @@ def run_gc(args: argparse.Namespace) -> int:
             for tier in tiers:
                 if isinstance(tier, RemoteTier):
                     result[tier.name]["stale_temp_removed"] = tier.remove_stale_temp(args.stale_after)
+                    if args.older_than is not None:
+                        result[tier.name]["expired_removed"] = tier.remove_older_than(args.older_than)
     except LockedError as exc:
         return _refuse(exc, "gc")
     _emit(args, result, [f"{name}: kept {r['ok']}, removed {r['removed']} corrupt"
                          + (f", {r['stale_temp_removed']} stale temp files" if "stale_temp_removed" in r else "")
+                         + (f", {r['expired_removed']} expired objects" if "expired_removed" in r else "")
                          for name, r in result.items()])
     return 0

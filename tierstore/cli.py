@@ -1,4 +1,4 @@
-"""``tierstore`` command line: demo, bench {tiers,kv,weights}, stats, verify, gc.
+"""``tierstore`` command line: demo, bench {tiers,kv,weights}, stats, verify, gc, crashtest.
 
 Each verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them up, importing a verb's module when it runs.
@@ -16,6 +16,7 @@ VERBS = {
     "stats": ("tierstore.admin", "print what each disk and remote tier holds (read-only; fine beside an engine)"),
     "verify": ("tierstore.admin", "re-check every stored object's checksum (read-only unless --repair)"),
     "gc": ("tierstore.admin", "remove stale temp files and corrupt objects (refused while a process owns a disk)"),
+    "crashtest": ("tierstore.crashtest", "SIGKILL a writer at random moments and check every acknowledged chunk"),
 }
 BENCHES = {
     "tiers": ("tierstore.bench.tiers", "put/get throughput of each tier vs plain copies and I/O"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable, Mapping
@@ -18,6 +19,7 @@ from typing import Any, TypeVar
 from .errors import ConfigError
 from .sizes import parse_size
 from .tiers.layout import PERMISSIONS
+from .urls import check_endpoint, check_url
 
 E = TypeVar("E", bound=enum.Enum)
 ENV_CONFIG = "TIERSTORE_CONFIG"
@@ -145,12 +147,6 @@ def _positive_int(value: Any, key: str) -> int:
     return value
 
 
-def _seconds(value: Any, key: str) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < float("inf"):
-        raise ConfigError(f"{key}: expected a non-negative number of seconds, got {value!r}")
-    return float(value)
-
-
 # ---------------------------------------------------------------------- tier options, checked in one place
 def _bool(value: Any, key: str) -> bool:
     if not isinstance(value, bool):  # "false" is truthy: a quoted YAML boolean must not flip a mode
@@ -203,9 +199,32 @@ def _path(value: Any, key: str) -> str:
     return os.path.abspath(os.path.expanduser(os.fspath(value)))
 
 
-def _url(value: Any, key: str) -> Any:
-    _check_url(value, key)
-    return value
+def _url(value: Any, key: str) -> str:
+    return check_url(value, key)
+
+
+def _storage_options(value: Any, key: str) -> Mapping[str, Any] | None:
+    options = _mapping(value, key)
+    if options is not None and options.get("endpoint_url") is not None:
+        check_endpoint(options["endpoint_url"], f"{key}.endpoint_url")
+    return options
+
+
+def _seconds(value: Any, key: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise ConfigError(f"{key}: expected a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+#: why a remote tier takes no ``capacity``
+REMOTE_CAPACITY_REFUSED = (
+    "a remote tier has no capacity: its prefix is shared, and a per-process LRU would delete other writers' "
+    "fresh objects. Bound it with bucket lifecycle rules (S3/GCS expiration) or `tierstore gc --older-than`")
+
+
+def _no_capacity(value: Any, key: str) -> None:
+    if value is not None:
+        raise ConfigError(f"{key}: {REMOTE_CAPACITY_REFUSED}")
 
 
 def _any(value: Any, key: str) -> Any:
@@ -220,9 +239,9 @@ TIER_OPTIONS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
     "disk": {"path": _path, "capacity": _capacity, "durable": _bool, "read_only": _bool,
              "codec": _one_of("none", "zstd"), "io_threads": _positive_int, "permissions": _PERMISSIONS,
              "instances": _positive_int},
-    "remote": {"url": _url, "storage_options": _mapping, "compression": _one_of(None, "none", "zstd"),
-               "capacity": _capacity, "max_in_flight": _positive_int, "list_on_open": _bool,
-               "permissions": _PERMISSIONS},
+    "remote": {"url": _url, "storage_options": _storage_options, "compression": _one_of(None, "none", "zstd"),
+               "capacity": _no_capacity, "max_in_flight": _positive_int, "list_on_open": _bool,
+               "timeout": _seconds, "permissions": _PERMISSIONS},
 }
 _REQUIRED = {"disk": {"path"}, "remote": {"url"}}
 
@@ -283,16 +302,3 @@ def _check_writable(path: str, key: str, read_only: bool) -> None:
     if read_only and not p.is_dir():
         raise ConfigError(f"{key}: {str(p)!r} does not exist (read_only tiers open an existing directory)")
 
-
-def _check_url(url: Any, key: str) -> None:
-    import fsspec
-
-    if not isinstance(url, str) or not url:
-        raise ConfigError(f"{key}: expected an fsspec URL such as s3://bucket/prefix, got {url!r}")
-    protocol = url.split("://", 1)[0] if "://" in url else "file"
-    if protocol not in fsspec.available_protocols():
-        raise ConfigError(f"{key}: unknown URL scheme {protocol!r} in {url!r}")
-    try:
-        fsspec.get_filesystem_class(protocol)
-    except (ImportError, ValueError) as exc:
-        raise ConfigError(f"{key}: scheme {protocol!r} needs a package that is not installed: {exc}") from None

@@ -1,4 +1,9 @@
-"""A real S3 endpoint on 127.0.0.1 for tests and benchmarks: ``moto_server`` in a subprocess."""
+"""A real S3 endpoint on 127.0.0.1 for tests and benchmarks: ``moto_server`` in a subprocess.
+
+Credentials and region travel in :attr:`LocalS3.storage_options` and in the server's own environment;
+this process's ``os.environ`` is left alone (setting ``AWS_*`` there would override the user's real
+credentials for everything else the process does).
+"""
 
 from __future__ import annotations
 
@@ -24,6 +29,9 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 10) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+REGION = "us-east-1"
 
 
 def free_port() -> int:
@@ -70,11 +78,10 @@ def _moto_command(port: int) -> list[str]:
 
 def start_local_s3(timeout: float = 30.0) -> LocalS3:
     """Start ``moto_server`` on a free loopback port and wait until it answers."""
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     port = free_port()
-    proc = subprocess.Popen(_moto_command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**os.environ, "AWS_DEFAULT_REGION": REGION, "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing"}
+    proc = subprocess.Popen(_moto_command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

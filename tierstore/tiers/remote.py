@@ -10,7 +10,10 @@ Rules this tier keeps:
   ``If-None-Match: *``; on a local/shared mount a unique temp file in the same folder hard-linked into
   place (falls back to ``os.replace`` where links are unsupported); elsewhere one ``pipe_file`` with
   ``mode="create"``. A reader never sees part of an object, and two processes publishing the same key at
-  once is harmless — the second finds the object there and counts it as a success.
+  once is harmless — the second finds the object there and counts it as a success. A put of a key this
+  process has not seen looks it up first (one HEAD): on a shared prefix another engine has often
+  published it already, and a HEAD costs less than encoding and uploading it again; the conditional
+  publish, not the HEAD, is what keeps the first object.
 * **Sharing.** The index is rebuilt by listing at open (``list_on_open``); keys missing from the index are
   looked up in storage (one HEAD each, concurrently) every time — negative results are never cached, since
   another process may publish a key at any moment.
@@ -22,19 +25,27 @@ Rules this tier keeps:
   reader cannot represent (newer format, unknown dtype) a counted miss (``unsupported``); neither is
   deleted by a reader (``shared = True``): this process forgets it, and ``tierstore verify --repair``
   removes damaged ones.
-* **Capacity** is optional (``None`` = unbounded). With one, LRU eviction runs over the objects this
-  process knows (its listing and what it has written or found), and an evicted object is deleted.
+* **Never stuck.** Every storage request has a deadline (``timeout``, 5 s by default) and a sick
+  endpoint makes the tier fail fast for a back-off (:mod:`tierstore.tiers.remote_storage`); ``close()``
+  waits for in-flight requests at most ``timeout``. Local paths (``file://``) block as the mount does:
+  use NFS ``soft`` mounts with ``timeo``.
+* **No capacity.** The prefix is shared, so a per-process LRU over it would delete other writers' fresh
+  objects (it did: review C5). The tier never evicts; bound the prefix with bucket lifecycle rules, or
+  :meth:`RemoteTier.remove_older_than` (``tierstore gc --older-than``), which deletes by age for every
+  writer alike.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import os
+import re
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from typing import Any, TypeVar
 
@@ -44,42 +55,22 @@ from fsspec.implementations.local import LocalFileSystem
 
 from .. import objformat
 from ..config import check_tier_options
-from ..errors import ClosedError, ConfigError, InvalidInputError, TierstoreError
+from ..errors import ClosedError, ConfigError, InvalidInputError
 from ..keys import ChunkKey
 from ..tensors import TensorDict
 from . import objfile
 from .base import Tier
 from .layout import PERMISSIONS, TMP_SUFFIX, key_from_name, object_relpath
+from .remote_storage import DEFAULT_TIMEOUT, GuardedStorage, with_client_defaults
 
 T = TypeVar("T")
 R = TypeVar("R")
 
-#: exceptions from a filesystem call that are bugs or bad arguments, not an unreachable storage
-_PROGRAMMING_ERRORS = (TypeError, ValueError, AttributeError, LookupError, NotImplementedError, AssertionError)
-
-
-class _Unavailable(OSError):
-    """The storage failed recently; raised without I/O until the back-off expires."""
-
-
 #: errno values for which a hard link cannot be made but ``os.replace`` works (FAT, some FUSE/SMB mounts)
 _NO_LINK = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV, errno.ENOSYS}
 
-
-def _check_url(url: object) -> None:
-    """Raise :class:`ConfigError` unless every protocol in ``url`` is one fsspec can load."""
-    if not isinstance(url, str) or not url:
-        raise ConfigError(f"remote tier needs `url` (an fsspec URL such as s3://bucket/prefix), got {url!r}")
-    for part in url.split("::"):
-        protocol, _ = fsspec.core.split_protocol(part)
-        if protocol is None:
-            continue  # a plain local path
-        if protocol not in fsspec.available_protocols():
-            raise ConfigError(f"remote tier url {url!r}: unknown scheme {protocol!r}")
-        try:
-            fsspec.get_filesystem_class(protocol)
-        except ImportError as exc:
-            raise ConfigError(f"remote tier url {url!r}: scheme {protocol!r} needs a package: {exc}") from None
+#: the temp file a ``file://`` publish stages in, ``<64 hex>.tso.<32 hex>.tmp`` (see ``_publish_local``)
+_TEMP_NAME = re.compile(r"(?P<key>[0-9a-f]{64})\.tso\.[0-9a-f]{32}" + re.escape(TMP_SUFFIX))
 
 
 def _mtime(info: Mapping[str, Any]) -> float:
@@ -109,20 +100,27 @@ class RemoteTier(Tier):
 
     Parameters
     ----------
-    name, capacity:
-        As for every tier; ``capacity=None`` (the default) means unbounded.
+    name:
+        As for every tier. There is no ``capacity`` (passing one raises :class:`ConfigError`): see the
+        module docstring.
     url:
         Any fsspec URL: ``s3://bucket/prefix``, ``file:///mnt/nfs/kv``, ``memory://kv``, ``gs://…``.
         An unknown scheme, or one whose package is missing, raises :class:`ConfigError` before any I/O.
     storage_options:
         Keyword arguments for the filesystem (``endpoint_url``, ``key``, ``secret``, ``config_kwargs`` …).
+        For ``s3://``, ``config_kwargs`` defaults to ``remote_storage.S3_CLIENT_DEFAULTS`` key by key.
     compression:
         ``None``/``"none"`` or ``"zstd"`` for objects this tier writes; it reads either.
     max_in_flight:
         Concurrent storage requests of this tier (all callers together).
     list_on_open:
-        Rebuild the index by listing the prefix at open. Without it the index fills lazily, as lookups
-        find objects in storage.
+        Rebuild the index by listing the prefix at open (bounded by :attr:`list_timeout`). Without it the
+        index fills lazily, as lookups find objects in storage.
+    timeout:
+        Seconds one storage request may take (default :data:`DEFAULT_TIMEOUT`). A get or lookup of a key
+        this process has not seen makes one request (a HEAD), a get of a known key one GET, a put one PUT
+        (plus a HEAD for an unseen key): against a silent endpoint each returns a miss/``False`` within
+        ``timeout``, and later calls return at once while the tier backs off.
     permissions:
         For a local or mounted path: ``"private"`` (folders 0700, objects 0600) or ``"group"`` (0770,
         0660) for the folders and objects this tier creates.
@@ -130,38 +128,40 @@ class RemoteTier(Tier):
 
     kind = "remote"
     overwrites = False
+    #: seconds the listing at open may take (at least ``timeout``); a prefix too large to list in that
+    #: time starts with an empty index that fills as lookups find objects (or use ``list_on_open=False``)
+    list_timeout: float = 30.0
     shared = True
-    #: seconds to fail fast after a connection error or timeout (doubling while down, up to the max)
-    retry_after: float = 1.0
-    max_retry_after: float = 30.0
 
-    def __init__(self, name: str | None = None, capacity: int | None = None, url: str | None = None,
+    def __init__(self, name: str | None = None, capacity: None = None, url: str | None = None,
                  storage_options: Mapping[str, Any] | None = None, compression: str | None = None,
-                 max_in_flight: int = 8, list_on_open: bool = True, permissions: str = "private"):
-        _check_url(url)
-        check_tier_options("remote", {"compression": compression, "max_in_flight": max_in_flight,
-                                      "storage_options": storage_options, "list_on_open": list_on_open,
+                 max_in_flight: int = 8, list_on_open: bool = True, timeout: float = DEFAULT_TIMEOUT,
+                 permissions: str = "private"):
+        check_tier_options("remote", {"url": url, "capacity": capacity, "compression": compression,
+                                      "max_in_flight": max_in_flight, "storage_options": storage_options,
+                                      "list_on_open": list_on_open, "timeout": timeout,
                                       "permissions": permissions}, where=f"remote tier {name or self.kind!r}")
-        super().__init__(name, capacity)
+        super().__init__(name, None)
         self._dir_mode, self._file_mode = PERMISSIONS[permissions]
-        self.url = url
+        self.url: str = url  # type: ignore[assignment]  # checked above
         self.codec = compression or "none"
         self.max_in_flight = max_in_flight
-        options = dict(storage_options or {})
+        self.timeout = float(timeout)
+        options = with_client_defaults(self.url, storage_options or {})
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **options)
         except (ValueError, TypeError, ImportError) as exc:
             raise ConfigError(f"remote tier url {url!r}: {exc}") from None
         self.root = root.rstrip("/")
+        self.storage = GuardedStorage(self.fs, self.url, self.timeout, self._log_down)
+        self._io = self.storage.call
         self._local = isinstance(self.fs, LocalFileSystem)
         self._s3 = type(self.fs).__module__.startswith("s3fs")
         self._create_mode = True  # whether pipe_file takes mode="create" (cleared if the fs rejects it)
-        self._health = threading.Lock()
-        self._down_until = 0.0
-        self._backoff = 0.0
         self._worker = threading.local()
         self._pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix=f"tierstore-{self.name}",
                                         initializer=self._mark_worker)
+        self._in_flight: set[Future[Any]] = set()  # pool tasks not finished yet (close waits for them)
         if list_on_open:
             self._rebuild_index()
 
@@ -177,55 +177,25 @@ class RemoteTier(Tier):
         items = list(items)
         if len(items) <= 1 or self.max_in_flight == 1 or getattr(self._worker, "active", False):
             return [fn(x) for x in items]
+        futures = []
         try:
-            futures = [self._pool.submit(fn, x) for x in items]
+            for x in items:
+                future = self._pool.submit(fn, x)
+                self._in_flight.add(future)
+                future.add_done_callback(self._in_flight.discard)
+                futures.append(future)
         except RuntimeError:  # pool shut down by a racing close()
+            for future in futures:
+                future.cancel()
             raise ClosedError(f"tier {self.name!r} is closed") from None
-        return [f.result() for f in futures]
-
-    def _io(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
-        """Call a filesystem function; non-``OSError`` failures (botocore, aiohttp …) become ``OSError``.
-
-        A connection failure or timeout marks the storage unreachable for ``retry_after`` seconds (doubling
-        while it stays down, up to ``max_retry_after``): until then calls fail at once instead of each
-        waiting for the network, so a dead endpoint costs the caller a miss, not a stall.
-        """
-        now = time.monotonic()
-        if now < self._down_until:
-            raise _Unavailable(f"{self.url} is unreachable; next attempt in {self._down_until - now:.1f}s")
         try:
-            out = fn(*args, **kwargs)
-        except (FileNotFoundError, FileExistsError, TierstoreError):
-            self._mark_up()  # the storage answered
-            raise
-        except (ConnectionError, TimeoutError) as exc:
-            self._mark_down(exc)
-            raise
-        except OSError:
-            raise
-        except _PROGRAMMING_ERRORS as exc:
-            raise OSError(f"{type(exc).__name__}: {exc}") from exc
-        except Exception as exc:  # botocore / aiohttp / gcsfs network errors
-            self._mark_down(exc)
-            raise OSError(f"{type(exc).__name__}: {exc}") from exc
-        self._mark_up()
-        return out
+            return [f.result() for f in futures]
+        except concurrent.futures.CancelledError:  # queued work dropped by a racing close()
+            raise ClosedError(f"tier {self.name!r} is closed") from None
 
-    def _mark_down(self, exc: BaseException) -> None:
-        with self._health:
-            now = time.monotonic()
-            if now < self._down_until:
-                return  # concurrent failures of one outage extend nothing
-            self._backoff = min(max(2 * self._backoff, self.retry_after), self.max_retry_after)
-            self._down_until = now + self._backoff
+    def _log_down(self, exc: BaseException, seconds: float) -> None:
         self._log_once("down", "%s unreachable (%s: %s); requests fail fast for %.1fs at a time",
-                       self.url, type(exc).__name__, exc, self._backoff)
-
-    def _mark_up(self) -> None:
-        if self._backoff:
-            with self._health:
-                self._backoff = 0.0
-                self._down_until = 0.0
+                       self.url, type(exc).__name__, exc, seconds)
 
     # ------------------------------------------------------------------ index
     def _rebuild_index(self) -> None:
@@ -242,16 +212,6 @@ class RemoteTier(Tier):
             if key is not None and info.get("type", "file") == "file" and isinstance(info.get("size"), int):
                 found.append((_mtime(info), key, info["size"]))
         found.sort(key=lambda f: f[0])
-        if self.capacity is not None:  # keep the newest objects that fit; the rest stay unindexed
-            kept, total = [], 0
-            for entry in reversed(found):
-                if total + entry[2] <= self.capacity:
-                    kept.append(entry)
-                    total += entry[2]
-            if len(kept) < len(found):
-                self._log_once("overfull", "%d objects under %s exceed the capacity; indexing the newest %d",
-                               len(found), self.url, len(kept))
-            found = kept[::-1]
         with self._cond:
             for _, key, size in found:
                 self._index_add(key, size)
@@ -259,7 +219,9 @@ class RemoteTier(Tier):
     def _list_root(self) -> dict[str, dict[str, Any]]:
         """Every file under the root with its details (empty if the root does not exist yet)."""
         try:
-            return self._io(self.fs.find, self.root, detail=True)
+            listing: dict[str, dict[str, Any]] = self._io("find", self.root, detail=True,
+                                                          timeout=max(self.list_timeout, self.timeout))
+            return listing
         except FileNotFoundError:
             return {}
         finally:  # a listing cache would go stale as other processes publish; lookups must hit storage
@@ -270,21 +232,54 @@ class RemoteTier(Tier):
 
     def remove_stale_temp(self, older_than: float = 3600.0) -> int:
         """Delete temp files that crashed writers left under the root (``file://`` publishes stage in
-        them), modified more than ``older_than`` seconds ago; returns how many. Temp files of unknown
-        age are kept: a live writer may still be filling one."""
-        if older_than < 0:
-            raise InvalidInputError(f"older_than must be >= 0 seconds, got {older_than!r}")
+        them), modified more than ``older_than`` seconds ago; returns how many.
+
+        Only this tier's own temp names are touched (``<ab>/<64 hex>.tso.<32 hex>.tmp``, in the fan-out
+        folder of that key), never another ``*.tmp`` under the prefix, never through a symlink. Temp files
+        of unknown age are kept: a live writer may still be filling one.
+        """
+        return self._remove_old(older_than, lambda rel: self._own_name(rel, temp=True))
+
+    def remove_older_than(self, older_than: float) -> int:
+        """Delete chunk objects modified more than ``older_than`` seconds ago, whoever wrote them; returns
+        how many. The explicit, writer-independent bound on a shared prefix (``tierstore gc
+        --older-than``) where no bucket lifecycle rule does it; only this tier's object names are touched.
+        """
+        return self._remove_old(older_than, lambda rel: self._own_name(rel, temp=False))
+
+    def _own_name(self, rel: str, temp: bool) -> ChunkKey | None:
+        """The key if ``rel`` (a path under the root) is where this tier puts an object (``temp=False``)
+        or a temp file of one (``temp=True``)."""
+        folder, _, base = rel.partition("/")
+        if temp:
+            match = _TEMP_NAME.fullmatch(base)
+            key = ChunkKey.from_hex(match["key"]) if match else None
+        else:
+            key = key_from_name(base)
+        return key if key is not None and rel.startswith(key.hex()[:2] + "/") and "/" not in base else None
+
+    def _remove_old(self, older_than: float, own: Callable[[str], ChunkKey | None]) -> int:
+        if not isinstance(older_than, (int, float)) or isinstance(older_than, bool) or not older_than >= 0:
+            raise InvalidInputError(f"older_than must be a number of seconds >= 0, got {older_than!r}")
         self._check_open()
-        listing = self._list_root()
         cutoff = time.time() - older_than
         removed = 0
-        for path, info in listing.items():
-            if path.endswith(TMP_SUFFIX) and 0 < _mtime(info) < cutoff:
-                try:
-                    self._io(self.fs.rm_file, path)
-                    removed += 1
-                except FileNotFoundError:
-                    pass  # its writer finished or another gc got there first
+        for path, info in self._list_root().items():
+            rel = path[len(self.root):].lstrip("/")
+            key = own(rel)
+            if key is None or not 0 < _mtime(info) < cutoff or info.get("type", "file") != "file":
+                continue
+            if self._local and (os.path.islink(path) or os.path.islink(os.path.dirname(path))):
+                continue
+            try:
+                self._io("rm_file", path)
+                removed += 1
+            except FileNotFoundError:
+                pass  # its writer finished or another gc got there first
+            if not path.endswith(TMP_SUFFIX):
+                with self._cond:
+                    if key in self._lru and key not in self._claims.busy and not self._claims.pinned(key):
+                        self._lru.remove(key)
         return removed
 
     def _stat(self, key: ChunkKey) -> int | None:
@@ -293,10 +288,16 @@ class RemoteTier(Tier):
         try:
             if self._s3:  # one HEAD; fs.info would add a LIST for every miss
                 bucket, name, _ = self.fs.split_path(path)
-                return int(self._io(self.fs.call_s3, "head_object", self.fs.kwargs, Bucket=bucket,
-                                    Key=name)["ContentLength"])
-            info = self._io(self.fs.info, path)
+                head = self._io("call_s3", "head_object", self.fs.kwargs, Bucket=bucket, Key=name)
+                return int(head["ContentLength"])
+            info = self._io("info", path)
         except FileNotFoundError:
+            return None
+        except PermissionError as exc:
+            # S3 answers a HEAD of a missing key with 403, not 404, when the caller may not list the bucket
+            # (least-privilege credentials): a miss, not an error storm. A real denial shows on GET/PUT.
+            self._log_once("head-403", "lookup of %s denied (%s): treating as a miss; grant s3:ListBucket to "
+                           "tell misses from denials", self.url, exc)
             return None
         return info["size"] if info.get("type", "file") == "file" else None
 
@@ -334,17 +335,19 @@ class RemoteTier(Tier):
     def _publish(self, path: str, data: bytes | bytearray) -> None:
         if self._create_mode:
             try:
-                self._io(self.fs.pipe_file, path, data, mode="create")
+                self._io("pipe_file", path, data, mode="create")
                 return
             except OSError as exc:
                 if not isinstance(exc.__cause__, TypeError):
                     raise
-                self._create_mode = False  # an fs without mode=: check, then write (same content anyway)
+                # an fs without mode=: check, then write. A writer racing in between may have its object
+                # replaced by ours, whole (pipe_file publishes at once); both are valid values of the key
+                self._create_mode = False
                 self._log_once("create-mode", "%s has no create-only writes; checking existence first",
                                type(self.fs).__name__)
-        if self._io(self.fs.exists, path):
+        if self._io("exists", path):
             raise FileExistsError(path)
-        self._io(self.fs.pipe_file, path, data)
+        self._io("pipe_file", path, data)
 
     def _publish_local(self, path: str, enc: objformat.Encoded) -> None:
         """Write a unique temp file next to ``path``, then link it into place (fails if it exists)."""
@@ -394,7 +397,7 @@ class RemoteTier(Tier):
 
     def _read(self, path: str) -> bytes:
         """The whole object in one GET: what is allocated is bounded by the object's real size."""
-        data: bytes = self._io(self.fs.cat_file, path)
+        data: bytes = self._io("cat_file", path)
         return data
 
     def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
@@ -414,12 +417,15 @@ class RemoteTier(Tier):
 
     def _drop(self, key: ChunkKey) -> None:
         try:
-            self._io(self.fs.rm_file, self._path(key))
+            self._io("rm_file", self._path(key))
         except FileNotFoundError:
             pass
 
     def _close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Stop the pool without waiting for stuck work: queued tasks are cancelled and running ones are
+        given at most ``timeout`` seconds (their requests end by then on asynchronous filesystems)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        concurrent.futures.wait(self._in_flight.copy(), timeout=self.timeout)
 
     def stats(self) -> dict[str, Any]:
         return {**super().stats(), "url": self.url, "compression": self.codec}

@@ -1,0 +1,135 @@
+"""Calls to a remote filesystem that never leave the caller stuck.
+
+:class:`GuardedStorage` wraps the fsspec filesystem of a remote tier. Every call has a deadline: on
+asynchronous filesystems (s3, gcs, http …) the request itself is cancelled when it passes, and S3
+clients also get bounded connect/read timeouts and retries (:data:`S3_CLIENT_DEFAULTS`). A timeout, a
+connection failure or a 5xx answer marks the storage down: for ``retry_after`` seconds (doubling while
+it stays down, up to ``max_retry_after``) calls raise at once without any I/O, so a dead endpoint costs
+each caller a miss, not a stall. Synchronous filesystems (``file://``, ``memory://``) run unbounded:
+a local mount blocks as the kernel does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import fsspec
+
+from ..errors import TierstoreError
+
+#: seconds one storage request may take by default; a KV chunk later than this is worth less than
+#: recomputing it
+DEFAULT_TIMEOUT = 5.0
+#: botocore client settings for s3:// unless ``storage_options["config_kwargs"]`` sets them (botocore's
+#: own defaults are 60 s connect and read timeouts with 5 attempts: minutes against a silent endpoint)
+S3_CLIENT_DEFAULTS: dict[str, Any] = {"connect_timeout": 2, "read_timeout": 4,
+                                      "retries": {"max_attempts": 3, "mode": "standard"}}
+
+#: exceptions from a filesystem call that are bugs or bad arguments, not an unreachable storage
+_PROGRAMMING_ERRORS = (TypeError, ValueError, AttributeError, LookupError, NotImplementedError, AssertionError)
+
+
+class Unavailable(OSError):
+    """The storage failed recently; raised without I/O until the back-off expires."""
+
+
+def with_client_defaults(url: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` plus :data:`S3_CLIENT_DEFAULTS` for an ``s3://`` URL (the user's values win, key by key)."""
+    options = dict(options)
+    protocol, _ = fsspec.core.split_protocol(url.split("::")[-1])
+    if protocol in ("s3", "s3a"):
+        options["config_kwargs"] = {**S3_CLIENT_DEFAULTS, **(options.get("config_kwargs") or {})}
+    return options
+
+
+def _server_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is an HTTP 5xx answer: the service is failing, not the request."""
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if seen is None:
+            return False
+        status = (getattr(seen, "response", None) or {}).get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(status, int) and status >= 500:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+class GuardedStorage:
+    """``fs`` behind a deadline per call and a back-off while it is down (see the module docstring).
+
+    ``on_down(exc, seconds)`` is told when an outage starts (the tier logs it once).
+    """
+
+    #: seconds to fail fast after a failure (doubling while down, up to the max)
+    retry_after: float = 1.0
+    max_retry_after: float = 30.0
+
+    def __init__(self, fs: Any, url: str, timeout: float, on_down: Callable[[BaseException, float], None]):
+        self.fs = fs
+        self.url = url
+        self.timeout = timeout
+        self._on_down = on_down
+        self._async = bool(getattr(fs, "async_impl", False))
+        self._health = threading.Lock()
+        self._down_until = 0.0
+        self._backoff = 0.0
+
+    def call(self, name: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """``fs.<name>(*args, **kwargs)`` within ``timeout`` (default :attr:`timeout`) seconds.
+
+        Raises :class:`Unavailable` while backing off; other failures as ``OSError`` (botocore, aiohttp …
+        errors are wrapped), a missed deadline as ``TimeoutError``.
+        """
+        now = time.monotonic()
+        if now < self._down_until:
+            raise Unavailable(f"{self.url} is unreachable; next attempt in {self._down_until - now:.1f}s")
+        try:
+            out = self._run(name, timeout or self.timeout, *args, **kwargs)
+        except (FileNotFoundError, FileExistsError, TierstoreError):
+            self._mark_up()  # the storage answered
+            raise
+        except (ConnectionError, TimeoutError) as exc:
+            self._mark_down(exc)
+            raise
+        except OSError as exc:
+            if _server_error(exc):
+                self._mark_down(exc)
+            raise
+        except _PROGRAMMING_ERRORS as exc:
+            raise OSError(f"{type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # botocore / aiohttp / gcsfs network errors
+            self._mark_down(exc)
+            raise OSError(f"{type(exc).__name__}: {exc}") from exc
+        self._mark_up()
+        return out
+
+    def _run(self, name: str, timeout: float, *args: Any, **kwargs: Any) -> Any:
+        if not self._async:
+            return getattr(self.fs, name)(*args, **kwargs)
+        coro = getattr(self.fs, "_" + name)(*args, **kwargs)
+        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self.fs.loop)
+        try:
+            return future.result(timeout + 1.0)  # the extra second covers a busy event loop
+        except TimeoutError as exc:
+            future.cancel()
+            raise TimeoutError(f"{self.url}: {name} got no answer within {timeout:g}s") from exc
+
+    def _mark_down(self, exc: BaseException) -> None:
+        with self._health:
+            now = time.monotonic()
+            if now < self._down_until:
+                return  # concurrent failures of one outage extend nothing
+            self._backoff = min(max(2 * self._backoff, self.retry_after), self.max_retry_after)
+            self._down_until = now + self._backoff
+        self._on_down(exc, self._backoff)
+
+    def _mark_up(self) -> None:
+        if self._backoff:
+            with self._health:
+                self._backoff = 0.0
+                self._down_until = 0.0
