@@ -15,6 +15,7 @@ def make_cache(layout: PagedLayout, blocks: int, bs: int, layers: int = 3, dtype
     shape = {
         PagedLayout.VLLM: (2, blocks, bs, H, D),
         PagedLayout.FLASHINFER: (blocks, 2, bs, H, D),
+        PagedLayout.VLLM_CPU: (blocks, H, bs, 2 * D),
         PagedLayout.MLA: (blocks, bs, LAT),
         PagedLayout.SGLANG_PAGE_FIRST: (2, blocks * bs, layers, H, D),
         PagedLayout.SGLANG_PAGE_FIRST_DIRECT: (2, blocks, layers, bs, H, D),
@@ -25,10 +26,14 @@ def make_cache(layout: PagedLayout, blocks: int, bs: int, layers: int = 3, dtype
 
 def reference(cache, layout, table, start, end, bs, layer=0):
     """Per-token gather written the slow, obvious way."""
+    if layout is PagedLayout.VLLM_CPU:  # as vLLM's CPU backend reads it: view (B, H, 2N, D), chunk(2, dim=2)
+        k_cache, v_cache = cache.view(cache.shape[0], H, 2 * bs, D).chunk(2, dim=2)
+
     def token(b, o):
         return {
             PagedLayout.VLLM: lambda: cache[:, b, o],
             PagedLayout.FLASHINFER: lambda: cache[b, :, o],
+            PagedLayout.VLLM_CPU: lambda: torch.stack([k_cache[b, :, o], v_cache[b, :, o]]),
             PagedLayout.MLA: lambda: cache[b, o],
             PagedLayout.SGLANG_PAGE_FIRST: lambda: cache[:, b * bs + o, layer],
             PagedLayout.SGLANG_PAGE_FIRST_DIRECT: lambda: cache[:, b, layer, o],

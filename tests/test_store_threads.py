@@ -1,8 +1,9 @@
 """Model-based test of the store under real thread interleavings (review B.3: the state machine is single-threaded).
 
-Several threads run seeded random operations — put (overwriting), get, a tier's get_many with repeated keys,
-delete, prefetch, flush and forced evictions — against a 3-tier store whose top tier holds two chunks, so
-eviction races write-back all the time, while the middle tier refuses some writes. A 1 µs switch interval
+Several threads run seeded random operations — put and put_many (overwriting), get and get_many, a tier's
+get_many with repeated keys, delete, prefetch, flush and forced evictions — against a 3-tier store whose
+top tier holds two chunks, so eviction races write-back all the time, while the middle tier refuses some
+writes. A 1 µs switch interval
 makes the interpreter switch threads inside the windows the write-back bugs needed.
 
 The model: every key has one owner thread (the only one that puts or deletes it), so the owner knows the
@@ -81,8 +82,8 @@ class Run:
         all_keys = [n for t in range(N_THREADS) for n in self.keys_of(t)]
         version = 0
         for _ in range(OPS_PER_THREAD):
-            op = rng.choices(["put", "get", "get_other", "get_many", "prefetch", "delete", "flush", "evict"],
-                             [30, 15, 15, 10, 8, 4, 4, 14])[0]
+            op = rng.choices(["put", "put_many", "get", "get_other", "get_many", "store_get_many", "prefetch",
+                              "delete", "flush", "evict"], [24, 6, 15, 15, 5, 5, 8, 4, 4, 14])[0]
             if op == "put":
                 n = rng.choice(mine)
                 version += 1
@@ -90,6 +91,20 @@ class Run:
                     self.written.setdefault(n, set()).add(version)
                 s.put(key_of(n), value(n, version))
                 self.latest[n] = version
+            elif op == "put_many":  # the batched store API keeps put's guarantees
+                batch = []
+                for n in rng.sample(mine, 2):
+                    version += 1
+                    with self.lock:
+                        self.written.setdefault(n, set()).add(version)
+                    batch.append((n, version))
+                assert s.put_many([(key_of(n), value(n, v)) for n, v in batch]) == [True, True]
+                for n, v in batch:
+                    self.latest[n] = v
+            elif op == "store_get_many":
+                ns = [rng.choice(all_keys) for _ in range(3)] + [rng.choice(mine)]
+                for n, got in zip(ns, s.get_many([key_of(n) for n in ns]), strict=True):
+                    self.check_read(n, got, owner=n in mine)
             elif op in ("get", "get_other"):
                 n = rng.choice(mine if op == "get" else all_keys)
                 self.check_read(n, s.get(key_of(n)), owner=n in mine)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .batch import BatchedStoreMixin
 from .config import PrefetchPolicy, StoreConfig, WritePolicy, parse_config
 from .errors import ClosedError, TierTimeoutError, WriteBackError
 from .keys import ChunkKey, check_key
@@ -40,11 +41,13 @@ log = logging.getLogger("tierstore")
 CLOSE_TIMEOUT = 10.0
 
 
-class TieredStore:
+class TieredStore(BatchedStoreMixin):
     """A content-addressed chunk store over ordered tiers (fastest first).
 
     Build one with :func:`tierstore.open`. All methods are thread-safe; no lock is held across I/O.
-    Read-only tiers serve reads and are never written.
+    Read-only tiers serve reads and are never written. Batched and asynchronous forms (``get_many``,
+    ``put_many``, ``contains_many``, ``lookup``, ``*_async``) come from
+    :class:`~tierstore.batch.BatchedStoreMixin`.
     """
 
     def __init__(self, tiers: Sequence[Tier], write_policy: WritePolicy = WritePolicy.WRITE_BACK,
@@ -57,6 +60,7 @@ class TieredStore:
         self.close_timeout = close_timeout
         self._by_name = {t.name: t for t in self.tiers}
         self._lock = threading.Condition()
+        self._cond = self._lock  # the name the batched mixin uses
         self._counts = {"puts": 0, "gets": 0, "hits": 0, "misses": 0, "promotions": 0, "prefetch_errors": 0}
         self._active = 0  # calls in progress (close waits for them)
         self._closing = False
@@ -79,11 +83,16 @@ class TieredStore:
         validate_chunk(tensors)  # before any tier: a chunk the object format cannot hold is refused whole
         with self._operation():
             self._count("puts")
-            with self._wb.claim(key):
-                landed = (self._put_through(key, tensors) if self.write_policy is WritePolicy.WRITE_THROUGH
-                          else self._put_back(key, tensors))
+            landed = self._put_claimed(key, tensors)
         if not landed:
             log.warning("put %s: no tier accepted the chunk", key.hex())
+
+    def _put_claimed(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Store one validated chunk under its key's claim; whether some tier took it."""
+        with self._wb.claim(key):
+            if self.write_policy is WritePolicy.WRITE_THROUGH:
+                return self._put_through(key, tensors)
+            return self._put_back(key, tensors)
 
     def _put_back(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
         self._wb.begin_put(key)  # dirty before any tier holds it
@@ -143,10 +152,13 @@ class TieredStore:
 
     def _read(self, key: ChunkKey, device: str | torch.device, out: Mapping[str, torch.Tensor] | None,
               tiers: Sequence[Tier]) -> tuple[TensorDict | None, int]:
-        """``(value, level)`` from the first of ``tiers`` holding the current value, or ``(None, -1)``."""
-        stale = self._wb.stale_levels(key)
+        """``(value, level)`` from the first of ``tiers`` holding the current value, or ``(None, -1)``.
+
+        Staleness is checked just before each level is read: an eviction writes a tier below before it
+        drops its copy, so a miss above is followed by an up-to-date view of the tier below.
+        """
         for level, tier in enumerate(tiers):
-            if level in stale:
+            if level in self._wb.stale_levels(key):
                 continue
             data = tier.get(key, device=device, out=out)
             if data is not None:
@@ -160,9 +172,25 @@ class TieredStore:
                 self._wb.mark_written(key, upper)
         self._count("promotions")
 
+    def _promote_read(self, hits: list[tuple[ChunkKey, TensorDict]], level: int, puts_before: int) -> None:
+        """Promote values a batched read found at ``level`` (read under no claim). If any put began since
+        the read, a value may be older than its key's latest: those keys are promoted from a fresh read."""
+        for key, data in dict(hits).items():
+            with self._wb.claim(key):
+                if self._wb.puts_since(puts_before):
+                    self._promote_current(key)
+                elif level not in self._wb.stale_levels(key):
+                    self._promote(key, data, level)
+
+    def _stale_levels(self, key: ChunkKey) -> frozenset[int]:
+        return self._wb.stale_levels(key)
+
+    def _puts_begun(self) -> int:
+        return self._wb.put_count()
+
     def _holders(self, key: ChunkKey) -> Iterator[Tier]:
-        stale = self._wb.stale_levels(key)
-        return (t for level, t in enumerate(self.tiers) if level not in stale and t.contains(key))
+        return (t for level, t in enumerate(self.tiers)
+                if level not in self._wb.stale_levels(key) and t.contains(key))
 
     def contains(self, key: ChunkKey) -> bool:
         check_key(key)
@@ -173,24 +201,6 @@ class TieredStore:
         check_key(key)
         tier = next(self._holders(key), None)
         return None if tier is None else tier.name
-
-    def lookup(self, keys: Sequence[ChunkKey]) -> int:
-        """Length of the leading run of ``keys`` held by some tier (index checks, no data read).
-
-        Keys past the local tiers' run are probed on shared tiers (a HEAD each) until the first miss.
-        """
-        keys = list(keys)
-        found = [False] * len(keys)
-        for t in self.tiers:
-            rest = [i for i, f in enumerate(found) if not f]
-            if not rest:
-                break
-            for i, hit in zip(rest, t.contains_many([keys[i] for i in rest], probe=False), strict=True):
-                found[i] = hit
-        n = found.index(False) if False in found else len(found)
-        while n < len(keys) and (found[n] or any(t.contains(keys[n]) for t in self.tiers)):
-            n += 1
-        return n
 
     def prefetch(self, keys: Iterable[ChunkKey]) -> Future[int]:
         """Promote ``keys`` toward the top tier in the background, at most ``max_in_flight`` at a time.
@@ -235,18 +245,22 @@ class TieredStore:
 
     def _promote_one(self, key: ChunkKey) -> bool:
         with self._operation(), self._wb.claim(key):
-            stale = self._wb.stale_levels(key)
-            for level, tier in enumerate(self.tiers):
-                if level in stale or not tier.contains(key):
-                    continue
-                if level == 0:
-                    return True
-                data = tier.copy_out(key)  # no pin held below while the tiers above evict into it
-                if data is None:
-                    continue
-                self._promote(key, data, level)
-                return self.tiers[0].contains(key)
-            return False
+            return self._promote_current(key)
+
+    def _promote_current(self, key: ChunkKey) -> bool:
+        """Copy the current value into the tiers above its highest holder (caller holds the claim)."""
+        stale = self._wb.stale_levels(key)
+        for level, tier in enumerate(self.tiers):
+            if level in stale or not tier.contains(key):
+                continue
+            if level == 0:
+                return True
+            data = tier.copy_out(key)  # no pin held below while the tiers above evict into it
+            if data is None:
+                continue
+            self._promote(key, data, level)
+            return self.tiers[0].contains(key)
+        return False
 
     # ------------------------------------------------------------------ admin
     def stats(self) -> dict[str, Any]:
@@ -264,6 +278,10 @@ class TieredStore:
     def _count(self, name: str) -> None:
         with self._lock:
             self._counts[name] += 1
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise ClosedError("store is closed")
 
     @contextmanager
     def _operation(self) -> Iterator[None]:
@@ -299,6 +317,7 @@ class TieredStore:
             self._flush_for_close(deadline)
             self._wb.stop(max(0.1, deadline - time.monotonic()))
             self._prefetcher.shutdown(wait=False, cancel_futures=True)
+            self._close_async()
             for t in self.tiers:
                 t.close(timeout=max(0.1, deadline - time.monotonic()))
         finally:

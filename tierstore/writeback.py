@@ -66,7 +66,7 @@ class WriteBack:
         self.max_in_flight = max_in_flight
         self._writable = [i for i, t in enumerate(self.tiers) if not t.read_only]
         self._cond = threading.Condition()
-        self._gen = 0
+        self._gen = 0  # bumped by every put: also tells a batched read whether any put began since it
         self._dirty: dict[ChunkKey, _Dirty] = {}
         self._lost: dict[ChunkKey, set[int]] = {}  # levels given up: no tier held the value any more
         self._ready: dict[int, dict[ChunkKey, None]] = {j: {} for j in self._writable}
@@ -118,6 +118,15 @@ class WriteBack:
             self._lost.pop(key, None)
             for j in self._writable:
                 self._retry_at[j].pop(key, None)
+
+    def puts_since(self, gen: int) -> bool:
+        """Whether any put began after :meth:`put_count` returned ``gen``."""
+        with self._cond:
+            return self._gen != gen
+
+    def put_count(self) -> int:
+        with self._cond:
+            return self._gen
 
     def landing(self, key: ChunkKey, level: int) -> None:
         """The put tries tier ``level`` next: only the tiers below it stay pending."""

@@ -17,6 +17,11 @@ GPU): TTFT = queueing + lookup + KV load + prefill of the uncached tokens. Answe
 * ``host+disk+remote``: the same host tier, a disk tier half the working set, a shared remote tier
   (``--remote-url``, default a ``file://`` directory) below.
 
+A third table (``--paged-tokens``, default 8192) times getting a cached prompt's KV into an engine's
+paged cache (``vllm`` layout, block size 16) from each tier alone: today's path (``load`` then
+``scatter_layers``), ``load_into``, and layer-wise ``load_into`` over per-layer objects (time until layer
+0 is usable and until every layer is); TTFT adds the measured compute of the last token.
+
 A second table reports, per chunk size, the time to load one chunk from each tier against the time to
 prefill it (the ratio shows how much cheaper loading is than recomputing).
 """
@@ -59,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", default=None, help="where disk/remote tiers live (default: a temp dir)")
     p.add_argument("--chunk-sizes", default="64,128,256,512",
                    help="chunk sizes of the load-vs-prefill table ('' to skip)")
+    p.add_argument("--paged-tokens", type=int, default=8192,
+                   help="cached prompt of the paged-load table (0 to skip; default 8192)")
+    p.add_argument("--paged-repeats", type=int, default=7, help="repeats of the paged-load table (median)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write all results as JSON")
@@ -219,6 +227,75 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+# ---------------------------------------------------------------------------------------------- paged load
+def paged_rows(model, ns, root: Path, n: int, repeats: int) -> list[dict]:
+    """Median time to land the KV of a cached ``n``-token prompt in a paged cache, per tier and path."""
+    import statistics
+
+    import tierstore
+    from tierstore.kv import scatter_layers
+
+    cfg, bs = model.config, 16
+    toks = synthetic(n, 4242, cfg.vocab_size)
+    gen = torch.Generator().manual_seed(1)
+    layers = [torch.randn(2, n, cfg.num_key_value_heads, cfg.head_dim, generator=gen).to(model.dtype)
+              for _ in range(cfg.num_hidden_layers)]
+    blocks = -(-n // bs)
+    table = torch.randperm(blocks, generator=gen).tolist()
+    caches = [torch.zeros(2, blocks, bs, cfg.num_key_value_heads, cfg.head_dim, dtype=model.dtype)
+              for _ in layers]
+    past = [t[:, :n - 1] for t in layers]
+    compute = statistics.median(_timed(lambda: model.prefill(toks[n - 1:], past, last_only=True))
+                                for _ in range(repeats))
+    rows = []
+    for tier_name in ("host", "disk"):
+        tier = ({"kind": "host", "capacity": 4 * n * cfg.kv_bytes_per_token(model.dtype) + (64 << 20)}
+                if tier_name == "host" else
+                {"kind": "disk", "path": str(root / f"paged-{tier_name}"), "capacity": "16GiB"})
+        with tierstore.open({"tiers": [tier]}) as store:
+            flat = tierstore.KVCacheStore(store, ns.replace(tenant="paged"), chunk_tokens=256)
+            per_layer = tierstore.KVCacheStore(store, ns.replace(tenant="paged-layers"), chunk_tokens=256,
+                                               layers_per_object=1, num_layers=len(layers))
+            flat.save(toks, layers)
+            per_layer.save(toks, layers)
+            store.flush()
+
+            def old(flat=flat) -> None:
+                got = flat.load(toks, n - 1)
+                scatter_layers(caches, "vllm", table, got)
+
+            def layerwise(per_layer=per_layer) -> tuple[float, float]:
+                t0 = time.perf_counter()
+                h = per_layer.load_into(toks, caches, "vllm", table, n_tokens=n - 1, layerwise=True)
+                h.wait_for_layer(0)
+                first = time.perf_counter() - t0
+                h.result()
+                return first, time.perf_counter() - t0
+
+            timings = {
+                "load+scatter": statistics.median(_timed(old) for _ in range(repeats)),
+                "load_into": statistics.median(_timed(lambda flat=flat: flat.load_into(toks, caches, "vllm", table,
+                                                                                       n_tokens=n - 1))
+                                               for _ in range(repeats)),
+            }
+            lw = [layerwise() for _ in range(repeats)]
+            first = statistics.median(f for f, _ in lw)
+            timings["load_into layerwise"] = statistics.median(a for _, a in lw)
+            base = timings["load+scatter"] + compute
+            for path, t in timings.items():
+                rows.append({"tier": tier_name, "path": path, "kv_ready_s": t,
+                             "first_layer_s": first if "layerwise" in path else t,
+                             "ttft_s": t + compute, "speedup": base / (t + compute)})
+    return rows
+
+
+def paged_table(rows: list[dict]) -> str:
+    head = ["tier", "path", "KV in cache", "layer 0 usable", "TTFT (+compute)", "vs load+scatter"]
+    body = [[r["tier"], r["path"], f"{1e3 * r['kv_ready_s']:.1f} ms", f"{1e3 * r['first_layer_s']:.1f} ms",
+             f"{1e3 * r['ttft_s']:.1f} ms", f"{r['speedup']:.2f}×"] for r in rows]
+    return _format(head, body)
+
+
 # ---------------------------------------------------------------------------------------------- output
 def ttft_table(results: list[dict]) -> str:
     order = ["host", "disk", "remote"]
@@ -279,7 +356,7 @@ def run(args) -> int:
     print(f"bench kv: {sessions} sessions × {args.rounds} rounds at {args.qps:g} QPS; prompts "
           f"{base_len}→{final_len} tokens; working set {working_set / 2**20:.1f} MiB "
           f"({per_token} B/token); host tier {args.host_fraction:.0%} of it; chunks of {args.chunk_tokens}")
-    results, costs = [], []
+    results, costs, paged = [], [], []
     with tempfile.TemporaryDirectory(prefix="tierstore-bench-kv-", dir=args.workdir) as tmp:
         root = Path(tmp)
         for sc in scenarios:
@@ -289,6 +366,9 @@ def run(args) -> int:
         if sizes:
             print("  measuring load vs prefill per chunk ...", flush=True)
             costs = chunk_costs(model, ns, root, sizes, args)
+        if args.paged_tokens:
+            print(f"  measuring the paged load of a cached {args.paged_tokens}-token prompt ...", flush=True)
+            paged = paged_rows(model, ns, root, args.paged_tokens, args.paged_repeats)
     print("\nTTFT, multi-round chat (time to first token = queueing + lookup + load + prefill)")
     print(ttft_table(results))
     p50 = {r["scenario"]: r["ttft_s"]["p50"] for r in results}
@@ -299,7 +379,11 @@ def run(args) -> int:
     if costs:
         print("\nLoad one chunk vs prefill it (best of 7; ratio < 1: loading is cheaper than recomputing)")
         print(cost_table(costs))
+    if paged:
+        print(f"\nKV of a cached {args.paged_tokens}-token prompt into a paged cache (vllm layout, median of "
+              f"{args.paged_repeats}; TTFT adds the last token's compute)")
+        print(paged_table(paged))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "scenarios": results, "chunk_costs": costs}, f, indent=2)
+            json.dump({"meta": meta, "scenarios": results, "chunk_costs": costs, "paged_load": paged}, f, indent=2)
     return 0

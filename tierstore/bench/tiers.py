@@ -17,8 +17,15 @@ from .common import Report, gbps, median_time
 def add_arguments(p) -> None:
     p.add_argument("--chunk", default="4MiB", help="chunk size (default 4MiB)")
     p.add_argument("--count", type=int, default=64, help="chunks per measurement (default 64)")
+    p.add_argument("--total", default=None,
+                   help="bytes per measurement instead of --count (e.g. 1GiB: count = total // chunk)")
+    p.add_argument("--io-threads", type=int, default=4, help="disk tier io_threads (default 4)")
     p.add_argument("--repeats", type=int, default=5, help="repeats; medians are reported (default 5)")
     p.add_argument("--no-s3", action="store_true", help="skip the local S3 server rows")
+    p.add_argument("--shim-chunks", type=int, default=64,
+                   help="chunks of the cold-instance rows behind the S3 latency shim (0 to skip; default 64)")
+    p.add_argument("--shim-in-flight", type=int, default=32,
+                   help="remote tier max_in_flight in the shim rows (default 32)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--lookup-keys", type=int, default=10_000, help="keys in the lookup measurement (default 10,000)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
@@ -31,7 +38,8 @@ def _chunks(count: int, size: int) -> list[tuple[ChunkKey, dict]]:
              {"k": torch.randn(n, generator=g), "v": torch.randn(n, generator=g)}) for i in range(count)]
 
 
-def _tier_rows(report: Report, name: str, tier, items, total: int, repeats: int, put_base, get_base) -> None:
+def _tier_rows(report: Report, name: str, tier, items, total: int, repeats: int, put_base, get_base,
+               many_base=None) -> None:
     def put_all():
         for k, v in items:
             tier.put(k, v)
@@ -49,6 +57,11 @@ def _tier_rows(report: Report, name: str, tier, items, total: int, repeats: int,
     report.add(f"{name} put", gbps(total, t_put), "GB/s", put_base)
     report.add(f"{name} get", gbps(total, t_get), "GB/s", get_base)
     report.add(f"{name} get(out=)", gbps(total, t_into), "GB/s", get_base)
+    keys = [k for k, _ in items]
+    t_many = median_time(lambda: tier.get_many_into(keys, outs), repeats, setup=os.sync)
+    report.add(f"{name} get_many(out=)", gbps(total, t_many), "GB/s", many_base or get_base)
+    t_put_many = median_time(lambda: tier.put_many(items), repeats, setup=clear)
+    report.add(f"{name} put_many", gbps(total, t_put_many), "GB/s", put_base)
     clear()
 
 
@@ -58,6 +71,8 @@ def run(args) -> int:
     from ..tiers.host import HostTier
 
     size = parse_size(args.chunk)
+    if args.total:
+        args.count = max(1, parse_size(args.total, key="--total") // size)
     items = _chunks(args.count, size)
     total = sum(v["k"].nbytes + v["v"].nbytes for _, v in items)
     r = args.repeats
@@ -69,12 +84,12 @@ def run(args) -> int:
     clone = report.add("torch.clone (fresh memory)", gbps(total, median_time(
         lambda: [{n: t.clone() for n, t in v.items()} for v in src], r)), "GB/s")
     dst = [{n: torch.empty_like(t) for n, t in v.items()} for v in src]
-    report.add("memcpy into existing buffers", gbps(total, median_time(
+    memcpy = report.add("memcpy into existing buffers", gbps(total, median_time(
         lambda: [[d[n].copy_(t) for n, t in v.items()] for v, d in zip(src, dst, strict=True)], r)), "GB/s")
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         host = HostTier(capacity=2 * total + (64 << 20), pinned=False)
-        _tier_rows(report, "host tier", host, items, total, r, clone, clone)
+        _tier_rows(report, "host tier", host, items, total, r, clone, clone, memcpy)
         host.close()
 
         files = [os.path.join(tmp, f"plain{i}") for i in range(len(items))]
@@ -105,12 +120,12 @@ def run(args) -> int:
         plain_write()
         pr = report.add("plain file readinto (page cache)", gbps(total, median_time(plain_read, r, setup=os.sync)),
                         "GB/s")
-        disk = DiskTier(path=os.path.join(tmp, "disk"), capacity=4 * total)
+        disk = DiskTier(path=os.path.join(tmp, "disk"), capacity=4 * total, io_threads=args.io_threads)
         _tier_rows(report, "disk tier", disk, items, total, r, pw, pr)
         disk.close()
 
         if not args.no_s3:
-            _s3_rows(report, items, payloads, total, r)
+            _s3_rows(report, items, payloads, total, r, args.shim_chunks, args.shim_in_flight)
         _store_rows(report, tmp, items, total, r, clone, args.lookup_keys)
 
     print(report.table())
@@ -119,7 +134,7 @@ def run(args) -> int:
     return 0
 
 
-def _s3_rows(report: Report, items, payloads, total: int, r: int) -> None:
+def _s3_rows(report: Report, items, payloads, total: int, r: int, shim_chunks: int = 0, in_flight: int = 32) -> None:
     from ..testing.s3 import local_s3
     from ..tiers.remote import RemoteTier
 
@@ -139,6 +154,52 @@ def _s3_rows(report: Report, items, payloads, total: int, r: int) -> None:
         report.add("remote tier (S3) put_many", gbps(total, t_put), "GB/s", pw)
         report.add("remote tier (S3) get_many", gbps(total, t_get), "GB/s", pr)
         remote.close()
+        if shim_chunks:
+            _shim_rows(report, s3, items[:shim_chunks], in_flight)
+
+
+def _shim_rows(report: Report, s3, items, in_flight: int, latency: float = 0.020, bandwidth: float = 90e6) -> None:
+    """A cold instance (empty local tiers, remote not listed) finds and loads a prefix only S3 holds,
+    behind the latency/bandwidth shim: ``lookup`` and ``get_many`` against one HEAD/GET per key in turn."""
+    import tierstore
+
+    from ..tiers.remote import RemoteTier
+    from .s3shim import S3Shim
+
+    bucket = s3.new_bucket()
+    url = f"s3://{bucket}/kv"
+    keys = [k for k, _ in items]
+    with RemoteTier(url=url, storage_options=s3.storage_options) as writer:
+        writer.put_many(items)
+    per_chunk = sum(t.nbytes for t in items[0][1].values())
+    with S3Shim(s3.endpoint_url, latency=latency, bandwidth=bandwidth) as shim:
+        pool = {"config_kwargs": {"max_pool_connections": 2 * in_flight}}
+        options = shim.storage_options({**s3.storage_options, **pool})
+        cfg = {"tiers": [{"kind": "host", "capacity": 2 * per_chunk * len(items) + (64 << 20), "pinned": False},
+                         {"kind": "remote", "url": url, "storage_options": options, "list_on_open": False,
+                          "max_in_flight": in_flight}], "prefetch_policy": "transient"}
+
+        def cold(fn):
+            with tierstore.open(cfg) as store:
+                warm = [ChunkKey.from_bytes(b"warm-up-%d" % i) for i in range(in_flight)]
+                store.tier("remote").contains_many(warm)
+                return median_time(lambda: fn(store), 1)  # connections are open; the keys are not indexed
+
+        seq = report.add(f"cold lookup, {len(keys)} keys, one HEAD at a time", cold(
+            lambda st: [st.tier("remote").contains(k) for k in keys]) * 1e3, "ms", higher_is_better=False)
+        report.add(f"cold lookup, {len(keys)} keys, batched", cold(lambda st: st.lookup(keys)) * 1e3, "ms",
+                   seq, higher_is_better=False, note="target <= 100 ms (3 round trips)")
+        one = report.add(f"cold load, {len(keys)} chunks, get() per key", cold(
+            lambda st: [st.get(k) for k in keys]) * 1e3, "ms", higher_is_better=False)
+        report.add(f"cold load, {len(keys)} chunks, get_many", cold(lambda st: st.get_many(keys)) * 1e3, "ms",
+                   one, higher_is_better=False, note="target <= 500 ms")
+        with tierstore.open(cfg) as store:
+            store.lookup(keys)  # indexed: the GETs alone
+            t = median_time(lambda: store.get_many(keys), 3)
+        rounds = -(-len(keys) // in_flight)
+        ceiling = len(keys) * per_chunk / (rounds * (latency + per_chunk / bandwidth)) / 1e9
+        report.add(f"get_many via shim ({in_flight} in flight)", gbps(len(keys) * per_chunk, t), "GB/s",
+                   note=f"{gbps(len(keys) * per_chunk, t) / ceiling:.2f}x the shim ceiling {ceiling:.3f} GB/s")
 
 
 def _store_rows(report: Report, tmp: str, items, total: int, r: int, clone, n_lookup: int) -> None:

@@ -14,11 +14,15 @@ layout                        cache shape                                    per
 ===========================  =============================================  ==========
 ``vllm`` (FlashAttention)     ``(2, num_blocks, block_size, heads, dim)``    one layer
 ``flashinfer``                ``(num_blocks, 2, block_size, heads, dim)``    one layer
+``vllm_cpu``                  ``(num_blocks, heads, block_size, 2 * dim)``   one layer
 ``mla``                       ``(num_blocks, block_size, latent_dim)``       one layer
 ``sglang_page_first``         ``(2, slots, layers, heads, dim)``             all layers
 ``sglang_page_first_direct``  ``(2, pages, layers, page_size, heads, dim)``  all layers
 ``sglang_mla_page_first``     ``(slots, layers, 1, latent_dim)``             all layers
 ===========================  =============================================  ==========
+
+vLLM's CPU backend stores, per block and head, K of all ``block_size`` tokens followed by their V (it
+views the cache as ``(num_blocks, heads, 2, block_size, dim)``); ``vllm_cpu`` reads it that way.
 
 SGLang's page-first host pools index token *slots*; page ``p`` is slots ``[p * page_size, (p+1) *
 page_size)``, so those layouts take page ids and ``block_size=page_size``.
@@ -31,6 +35,7 @@ writes straight into the cache's blocks.
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from collections.abc import Sequence
@@ -43,6 +48,7 @@ from ..errors import InvalidInputError, InvalidTypeError
 class PagedLayout(str, enum.Enum):
     VLLM = "vllm"
     FLASHINFER = "flashinfer"
+    VLLM_CPU = "vllm_cpu"
     MLA = "mla"
     SGLANG_PAGE_FIRST = "sglang_page_first"
     SGLANG_PAGE_FIRST_DIRECT = "sglang_page_first_direct"
@@ -64,6 +70,7 @@ Caches = torch.Tensor | Sequence[torch.Tensor]
 
 # rank of the cache tensor and how many leading dims are indexed (the rest is one row: heads×dim or latent)
 _RANKS = {PagedLayout.VLLM: (5, 3), PagedLayout.FLASHINFER: (5, 3), PagedLayout.MLA: (3, 2),
+          PagedLayout.VLLM_CPU: (4, 4),  # indexed on its (blocks, heads, 2, block_size, dim) view
           PagedLayout.SGLANG_PAGE_FIRST: (5, 3), PagedLayout.SGLANG_PAGE_FIRST_DIRECT: (6, 4),
           PagedLayout.SGLANG_MLA_PAGE_FIRST: (4, 3)}
 
@@ -90,6 +97,9 @@ def _check_cache(cache: object, layout: PagedLayout) -> torch.Tensor:
                                 f"got {tuple(cache.shape)}")
     if layout in (PagedLayout.SGLANG_PAGE_FIRST, PagedLayout.SGLANG_PAGE_FIRST_DIRECT) and cache.shape[0] != 2:
         raise InvalidInputError(f"{layout.value} host pool must start with a K/V dim of 2, got {tuple(cache.shape)}")
+    if layout is PagedLayout.VLLM_CPU and cache.shape[3] % 2:
+        raise InvalidInputError(f"vllm_cpu KV cache must be (blocks, heads, block_size, 2 * dim), "
+                                f"got {tuple(cache.shape)}")
     if layout is PagedLayout.SGLANG_MLA_PAGE_FIRST and cache.shape[2] != 1:
         raise InvalidInputError(f"sglang MLA host pool must be (slots, layers, 1, latent), got {tuple(cache.shape)}")
     return cache
@@ -98,7 +108,7 @@ def _check_cache(cache: object, layout: PagedLayout) -> torch.Tensor:
 def _geometry(cache: torch.Tensor, layout: PagedLayout, block_size: int | None) -> tuple[int, int, int]:
     """``(block_size, num_blocks, num_layers)`` of ``cache``."""
     s = cache.shape
-    dim = {PagedLayout.VLLM: 2, PagedLayout.FLASHINFER: 2, PagedLayout.MLA: 1,
+    dim = {PagedLayout.VLLM: 2, PagedLayout.FLASHINFER: 2, PagedLayout.MLA: 1, PagedLayout.VLLM_CPU: 2,
            PagedLayout.SGLANG_PAGE_FIRST_DIRECT: 3}.get(layout)
     inherent = None if dim is None else s[dim]
     if inherent is not None:
@@ -111,7 +121,7 @@ def _geometry(cache: torch.Tensor, layout: PagedLayout, block_size: int | None) 
         raise InvalidInputError(f"block_size must be a positive int, got {block_size!r}")
     if layout is PagedLayout.VLLM:
         return block_size, s[1], 1
-    if layout in (PagedLayout.FLASHINFER, PagedLayout.MLA):
+    if layout in (PagedLayout.FLASHINFER, PagedLayout.MLA, PagedLayout.VLLM_CPU):
         return block_size, s[0], 1
     if layout is PagedLayout.SGLANG_PAGE_FIRST_DIRECT:
         return block_size, s[1], s[2]
@@ -156,14 +166,17 @@ def _positions(block_ids: BlockIds, start: int, end: int, block_size: int, num_b
 
 
 def _index(layout: PagedLayout, blk: torch.Tensor, off: torch.Tensor, block_size: int, layers: int,
-           layer: int | None) -> tuple[torch.Tensor, ...]:
+           layer: int | None, heads: int = 0) -> tuple[torch.Tensor, ...]:
     """Multi-index into the cache's leading dims, broadcast to the result order.
 
-    Result order is ``(2, n)`` for one MHA layer, ``(n,)`` for one MLA layer, and ``(layers, 2, n)`` /
-    ``(layers, n)`` for all layers of a multi-layer pool.
+    Result order is ``(2, n)`` for one MHA layer (``(2, n, heads)`` for ``vllm_cpu``), ``(n,)`` for one
+    MLA layer, and ``(layers, 2, n)`` / ``(layers, n)`` for all layers of a multi-layer pool.
     """
     n = blk.shape[0]
     kv = torch.arange(2, device=blk.device).view(2, 1)
+    if layout is PagedLayout.VLLM_CPU:
+        head = torch.arange(heads, device=blk.device).view(1, 1, heads)
+        return blk.view(1, n, 1), head, kv.view(2, 1, 1), off.view(1, n, 1)
     if layout is PagedLayout.VLLM:
         return kv, blk.view(1, n), off.view(1, n)
     if layout is PagedLayout.FLASHINFER:
@@ -188,8 +201,11 @@ class _Plan:
                  block_size: int | None, layer: int | None) -> None:
         layout = _layout(layout)
         cache = _check_cache(cache, layout)
-        self.cache, self.layout = cache, layout
+        self._source = cache
         bs, nblocks, layers = _geometry(cache, layout, block_size)
+        self.layout, self.block_size = layout, bs
+        self._bind(cache)
+        cache = self.cache
         if layer is not None and not layout.multi_layer:
             raise InvalidInputError(f"{layout.value} caches hold one layer; pass that layer's tensor, not layer=")
         if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < layers):
@@ -199,7 +215,7 @@ class _Plan:
         self.n = end - start
         _, lead = _RANKS[layout]
         self.tail = tuple(cache.shape[lead:])
-        idx = torch.broadcast_tensors(*_index(layout, blk, off, bs, layers, layer))
+        idx = torch.broadcast_tensors(*_index(layout, blk, off, bs, layers, layer, heads=cache.shape[1]))
         self.order = tuple(idx[0].shape)  # result dims before the row shape
         if layer is not None:
             self.order = self.order[1:]  # one layer of a pool: drop the layer dim
@@ -209,10 +225,34 @@ class _Plan:
         for part, size in zip(self.parts, lead_shape, strict=True):
             flat = flat * size + part
         self.flat_index = flat
+
+    def _bind(self, cache: torch.Tensor) -> None:
+        """Index ``cache`` (its ``vllm_cpu`` 5-D view) and, where the strides allow, its flat row view."""
+        if self.layout is PagedLayout.VLLM_CPU:
+            b, h, _, two_d = cache.shape
+            try:
+                cache = cache.view(b, h, 2, self.block_size, two_d // 2)
+            except RuntimeError:
+                raise InvalidInputError("a vllm_cpu KV cache must be contiguous in its last two dims") from None
+        self.cache = cache
+        lead = _RANKS[self.layout][1]
         try:  # a flat (rows, *row_shape) view exists unless the strides interleave (e.g. vLLM HND)
             self.flat: torch.Tensor | None = cache.view(-1, *cache.shape[lead:])
         except RuntimeError:
             self.flat = None
+
+    def rebind(self, cache: torch.Tensor) -> _Plan:
+        """The same token rows in another cache of identical shape, strides, dtype and device (the next
+        layer of a per-layer layout): no new index computation."""
+        ref = self._source
+        if (cache.shape != ref.shape or cache.stride() != ref.stride() or cache.dtype != ref.dtype
+                or cache.device != ref.device):
+            raise InvalidInputError(f"every layer's cache must match the first: {tuple(cache.shape)} {cache.dtype} "
+                                    f"on {cache.device} vs {tuple(ref.shape)} {ref.dtype} on {ref.device}")
+        other = copy.copy(self)
+        other._source = cache
+        other._bind(cache)
+        return other
 
     def result_shape(self) -> tuple[int, ...]:
         return self.order + self.tail

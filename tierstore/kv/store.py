@@ -1,9 +1,21 @@
-"""``KVCacheStore``: an engine's KV cache as prefix-chained chunks in a tiered store."""
+"""``KVCacheStore``: an engine's KV cache as prefix-chained chunks in a tiered store.
+
+**Granularity on the store.** A chunk (``chunk_tokens`` tokens) is keyed by its prefix; by default one
+object holds every layer of it, under the chunk key itself. With ``layers_per_object=g`` each chunk is
+stored as ``ceil(num_layers / g)`` objects, one per group of ``g`` consecutive layers, keyed
+``H(chunk key ‖ "tierstore.kv.layers" ‖ first, end layer)``. That is what layer-wise loading needs: the
+first layers' objects are read, checksummed and scattered into the engine's cache while later layers
+are still being read, instead of every layer's bytes (each object is verified as a whole) arriving
+before layer 0 is usable. Objects stay large enough for efficient I/O (a Qwen3-8B chunk of 256 tokens is
+1 MiB per layer in bf16). Both forms share :meth:`KVCacheStore.keys` (the golden prefix keys); a store
+written with one grouping is a miss for the other.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
+import struct
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -14,6 +26,8 @@ import torch
 from ..errors import InvalidInputError, InvalidTypeError, MissingKeyError
 from ..keys import ChunkKey
 from .namespace import KVNamespace, prefix_keys, token_tensor
+from .paged import PagedLayout
+from .transfer import LayerwiseLoad, PagedTransfer, Piece, Staging, Task, run_load, run_save, task_bytes, windows
 
 if TYPE_CHECKING:
     from ..store import TieredStore
@@ -24,6 +38,7 @@ log = logging.getLogger("tierstore.kv")
 
 DEFAULT_CHUNK_TOKENS = 256
 _LAYER = "layer.{}"
+_GROUP_DOMAIN = b"tierstore.kv.layers"
 
 
 class KVCacheStore:
@@ -50,13 +65,20 @@ class KVCacheStore:
         the namespace raises :class:`~tierstore.InvalidInputError`.
     partial_chunks:
         Store and look up a trailing partial chunk (see above).
+    layers_per_object:
+        ``None`` (default): one object per chunk holding every layer. An int ``g``: one object per
+        chunk and group of ``g`` layers, so :meth:`load_into` with ``layerwise=True`` hands out layer 0
+        while later layers are still loading (see the module docstring). Needs ``num_layers``.
+    num_layers:
+        The model's layer count (required with ``layers_per_object``; checked against what is saved).
     """
 
     def __init__(self, store: TieredStore, namespace: KVNamespace, chunk_tokens: int | None = None, *,
-                 partial_chunks: bool = False) -> None:
+                 partial_chunks: bool = False, layers_per_object: int | None = None,
+                 num_layers: int | None = None) -> None:
         if not isinstance(namespace, KVNamespace):
             raise InvalidTypeError(f"namespace must be a tierstore.KVNamespace, got {type(namespace).__name__}")
-        for method in ("put", "get", "lookup", "where", "prefetch"):
+        for method in ("put", "get", "lookup", "where", "prefetch", "get_many", "put_many", "get_many_async"):
             if not callable(getattr(store, method, None)):
                 raise InvalidTypeError(f"store has no {method}(); pass a tierstore.TieredStore")
         if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool)
@@ -67,6 +89,14 @@ class KVCacheStore:
         elif chunk_tokens is not None and chunk_tokens != namespace.chunk_tokens:
             raise InvalidInputError(f"chunk_tokens={chunk_tokens} contradicts the namespace's "
                                     f"chunk_tokens={namespace.chunk_tokens}")
+        for name, v in (("layers_per_object", layers_per_object), ("num_layers", num_layers)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise InvalidInputError(f"{name} must be a positive int or None, got {v!r}")
+        if layers_per_object is not None and num_layers is None:
+            raise InvalidInputError("layers_per_object needs num_layers (the model's layer count)")
+        self.layers_per_object = layers_per_object
+        self.num_layers = num_layers
+        self._staging = Staging()
         self.store = store
         self.namespace = namespace
         assert namespace.chunk_tokens is not None  # set just above
@@ -91,18 +121,45 @@ class KVCacheStore:
         """Number of leading tokens whose KV the store holds (index checks only, nothing is read)."""
         tokens = token_tensor(token_ids)
         keys = prefix_keys(self.namespace, tokens, partial=self.partial_chunks)
-        hit = self._covered(self.store.lookup(keys) if keys else 0, len(tokens))
+        hit = self._covered(self._held(keys), len(tokens))
         self._count(lookups=1, lookup_tokens=len(tokens), hit_tokens=hit)
         return hit
 
+    # ------------------------------------------------------------------ objects on the store
+    def _groups(self, n_layers: int | None) -> list[tuple[int, int]] | None:
+        """Layer ranges stored as one object each; ``None`` = one object per chunk with every layer."""
+        if self.layers_per_object is None:
+            return None
+        if n_layers is not None and n_layers != self.num_layers:
+            raise InvalidInputError(f"{n_layers} layers given, the store was set up with num_layers={self.num_layers}")
+        g, n = self.layers_per_object, self.num_layers
+        assert n is not None  # required with layers_per_object (checked in __init__)
+        return [(lo, min(lo + g, n)) for lo in range(0, n, g)]
+
+    def _object_keys(self, key: ChunkKey, groups: list[tuple[int, int]] | None) -> list[ChunkKey]:
+        if groups is None:
+            return [key]
+        return [ChunkKey.chain(key, _GROUP_DOMAIN, struct.pack("<II", lo, hi)) for lo, hi in groups]
+
+    def _held(self, keys: list[ChunkKey]) -> int:
+        """Leading chunks of ``keys`` whose every object some tier holds."""
+        if not keys:
+            return 0
+        groups = self._groups(None)
+        per = 1 if groups is None else len(groups)
+        flat = [k for key in keys for k in self._object_keys(key, groups)]
+        return self.store.lookup(flat) // per
+
     def where(self, token_ids: TokenIds) -> list[str | None]:
         """Per chunk key of ``token_ids``: name of the highest tier holding it, or ``None``."""
-        return [self.store.where(k) for k in self.keys(token_ids)]
+        groups = self._groups(None)
+        return [self.store.where(self._object_keys(k, groups)[-1]) for k in self.keys(token_ids)]
 
     def prefetch(self, token_ids: TokenIds) -> Future[int]:
         """Start promoting the chunks of ``token_ids`` toward the top tier (``store.prefetch``); call it
         when a request arrives so a later :meth:`load` reads from memory."""
-        return self.store.prefetch(self.keys(token_ids))
+        groups = self._groups(None)
+        return self.store.prefetch([k for key in self.keys(token_ids) for k in self._object_keys(key, groups)])
 
     # ------------------------------------------------------------------ save
     def save(self, token_ids: TokenIds, layers: Sequence[torch.Tensor]) -> int:
@@ -116,13 +173,19 @@ class KVCacheStore:
         tokens = token_tensor(token_ids)
         self._check_layers(layers, len(tokens))
         keys = prefix_keys(self.namespace, tokens, partial=self.partial_chunks)
-        have = self.store.lookup(keys) if keys else 0
-        written = 0
+        groups = self._groups(len(layers)) or [(0, len(layers))]
+        have = self._held(keys)
+        items = []
         for i in range(have, len(keys)):
             start = i * self.chunk_tokens
             end = min(start + self.chunk_tokens, len(tokens))
-            self.store.put(keys[i], {_LAYER.format(j): self._slice(t, start, end) for j, t in enumerate(layers)})
-            written += end - start
+            objects = self._object_keys(keys[i], self._groups(len(layers)))
+            for k, (lo, hi) in zip(objects, groups, strict=True):
+                items.append((k, {_LAYER.format(j): self._slice(layers[j], start, end) for j in range(lo, hi)}))
+        ok = self.store.put_many(items) if items else []
+        per = len(groups)
+        written = sum(min(self.chunk_tokens, len(tokens) - i * self.chunk_tokens)
+                      for n, i in enumerate(range(have, len(keys))) if all(ok[n * per:(n + 1) * per]))
         self._count(saved_chunks=len(keys) - have, skipped_chunks=have)
         return written
 
@@ -172,27 +235,19 @@ class KVCacheStore:
         tokens = token_tensor(token_ids)
         keys = prefix_keys(self.namespace, tokens, partial=self.partial_chunks)
         total = len(tokens)
-        if n_tokens is None:
-            want = self._covered(self.store.lookup(keys) if keys else 0, total)
-            strict = False
-        else:
-            if not isinstance(n_tokens, int) or isinstance(n_tokens, bool):
-                raise InvalidTypeError(f"n_tokens must be an int or None, got {type(n_tokens).__name__}")
-            if not 0 <= n_tokens <= total:
-                raise InvalidInputError(f"n_tokens={n_tokens} is outside [0, {total}] (the number of token ids)")
-            storable = self._covered(len(keys), total)
-            if n_tokens > storable:
-                raise InvalidInputError(f"n_tokens={n_tokens} exceeds the {storable} tokens held in full chunks "
-                                        f"of {self.chunk_tokens} (partial_chunks is off)")
-            want, strict = n_tokens, True
-            have = self._covered(self.store.lookup(keys[:math.ceil(want / self.chunk_tokens)]), total)
-            if have < want:
-                raise MissingKeyError(f"only {have} of the requested {want} tokens are cached")
+        want, strict = self._wanted(keys, total, n_tokens)
         if want == 0:
             return None
+        n_chunks = math.ceil(want / self.chunk_tokens)
+        groups = self._groups(None)
+        per = 1 if groups is None else len(groups)
+        got = self.store.get_many([k for key in keys[:n_chunks] for k in self._object_keys(key, groups)],
+                                  device=device)
         chunks: list[TensorDict] = []
-        for i in range(math.ceil(want / self.chunk_tokens)):
-            data = self.store.get(keys[i], device=device)
+        for i in range(n_chunks):
+            parts = got[i * per:(i + 1) * per]
+            found = [p for p in parts if p is not None]
+            data = {n: t for p in found for n, t in p.items()} if len(found) == per else None
             if data is not None and not self._valid(data, chunks, i, total):
                 data = None
             if data is None:
@@ -204,6 +259,23 @@ class KVCacheStore:
             chunks.append(data)
         self._count(loaded_chunks=len(chunks))
         return self._assemble(chunks, want, device) if want else None
+
+    def _wanted(self, keys: list[ChunkKey], total: int, n_tokens: int | None) -> tuple[int, bool]:
+        """Tokens to load — every leading hit, or exactly ``n_tokens`` (checked) — and whether exact."""
+        if n_tokens is None:
+            return self._covered(self._held(keys), total), False
+        if not isinstance(n_tokens, int) or isinstance(n_tokens, bool):
+            raise InvalidTypeError(f"n_tokens must be an int or None, got {type(n_tokens).__name__}")
+        if not 0 <= n_tokens <= total:
+            raise InvalidInputError(f"n_tokens={n_tokens} is outside [0, {total}] (the number of token ids)")
+        storable = self._covered(len(keys), total)
+        if n_tokens > storable:
+            raise InvalidInputError(f"n_tokens={n_tokens} exceeds the {storable} tokens held in full chunks "
+                                    f"of {self.chunk_tokens} (partial_chunks is off)")
+        have = self._covered(self._held(keys[:math.ceil(n_tokens / self.chunk_tokens)]), total)
+        if have < n_tokens:
+            raise MissingKeyError(f"only {have} of the requested {n_tokens} tokens are cached")
+        return n_tokens, True
 
     def _valid(self, data: TensorDict, chunks: list[TensorDict], index: int, total: int) -> bool:
         """Whether a fetched chunk has the layout its key promises: the same layer names and per-token
@@ -239,6 +311,108 @@ class KVCacheStore:
                 pos += take
             layers.append(out)
         return layers
+
+    # ------------------------------------------------------------------ paged caches
+    def load_into(self, token_ids: TokenIds, caches: Sequence[torch.Tensor] | torch.Tensor, layout: str | PagedLayout,
+                  block_ids: Sequence[int] | torch.Tensor, *, n_tokens: int | None = None, start: int = 0,
+                  block_size: int | None = None, layerwise: bool = False) -> int | LayerwiseLoad:
+        """Load cached KV of ``token_ids`` straight into the blocks of a paged KV cache.
+
+        Tokens ``[start, n)`` are written, where ``n`` is every leading hit (or exactly ``n_tokens``,
+        else :class:`~tierstore.MissingKeyError` before anything is read); tokens before ``start`` are
+        the engine's already and chunks entirely before it are not read. ``caches`` is one tensor per
+        layer (``vllm``, ``vllm_cpu``, ``flashinfer``, ``mla``) or the one pool tensor (SGLang layouts),
+        of the namespace's dtype; ``block_ids`` is the request's block table (token ``t`` lives in
+        ``block_ids[t // block_size]``). Chunks are read in batches into reusable staging and scattered
+        window by window: nothing of the size of the whole transfer is allocated.
+
+        Returns ``n`` — fewer if a chunk vanished after the lookup (blocks past it are not written and
+        must be recomputed). With ``layerwise=True`` returns at once a :class:`LayerwiseLoad` whose
+        ``wait_for_layer(i)`` blocks until layer ``i`` is in the cache (layers complete in order; with
+        ``layers_per_object`` that happens before later layers' bytes are read) and ``result()`` gives
+        ``n``. The caches must not be resized or freed until the load is done.
+        """
+        tokens = token_tensor(token_ids)
+        keys = prefix_keys(self.namespace, tokens, partial=self.partial_chunks)
+        transfer = PagedTransfer(caches, layout, block_ids, block_size, self.namespace.torch_dtype,
+                                 self.namespace.is_mla)
+        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= len(tokens):
+            raise InvalidInputError(f"start must be an int in [0, {len(tokens)}], got {start!r}")
+        want, _ = self._wanted(keys, len(tokens), n_tokens)
+        pieces = self._pieces(start // self.chunk_tokens, math.ceil(want / self.chunk_tokens), len(tokens),
+                              start, want, transfer)
+        tasks = self._tasks(keys, pieces, transfer)
+        handle = LayerwiseLoad(transfer.num_layers) if layerwise else None
+
+        def run() -> int:
+            valid, read, missed = run_load(self.store, transfer, tasks, self._staging, _LAYER.format, want,
+                                           handle) if tasks else (want, 0, 0)
+            self._count(loaded_chunks=read // max(1, len(self._groups(transfer.num_layers) or [0])),
+                        load_misses=missed)
+            return valid
+
+        if handle is None:
+            return run()
+
+        def background() -> None:
+            try:
+                valid = run()
+                for f in handle._layers:  # layers no task touched (nothing to load)
+                    if not f.done():
+                        f.set_result(valid)
+                handle._done.set_result(valid)
+            except BaseException as exc:
+                handle._fail(exc)
+
+        threading.Thread(target=background, name="tierstore-kv-load", daemon=True).start()
+        return handle
+
+    def save_from(self, token_ids: TokenIds, caches: Sequence[torch.Tensor] | torch.Tensor, layout: str | PagedLayout,
+                  block_ids: Sequence[int] | torch.Tensor, *, block_size: int | None = None) -> int:
+        """Store the KV of ``token_ids`` straight out of a paged KV cache; returns the tokens newly stored.
+
+        The cache (as for :meth:`load_into`) must hold the KV of every token of ``token_ids`` in the
+        blocks of ``block_ids``. Chunks already held are skipped; the others are gathered window by
+        window into reusable staging and stored with one ``put_many`` per window (returns once the top
+        tier holds them; lower tiers are written in the background).
+        """
+        tokens = token_tensor(token_ids)
+        keys = prefix_keys(self.namespace, tokens, partial=self.partial_chunks)
+        transfer = PagedTransfer(caches, layout, block_ids, block_size, self.namespace.torch_dtype,
+                                 self.namespace.is_mla)
+        self._groups(transfer.num_layers)  # checks the layer count
+        have = self._held(keys)
+        pieces = self._pieces(have, len(keys), len(tokens), 0, len(tokens), transfer)
+        tasks = self._tasks(keys, pieces, transfer)
+        ok = run_save(self.store, transfer, tasks, self._staging, _LAYER.format) if tasks else []
+        stored_pieces = [p for t in tasks for p in t.pieces]
+        failed = {p.index for p, stored in zip(stored_pieces, ok, strict=True) if not stored}
+        self._count(saved_chunks=len(pieces), skipped_chunks=have)
+        return sum(p.stored for p in pieces if p.index not in failed)
+
+    def _pieces(self, first: int, end: int, total: int, a: int, b: int, transfer: PagedTransfer) -> list[Piece]:
+        """Chunks ``[first, end)`` moving tokens ``[a, b)``; validates the block table for each."""
+        pieces = []
+        for c in range(first, end):
+            lo = c * self.chunk_tokens
+            stored = min(self.chunk_tokens, total - lo)
+            p = Piece(c, lo, stored, max(a, lo), min(b, lo + stored))
+            if p.a < p.b:
+                transfer.plan(0, p.a, p.b)  # raises on a short or out-of-range block table
+                pieces.append(p)
+        return pieces
+
+    def _tasks(self, keys: list[ChunkKey], pieces: list[Piece], transfer: PagedTransfer) -> list[Task]:
+        """Per layer group (in layer order), windows of pieces with the object key of each."""
+        groups = self._groups(transfer.num_layers)
+        spans = groups or [(0, transfer.num_layers)]
+        tasks = []
+        for gi, span in enumerate(spans):
+            one = Task(span, pieces[:1], [])
+            per_chunk = task_bytes(one, transfer) if pieces else 0
+            for window in windows(pieces, per_chunk):
+                tasks.append(Task(span, window, [self._object_keys(keys[p.index], groups)[gi] for p in window]))
+        return tasks
 
     # ------------------------------------------------------------------ admin
     def _count(self, **deltas: int) -> None:

@@ -258,14 +258,56 @@ class Tier(ABC):
             self._counts["bytes_out"] += sum(size_of[k] for k, r in zip(keys, results, strict=True) if r is not None)
         return results
 
+    def get_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[Mapping[str, torch.Tensor]]
+                      ) -> list[TensorDict | InvalidInputError | None]:
+        """Fill ``outs[i]`` from ``keys[i]`` for every key held, on the tier's I/O parallelism.
+
+        Returns per key ``outs[i]`` as a dict (a hit), ``None`` (a miss) or the
+        :class:`InvalidInputError` raised because ``outs[i]`` does not match the stored chunk (nothing
+        else is affected). A key may appear more than once (each with its own ``out``).
+        """
+        self._check_open()
+        keys = list(keys)
+        present = self.contains_many(keys)
+        pinned = [k for k, p in zip(keys, present, strict=True) if p]
+        size_of = {k: s for k, s in zip(pinned, self.pin(pinned), strict=True) if s is not None}
+        try:
+            results: list[TensorDict | InvalidInputError | None] = [None] * len(keys)
+            todo = [i for i, k in enumerate(keys) if k in size_of]
+            loaded = self._load_many_into([(keys[i], size_of[keys[i]], outs[i]) for i in todo])
+            for i, r in zip(todo, loaded, strict=True):
+                results[i] = r
+        finally:  # one unpin per pin: a key listed twice was pinned twice
+            self.unpin(k for k in pinned if k in size_of)
+        hits = [i for i, r in enumerate(results) if isinstance(r, dict)]
+        with self._cond:
+            self._counts["hits"] += len(hits)
+            self._counts["misses"] += len(results) - len(hits)
+            self._counts["bytes_out"] += sum(size_of[keys[i]] for i in hits)
+        return results
+
+    def _load_many_into(self, work: list[tuple[ChunkKey, int, Mapping[str, torch.Tensor]]]
+                        ) -> list[TensorDict | InvalidInputError | None]:
+        """Fill each ``(key, size, out)`` of pinned keys (see :meth:`get_many_into`). Tiers with a faster
+        batched read path override this."""
+        def one(item: tuple[ChunkKey, int, Mapping[str, torch.Tensor]]) -> TensorDict | InvalidInputError | None:
+            try:
+                return self._load_checked(*item[:2], "cpu", out=item[2])
+            except InvalidInputError as exc:
+                return exc
+
+        return self._map(one, work)
+
     def _load_checked(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False,
-                      out: Mapping[str, torch.Tensor] | None = None) -> TensorDict | None:
-        """Read a chunk; anything wrong with the stored object is a counted miss, never an exception."""
-        return self._read_checked(key, size, device, borrow, out)[0]
+                      out: Mapping[str, torch.Tensor] | None = None,
+                      reader: Callable[[], TensorDict | None] | None = None) -> TensorDict | None:
+        """Read a chunk (through ``reader`` when given, e.g. a batched fast path); anything wrong with the
+        stored object is a counted miss, never an exception."""
+        return self._read_checked(key, size, device, borrow, out, reader=reader)[0]
 
     def _read_checked(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False,
-                      out: Mapping[str, torch.Tensor] | None = None,
-                      repair: bool = False) -> tuple[TensorDict | None, str]:
+                      out: Mapping[str, torch.Tensor] | None = None, repair: bool = False,
+                      reader: Callable[[], TensorDict | None] | None = None) -> tuple[TensorDict | None, str]:
         """``(tensors or None, outcome)``: read a chunk and classify what went wrong.
 
         * damaged (:class:`CorruptObjectError`): counted ``corrupt``, forgotten; removed from storage on
@@ -279,7 +321,12 @@ class Tier(ABC):
         :class:`InvalidInputError` (``out`` does not match an intact chunk) propagates.
         """
         try:
-            data = self._load_into(key, size, out) if out is not None else self._load(key, size, device, borrow)
+            if reader is not None:
+                data = reader()
+            elif out is not None:
+                data = self._load_into(key, size, out)
+            else:
+                data = self._load(key, size, device, borrow)
             return data, OK if data is not None else MISSING
         except UnsupportedObjectError as exc:
             self._count("unsupported")

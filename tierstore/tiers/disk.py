@@ -55,6 +55,7 @@ from ..tensors import TensorDict, byte_alias, fill_out
 from . import objfile
 from .base import Tier
 from .dirlock import DirLock, lock_first_free, open_dir
+from .disk_batch import BatchedReader
 from .layout import PERMISSIONS, is_temp_name, key_from_name, object_relpath, temp_name
 
 log = logging.getLogger("tierstore")
@@ -119,6 +120,7 @@ class DiskTier(Tier):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._worker = threading.local()
+        self._batched = BatchedReader(self)
         self._lock: DirLock | None = None
         base = opts["path"]
         if read_only:
@@ -375,6 +377,11 @@ class DiskTier(Tier):
             except RuntimeError:  # shut down by a racing close()
                 raise ClosedError(f"tier {self.name!r} is closed") from None
         return [f.result() for f in futures]
+
+    def _load_many_into(self, work: list[tuple[ChunkKey, int, Mapping[str, torch.Tensor]]]
+                        ) -> list[TensorDict | InvalidInputError | None]:
+        """Batched ``get_many_into``: :mod:`~tierstore.tiers.disk_batch` (parsed-header fast path)."""
+        return self._batched.load_many_into(work)
 
     def _mark_worker(self) -> None:
         self._worker.active = True

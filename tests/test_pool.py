@@ -1,0 +1,84 @@
+"""The host pool allocator: capacity means bytes a user can store, runs coalesce, nothing overlaps."""
+
+import random
+
+import pytest
+import torch
+
+from tierstore.pool import SlotPool
+from tierstore.testing.tiers import TierTests, key_of
+from tierstore.tiers.host import HostTier
+
+
+class TestHostPoolSmallSlots(TierTests):
+    """The conformance suite on a pool with the default 64-byte slots."""
+
+    def make_tier(self, capacity):
+        return HostTier(capacity=capacity, pinned=False, pool=True)
+
+
+def test_small_chunks_pack_densely():
+    t = HostTier(capacity=1 << 20, pinned=False, pool=True)
+    n = (1 << 20) // 64
+    for i in range(n):  # 8-byte chunks: one 64-byte slot each
+        assert t.put(key_of(i), {"x": torch.tensor([float(i)], dtype=torch.float64)})
+    assert len(t) == n and t.stats()["evictions"] == 0
+    assert t.used_bytes == t.capacity == 1 << 20
+    assert t.get(key_of(1234))["x"].item() == 1234.0
+
+
+@pytest.mark.parametrize("nbytes", [4096, 4100, 5000, 12_345, 65_537, (1 << 20) + 8])
+def test_overhead_is_within_the_documented_bound(nbytes):
+    capacity = 8 << 20
+    t = HostTier(capacity=capacity, pinned=False, pool=True)
+    half = nbytes // 2
+    data = {"k": torch.zeros(half, dtype=torch.uint8), "v": torch.zeros(nbytes - half, dtype=torch.uint8)}
+    fit = 0
+    while t.put(key_of(fit), data) and t.stats()["evictions"] == 0:
+        fit += 1
+    charged = t.used_bytes / len(t)
+    assert charged <= nbytes + 2 * 63  # each tensor 64-byte aligned, nothing more
+    assert charged / nbytes - 1 <= 0.125
+    assert fit >= capacity // (nbytes + 2 * 63) - 1
+
+
+def test_runs_coalesce_and_never_overlap():
+    pool = SlotPool(1 << 16, slot_size=64)
+    rng = random.Random(7)
+    live: dict[int, tuple[int, int]] = {}
+    owner = [None] * pool.nslots
+    for step in range(4000):
+        if live and (rng.random() < 0.45 or pool.free_slots() == 0):
+            i = rng.choice(list(live))
+            start, n = live.pop(i)
+            pool.free((start, n))
+            owner[start:start + n] = [None] * n
+        else:
+            run = pool.alloc(rng.choice([1, 8, 64, 100, 640, 4096, 9000]))
+            if run is None:
+                continue
+            start, n = run
+            assert all(o is None for o in owner[start:start + n]), "overlapping runs"
+            owner[start:start + n] = [step] * n
+            live[step] = run
+        assert pool.free_slots() == owner.count(None)
+    for run in live.values():
+        pool.free(run)
+    assert pool.free_slots() == pool.nslots and pool.largest_free() == pool.capacity  # one run again
+
+
+def test_a_fragmented_pool_evicts_until_a_long_run_is_free():
+    t = HostTier(capacity=64 << 10, pinned=False, pool=True)
+    small = {"x": torch.zeros(1000, dtype=torch.uint8)}  # 1024 bytes charged
+    for i in range(64):
+        assert t.put(key_of(i), small)
+    for i in range(0, 64, 2):
+        t.delete(key_of(i))  # half the pool free, in 1 KiB holes
+    assert t.pool.largest_free() == 1024
+    big = {"x": torch.arange(8000, dtype=torch.int32)}  # 32000 bytes: needs a long run
+    assert t.put(key_of(100), big)
+    assert torch.equal(t.get(key_of(100))["x"], big["x"])
+    assert t.used_bytes <= t.capacity
+    for i in range(1, 64, 2):  # survivors are intact or evicted, never overwritten
+        got = t.get(key_of(i))
+        assert got is None or not got["x"].any()

@@ -1,0 +1,321 @@
+"""Moving KV between stored chunk objects and an engine's paged KV cache (``load_into`` / ``save_from``).
+
+The data path of one call: the chunks to move are cut into *tasks* — one layer group (the layers one
+stored object holds) times one window of chunks — processed in layer order. A load reads a task's
+objects with one batched ``store.get_many(out=...)`` into a reusable staging buffer while the previous
+task's rows are scattered into the cache's blocks (one ``index_copy_`` per layer and window); a save
+gathers a task's rows out of the blocks into staging and hands them to one ``store.put_many``. Staging
+holds at most two tasks, never the whole transfer, and layer ``i`` is complete as soon as its group's
+last window is scattered: :class:`LayerwiseLoad` resolves one future per layer then.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import InvalidInputError, InvalidTypeError
+from ..keys import ChunkKey
+from ..tensors import wait_for_copies
+from .paged import PagedLayout, _layout, _Plan
+
+#: bytes of staging per task (two tasks are in flight); a window holds as many chunks as fit
+STAGING_BYTES = 64 << 20
+
+
+class LayerwiseLoad:
+    """Handle of a layer-wise :meth:`~tierstore.KVCacheStore.load_into`: one future per layer.
+
+    ``layer(i)`` resolves to the number of leading tokens written into layer ``i`` once they are in the
+    cache (attention over layer ``i`` may start); :meth:`result` is the number valid in *every* layer —
+    what the engine may treat as loaded (a chunk that vanished mid-load shortens it; the blocks past it
+    must be recomputed). Any error fails every pending future.
+    """
+
+    def __init__(self, num_layers: int):
+        self._layers: list[Future[int]] = [Future() for _ in range(num_layers)]
+        self._done: Future[int] = Future()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    def layer(self, i: int) -> Future[int]:
+        return self._layers[i]
+
+    def wait_for_layer(self, i: int, timeout: float | None = None) -> int:
+        """Block until layer ``i`` is in the cache; returns its loaded token count."""
+        return self._layers[i].result(timeout)
+
+    def result(self, timeout: float | None = None) -> int:
+        """Block until every layer is in the cache; returns the tokens valid in all of them."""
+        return self._done.result(timeout)
+
+    def done(self) -> bool:
+        return self._done.done()
+
+    def _fail(self, exc: BaseException) -> None:
+        for f in (*self._layers, self._done):
+            if not f.done():
+                f.set_exception(exc)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Chunk ``index`` (stored tokens ``[first, first + stored)``) moves tokens ``[a, b)``."""
+
+    index: int
+    first: int
+    stored: int
+    a: int
+    b: int
+
+    @property
+    def whole(self) -> bool:
+        return self.a == self.first and self.b == self.first + self.stored
+
+
+@dataclass
+class Task:
+    group: tuple[int, int]  # layers [lo, hi) stored in one object
+    pieces: list[Piece]
+    keys: list[ChunkKey]  # one object key per piece
+
+
+class PagedTransfer:
+    """The caches, layout and block table of one transfer, and the rows of any token range in them."""
+
+    def __init__(self, caches: Sequence[torch.Tensor] | torch.Tensor, layout: str | PagedLayout,
+                 block_ids: Sequence[int] | torch.Tensor, block_size: int | None, dtype: torch.dtype, is_mla: bool):
+        self.layout = _layout(layout)
+        if self.layout.is_mla != is_mla:
+            raise InvalidInputError(f"layout {self.layout.value!r} does not match the namespace "
+                                    f"({'MLA' if is_mla else 'MHA'})")
+        self.pool: torch.Tensor | None = None
+        self.caches: list[torch.Tensor] = []  # per-layer layouts; a pool layout has ``pool`` instead
+        if self.layout.multi_layer:
+            if not isinstance(caches, torch.Tensor):
+                raise InvalidTypeError(f"{self.layout.value} takes the one pool tensor holding every layer")
+            self.pool = caches
+            probe = _Plan(caches, self.layout, block_ids, 0, 0, block_size, 0)
+            self.num_layers = probe.num_layers
+        else:
+            if isinstance(caches, torch.Tensor) or not isinstance(caches, Sequence) or not caches:
+                raise InvalidTypeError(f"{self.layout.value} takes a non-empty list with one cache tensor per layer")
+            self.caches = list(caches)
+            probe = _Plan(self.caches[0], self.layout, block_ids, 0, 0, block_size, None)
+            for c in self.caches[1:]:
+                probe.rebind(c)  # same shape, strides, dtype and device, or InvalidInputError
+            self.num_layers = len(self.caches)
+        first = self.pool if self.pool is not None else self.caches[0]
+        if first.dtype != dtype:
+            raise InvalidInputError(f"the KV cache is {first.dtype}, the namespace says {dtype}")
+        self.block_ids, self.block_size = block_ids, probe.block_size
+        self.device = first.device
+        self.dtype = dtype
+        self.token_dim = 0 if is_mla else 1
+        self._canon = list(probe.result_shape())
+        self._bases: dict[tuple[int, int], _Plan] = {}
+
+    def canonical_shape(self, n_tokens: int) -> tuple[int, ...]:
+        shape = list(self._canon)
+        shape[self.token_dim] = n_tokens
+        return tuple(shape)
+
+    def plan(self, layer: int, a: int, b: int) -> _Plan:
+        """Rows of tokens ``[a, b)`` of ``layer`` (validates the block table on first use)."""
+        if self.pool is not None:
+            return _Plan(self.pool, self.layout, self.block_ids, a, b, self.block_size, layer)
+        base = self._bases.get((a, b))
+        if base is None:
+            base = self._bases[(a, b)] = _Plan(self.caches[0], self.layout, self.block_ids, a, b,
+                                               self.block_size, None)
+        return base if layer == 0 else base.rebind(self.caches[layer])
+
+    def _window(self, layer: int, pieces: list[Piece]) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The flat row view of ``layer``'s cache (``None`` if its strides allow none) and the rows of
+        every piece's tokens, in piece order."""
+        plans = [self.plan(layer, p.a, p.b) for p in pieces]
+        index = plans[0].flat_index if len(plans) == 1 else torch.cat([p.flat_index for p in plans])
+        return _coarsen(plans[0].flat, index, self.block_size)
+
+    def scatter(self, layer: int, pieces: list[Piece], staged: list[torch.Tensor]) -> None:
+        """Write each piece's tokens from its staged canonical chunk tensor into the cache's blocks."""
+        flat, index = self._window(layer, pieces)
+        if flat is not None and all(p.whole for p in pieces) and _adjacent(staged):
+            rows = _span(staged).view(index.numel(), *flat.shape[1:])
+            flat.index_copy_(0, index, rows.to(self.device, non_blocking=True))
+            return
+        for p, t in zip(pieces, staged, strict=True):
+            plan = self.plan(layer, p.a, p.b)
+            part = t.narrow(self.token_dim, p.a - p.first, p.b - p.a)
+            plan.scatter(part.to(self.device, non_blocking=True))
+
+    def gather(self, layer: int, pieces: list[Piece], staged: list[torch.Tensor]) -> None:
+        """Copy each piece's tokens (whole chunks) out of the cache into its staged canonical tensor."""
+        flat, index = self._window(layer, pieces)
+        if flat is not None and _adjacent(staged):
+            rows = _span(staged).view(index.numel(), *flat.shape[1:])
+            if rows.device == flat.device:
+                torch.index_select(flat, 0, index, out=rows)
+            else:
+                rows.copy_(flat.index_select(0, index))
+            return
+        for p, t in zip(pieces, staged, strict=True):
+            t.copy_(self.plan(layer, p.a, p.b).gather(None))
+
+    def synchronize(self) -> None:
+        first = self.pool if self.pool is not None else self.caches[0]
+        wait_for_copies(first)
+
+
+def _coarsen(flat: torch.Tensor | None, index: torch.Tensor, run: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Copy whole blocks instead of single rows where possible: when ``index`` is made of aligned runs of
+    ``run`` consecutive rows (block-aligned tokens of the layouts whose block rows are adjacent), return
+    the cache's rows grouped ``run`` at a time and the index of the groups (``index_copy_`` / ``index_select``
+    cost is per row)."""
+    if flat is None or run <= 1 or index.numel() % run or flat.shape[0] % run:
+        return flat, index
+    runs = index.view(-1, run)
+    first = runs[:, 0]
+    if bool((first % run).any()) or not bool((runs == first[:, None] + torch.arange(run, device=index.device)).all()):
+        return flat, index
+    try:
+        return flat.view(flat.shape[0] // run, run, *flat.shape[1:]), first // run
+    except RuntimeError:
+        return flat, index
+
+
+def _adjacent(tensors: list[torch.Tensor]) -> bool:
+    """Whether contiguous ``tensors`` follow each other in one storage, so their span is one view."""
+    for t, nxt in zip(tensors, tensors[1:], strict=False):
+        if t.data_ptr() + t.numel() * t.element_size() != nxt.data_ptr():
+            return False
+    return all(t.is_contiguous() for t in tensors)
+
+
+def _span(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The flat elements of adjacent ``tensors`` as one view."""
+    first = tensors[0]
+    n = sum(t.numel() for t in tensors)
+    return first.as_strided((n,), (1,))
+
+
+class Staging:
+    """Reusable host buffers for staged chunks (pinned under CUDA), so transfers do not page-fault fresh
+    memory on every call."""
+
+    def __init__(self, keep: int = 4):
+        self._free: list[torch.Tensor] = []
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def acquire(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.numel() >= nbytes and buf.is_pinned() == pinned:
+                    return self._free.pop(i)
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+            self._free.sort(key=lambda b: b.numel())
+            del self._free[:-self._keep]
+
+
+def stage(buf: torch.Tensor, task: Task, transfer: PagedTransfer, layer_name: Callable[[int], str]
+          ) -> tuple[list[dict[str, torch.Tensor]], dict[int, list[torch.Tensor]]]:
+    """Carve ``buf`` into one canonical tensor per (layer, piece), layer-major so that a layer's pieces
+    are adjacent. Returns the per-object ``out`` mappings and the per-layer tensors."""
+    lo, hi = task.group
+    outs: list[dict[str, torch.Tensor]] = [{} for _ in task.pieces]
+    by_layer: dict[int, list[torch.Tensor]] = {}
+    pos = 0
+    for j in range(lo, hi):
+        by_layer[j] = []
+        for i, p in enumerate(task.pieces):
+            shape = transfer.canonical_shape(p.stored)
+            n = torch.Size(shape).numel() * transfer.dtype.itemsize
+            t = buf[pos:pos + n].view(transfer.dtype).view(shape)
+            pos += n
+            outs[i][layer_name(j)] = t
+            by_layer[j].append(t)
+    return outs, by_layer
+
+
+def task_bytes(task: Task, transfer: PagedTransfer) -> int:
+    per_token = torch.Size(transfer.canonical_shape(1)).numel() * transfer.dtype.itemsize
+    return sum(p.stored for p in task.pieces) * per_token * (task.group[1] - task.group[0])
+
+
+def windows(pieces: list[Piece], per_chunk_bytes: int, budget: int = STAGING_BYTES) -> list[list[Piece]]:
+    size = max(1, budget // max(1, per_chunk_bytes))
+    return [pieces[i:i + size] for i in range(0, len(pieces), size)]
+
+
+def run_load(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: Staging, layer_name: Callable[[int], str],
+             valid: int, handle: LayerwiseLoad | None = None) -> tuple[int, int, int]:
+    """Read ``tasks`` in order (the next one while the current one is scattered) into the cache.
+
+    ``valid`` is the token count the caller expects; a missing or mismatching object lowers it to the
+    start of its chunk and nothing from that chunk on is written. Layer futures of ``handle`` resolve as
+    their group's last window lands. Returns ``(valid, objects read, objects missed)``.
+    """
+    pinned = transfer.device.type == "cuda" and torch.cuda.is_available()
+    size = max(task_bytes(t, transfer) for t in tasks)
+    bufs = [staging.acquire(size, pinned) for _ in range(min(2, len(tasks)))]
+    last_of_group = {t.group: i for i, t in enumerate(tasks)}
+    read = missed = 0
+    try:
+        def submit(i: int) -> tuple[Future[list[Any]], dict[int, list[torch.Tensor]]]:
+            outs, by_layer = stage(bufs[i % len(bufs)], tasks[i], transfer, layer_name)
+            return store.get_many_async(tasks[i].keys, out=outs), by_layer
+
+        pending = submit(0)
+        for i, task in enumerate(tasks):
+            future, by_layer = pending
+            if i + 1 < len(tasks):
+                pending = submit(i + 1)
+            results = future.result()
+            for p, r in zip(task.pieces, results, strict=True):
+                if r is None:
+                    missed += 1
+                    valid = min(valid, p.first)
+            read += sum(r is not None for r in results)
+            keep = [k for k, p in enumerate(task.pieces) if p.first < valid]  # valid is a chunk start or the goal
+            if keep:
+                pieces = [task.pieces[k] for k in keep]
+                for j, staged in by_layer.items():
+                    transfer.scatter(j, pieces, [staged[k] for k in keep])
+            transfer.synchronize()  # a CUDA copy out of this staging buffer must finish before it is reused
+            if last_of_group[task.group] == i and handle is not None:
+                for j in range(*task.group):
+                    handle.layer(j).set_result(valid)
+    finally:
+        for b in bufs:
+            staging.release(b)
+    return valid, read, missed
+
+
+def run_save(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: Staging,
+             layer_name: Callable[[int], str]) -> list[bool]:
+    """Gather each task's chunks out of the cache into staging and store them with one ``put_many``."""
+    size = max(task_bytes(t, transfer) for t in tasks)
+    buf = staging.acquire(size, False)
+    ok: list[bool] = []
+    try:
+        for task in tasks:
+            outs, by_layer = stage(buf, task, transfer, layer_name)
+            for j, staged in by_layer.items():
+                transfer.gather(j, task.pieces, staged)
+            transfer.synchronize()
+            ok += store.put_many(list(zip(task.keys, outs, strict=True)))  # copies/writes before returning
+    finally:
+        staging.release(buf)
+    return ok
