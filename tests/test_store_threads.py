@@ -3,8 +3,8 @@
 Several threads run seeded random operations — put and put_many (overwriting), get and get_many, a tier's
 get_many with repeated keys, delete, prefetch, flush and forced evictions — against a 3-tier store whose
 top tier holds two chunks, so eviction races write-back all the time, while the middle tier refuses some
-writes. A 1 µs switch interval
-makes the interpreter switch threads inside the windows the write-back bugs needed.
+writes. A 1 µs switch interval makes the interpreter switch threads inside the windows the write-back
+bugs needed.
 
 The model: every key has one owner thread (the only one that puts or deletes it), so the owner knows the
 last value it put. Checked throughout:
