@@ -1,4 +1,4 @@
-"""``tierstore`` command line: demo, bench {tiers,kv,weights}, stats, verify, gc, crashtest.
+"""``tierstore`` command line: demo, bench {tiers,kv,weights,peers,control,all}, stats, verify, gc, crashtest.
 
 Each verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them up, importing a verb's module when it runs.
@@ -22,6 +22,9 @@ BENCHES = {
     "tiers": ("tierstore.bench.tiers", "put/get throughput of each tier vs plain copies and I/O"),
     "kv": ("tierstore.bench.kv", "multi-round-chat TTFT with and without the store"),
     "weights": ("tierstore.bench.weights", "checkpoint loading vs safetensors and peers"),
+    "peers": ("tierstore.bench.peers", "LMCache's bench l2 (fs_native, fs) next to the disk tier"),
+    "control": ("tierstore.bench.control", "lookup cost and index memory per key from 10k to 1M keys"),
+    "all": ("tierstore.bench.all", "every bench in one run: BENCHMARKS.md and PNG plots in --out"),
 }
 
 

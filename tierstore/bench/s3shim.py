@@ -72,11 +72,11 @@ def serve(upstream: str, port: int, latency: float, bandwidth: float, lifetime: 
                 _reset_connection(request)
                 return web.Response()  # never sent: the connection is gone
             if mode == "blackhole":
-                await request.read()
+                await request.content.read()
                 await stopped.wait()  # never answer; the process is exiting when this returns
                 return web.Response(status=503)
             if mode == "status":
-                await request.read()
+                await request.content.read()
                 code = _S3_CODES.get(fault["status"], "ServiceUnavailable")
                 body = b"" if request.method == "HEAD" else (
                     f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>injected by "
@@ -84,7 +84,7 @@ def serve(upstream: str, port: int, latency: float, bandwidth: float, lifetime: 
                 return web.Response(status=fault["status"], body=body, content_type="application/xml")
         if request.headers.get("Expect", "").lower() == "100-continue":  # botocore PUTs ask for it
             await request.writer.write(b"HTTP/%d.%d 100 Continue\r\n\r\n" % request.version)
-        body = await request.read()
+        body = await request.content.read()  # no 1 MiB client_max_size: objects are bigger
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         assert session is not None  # opened by main() before the server starts
         async with session.request(request.method, upstream + request.path_qs, headers=headers,

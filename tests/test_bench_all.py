@@ -1,0 +1,138 @@
+"""``tierstore bench all --quick`` writes BENCHMARKS.md, results.json and PNG plots whose tables parse
+and agree with the JSON; ``bench peers`` parses LMCache's JSON and runs our side for real."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tierstore.bench import peers
+from tierstore.cli import main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def md_tables(text: str) -> list[list[list[str]]]:
+    """Every Markdown table in ``text`` as rows of cells (header first, separator dropped)."""
+    tables, current = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            current.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif current:
+            tables.append([current[0]] + current[2:])
+            current = []
+    return tables
+
+
+def number(cell: str) -> float:
+    return float(re.sub(r"[×x]$", "", cell.replace(",", "")))
+
+
+@pytest.mark.slow
+def test_bench_all_quick_writes_report_and_plots(tmp_path, capsys):
+    out = tmp_path / "report"
+    assert main(["bench", "all", "--quick", "--out", str(out), "--dir", str(tmp_path)]) == 0
+    progress = capsys.readouterr().out
+    for section in ("tiers:", "remote:", "kv:", "control plane:", "writing the report"):
+        assert section in progress
+    text = (out / "BENCHMARKS.md").read_text()
+    results = json.loads((out / "results.json").read_text())
+    assert results["quick"] is True and "peers" not in results["sections"]
+    m = results["machine"]
+    assert f"{m['cores']} cores" in text and m["torch"] in text and m["date"] in text
+    for png in ("tiers.png", "kv_ttft.png", "lookup.png"):
+        assert (out / png).read_bytes().startswith(PNG)
+        assert f"]({png})" in text
+
+    tables = md_tables(text)
+    for t in tables:
+        assert all(len(row) == len(t[0]) for row in t), t
+    by_head = {tuple(t[0]): t[1:] for t in tables}
+    tiers = by_head[("object", "operation", "GB/s", "limit", "limit GB/s", "ratio")]
+    assert len(tiers) == 3 * len(results["sections"]["tiers"])  # host get, disk get, disk put per size
+    series = [("host_get", "memcpy"), ("disk_get", "page_cache_read"), ("disk_put", "plain_write")]
+    expected = [(r[key], r[limit]) for r in results["sections"]["tiers"] for key, limit in series]
+    for row, (value, limit) in zip(tiers, expected, strict=True):
+        assert number(row[2]) == pytest.approx(value, abs=0.006) and number(row[4]) == pytest.approx(limit, abs=0.006)
+        assert number(row[5]) == pytest.approx(value / limit, abs=0.006)
+    control = by_head[("keys in the index", "lookup µs/key", "vs 2 µs target", "index bytes/key",
+                       "vs 200 B target")]
+    assert [int(number(r[0])) for r in control] == [r["keys"] for r in results["sections"]["control"]]
+    assert all(number(r[1]) > 0 and number(r[3]) > 32 for r in control)  # a key alone is 32 bytes
+    kv = next(rows for head, rows in by_head.items() if head[0] == "configuration")
+    assert [r[0] for r in kv] == ["none", "host", "host+disk", "host+disk+remote"]
+    assert all(number(r[3]) > 0 for r in kv)
+    targets = by_head[("target (issue 9)", "measured", "ratio", "target", "")]
+    assert targets and all(r[4] in ("met", "missed") for r in targets)
+
+
+LMCACHE_JSON = {  # shape of `lmcache bench l2 --format json` (0.5.6), figures from a real run, trimmed
+    "title": "L2 Adapter Benchmark Result",
+    "metrics": {
+        "config": {"num_keys": 8, "data_size_kb": 256, "measurement_rounds": 2},
+        "op_0": {"operation": "Store", "total_keys": 16, "total_success": 16, "duration_avg_ms": 8.0},
+        "op_1": {"operation": "Lookup", "total_keys": 16, "total_success": 0, "duration_avg_ms": 0.11},
+        "op_2": {"operation": "Load", "total_keys": 16, "total_success": 16, "duration_avg_ms": 0.5},
+    },
+}
+
+
+def test_parse_lmcache_gbps_from_mean_round_time():
+    got = peers.parse_lmcache(LMCACHE_JSON, 8 * 256 * 1024)
+    assert got["store"] == pytest.approx(8 * 256 * 1024 / 8e-3 / 1e9)
+    assert got["load"] == pytest.approx(8 * 256 * 1024 / 0.5e-3 / 1e9)
+
+
+def test_parse_lmcache_rejects_failed_keys_and_missing_ops():
+    bad = json.loads(json.dumps(LMCACHE_JSON))
+    bad["metrics"]["op_2"]["total_success"] = 15
+    with pytest.raises(RuntimeError, match="15 of 16"):
+        peers.parse_lmcache(bad, 1)
+    del bad["metrics"]["op_2"]
+    with pytest.raises(RuntimeError, match="no store/load"):
+        peers.parse_lmcache(bad, 1)
+
+
+def test_peers_without_venv_says_how_to_build_it(tmp_path, capsys):
+    assert main(["bench", "peers", "--venv", str(tmp_path / "none"), "--sizes", "64KiB", "--repeats", "1"]) == 2
+    assert "--build" in capsys.readouterr().err
+
+
+def test_peers_ours_only_runs_and_reports_ratios(tmp_path, capsys):
+    js = tmp_path / "peers.json"
+    assert main(["bench", "peers", "--adapters", "", "--sizes", "64KiB,256KiB", "--total", "2MiB",
+                 "--repeats", "2", "--dir", str(tmp_path), "--json", str(js)]) == 0
+    res = json.loads(js.read_text())
+    assert len(res["runs"]) == 4 and {r["size"] for r in res["runs"]} == {64 << 10, 256 << 10}
+    assert all(m["store"] > 0 and m["load"] > 0 for m in res["medians"])
+    assert "tierstore disk GB/s" in capsys.readouterr().out
+    assert list(tmp_path.glob("tierstore-peers-*")) == []  # every run's folder is removed
+
+
+def test_round_shape_matches_the_recorded_lmcache_runs():
+    assert peers.round_shape(256 << 10, 1 << 30) == (256, 16)
+    assert peers.round_shape(16 << 20, 1 << 30) == (16, 4)
+    keys, rounds = peers.round_shape(4 << 20, 1 << 30)
+    assert keys * rounds * (4 << 20) == 1 << 30
+
+
+def test_s3_shim_forwards_objects_over_one_mib(s3_server, s3_bucket):
+    """The shim used to refuse request bodies over aiohttp's 1 MiB default (413 on PutObject)."""
+    import torch
+
+    import tierstore
+    from tierstore.bench.s3shim import S3Shim
+    from tierstore.keys import ChunkKey
+
+    data = {"kv": torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))}
+    key = ChunkKey.from_bytes(b"big-through-shim")
+    with S3Shim(s3_server.endpoint_url, latency=0.0, bandwidth=0) as shim:
+        opts = shim.storage_options(s3_server.storage_options)
+        cfg = {"tiers": [{"kind": "remote", "url": f"s3://{s3_bucket}/t", "storage_options": opts}]}
+        with tierstore.open(cfg) as store:
+            store.put(key, data)
+            store.flush()
+            assert torch.equal(store.get(key)["kv"], data["kv"])
+        assert shim.stats()["by_method"].get("PUT", 0) >= 1

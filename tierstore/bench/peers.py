@@ -1,0 +1,229 @@
+"""``tierstore bench peers``: LMCache 0.5.6's ``lmcache bench l2`` (``fs_native`` and ``fs``) next to the
+tierstore disk tier on the same object sizes and bytes per round, alternating, medians of ``--repeats``.
+
+LMCache runs from its own virtual environment (``--venv``; ``--build`` creates it with ``lmcache==0.5.6``
+beside ``torch==2.13.0``, which installs and runs on CPU). It is never built in CI. Its file stores do not
+fsync, so ours runs without ``durable``. As LMCache's bench does, each run stores one warm-up round and
+then ``--total`` bytes in rounds of fresh keys (one batch per round), then reads every round back (warm
+page cache): GB/s = bytes per round ÷ mean round time, warm-up excluded. Every run has a fresh folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..keys import ChunkKey
+from ..sizes import format_size, parse_size
+from .ops import get_all_into, put_all
+
+LMCACHE = "lmcache==0.5.6"
+TORCH = "torch==2.13.0"
+DEFAULT_VENV = Path.home() / ".cache" / "tierstore-bench" / "lmcache-venv"
+ADAPTERS = ("fs_native", "fs")
+OURS = "tierstore disk"
+
+
+class Unavailable(Exception):
+    """The peer cannot run here; the message says why."""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--venv", default=str(DEFAULT_VENV), help=f"LMCache's virtual environment (default {DEFAULT_VENV})")
+    p.add_argument("--build", action="store_true", help=f"create --venv with {LMCACHE} and {TORCH} if missing")
+    p.add_argument("--sizes", default="256KiB,4MiB,16MiB", help="object sizes (default 256KiB,4MiB,16MiB)")
+    p.add_argument("--total", default="1GiB", help="bytes over all measured rounds (default 1GiB)")
+    p.add_argument("--rounds", type=int, default=None, help="measured rounds per run (default: see round_shape)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per configuration; medians reported (default 3)")
+    p.add_argument("--adapters", default=",".join(ADAPTERS), help="LMCache L2 adapters (default fs_native,fs)")
+    p.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
+    p.add_argument("--json", default=None, help="also write the results as JSON here")
+
+
+# ---------------------------------------------------------------------------------------------- the peer
+def lmcache_bin(venv: str | os.PathLike[str]) -> Path:
+    return Path(venv) / "bin" / "lmcache"
+
+
+def ensure_venv(venv: str | os.PathLike[str], build: bool, log: Callable[[str], None] = print) -> Path:
+    """Path of LMCache's CLI in ``venv``; with ``build``, create the venv first if it is missing."""
+    exe = lmcache_bin(venv)
+    if exe.exists():
+        return exe
+    if not build:
+        raise Unavailable(f"no LMCache in {venv} (run `tierstore bench peers --build` to create it)")
+    log(f"building {venv} with {LMCACHE} and {TORCH} (once; a few minutes) ...")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(Path(venv) / "bin" / "python"), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, TORCH, LMCACHE], check=True)
+    if not exe.exists():
+        raise Unavailable(f"{LMCACHE} installed but {exe} is missing")
+    return exe
+
+
+def run_lmcache(exe: Path, adapter: str, folder: str, keys: int, size: int, rounds: int) -> dict[str, float]:
+    """One ``lmcache bench l2`` run; returns GB/s of ``store`` and ``load`` (bytes ÷ mean round time)."""
+    out = os.path.join(folder, "result.json")
+    cmd = [str(exe), "bench", "l2", "--l2-adapter",
+           json.dumps({"type": adapter, "base_path": os.path.join(folder, "data")}),
+           "--num-keys", str(keys), "--data-size-kb", str(size // 1024), "--rounds", str(rounds),
+           "--warmup-rounds", "1", "--format", "json", "--output", out]
+    env = {**os.environ, "LMCACHE_DISABLE_BANNER": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode != 0 or not os.path.exists(out):
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"lmcache bench l2 ({adapter}) failed with {proc.returncode}: {' | '.join(tail)}")
+    with open(out) as f:
+        return parse_lmcache(json.load(f), keys * size)
+
+
+def parse_lmcache(result: dict[str, Any], round_bytes: int) -> dict[str, float]:
+    """GB/s of ``store`` and ``load`` from ``bench l2 --format json``: bytes per round ÷ ``duration_avg_ms``."""
+    found: dict[str, float] = {}
+    for section in result.get("metrics", {}).values():
+        op = str(section.get("operation", "")).lower() if isinstance(section, dict) else ""
+        if op in ("store", "load"):
+            if section.get("total_success") != section.get("total_keys"):
+                raise RuntimeError(f"lmcache bench l2: {op} succeeded for {section.get('total_success')} of "
+                                   f"{section.get('total_keys')} keys")
+            found[op] = round_bytes / (section["duration_avg_ms"] / 1e3) / 1e9
+    if set(found) != {"store", "load"}:
+        raise RuntimeError(f"lmcache bench l2: no store/load results in {sorted(result.get('metrics', {}))}")
+    return found
+
+
+# ---------------------------------------------------------------------------------------------- ours
+def run_ours(folder: str, keys: int, size: int, rounds: int) -> dict[str, float]:
+    """LMCache's rounds on a tierstore disk tier (not durable): every round stores ``keys`` fresh objects
+    in one batch (``put_many`` where the store has it), then every round's objects are read back into
+    caller-owned buffers (``get_many(out=)``). Round 0 warms up and is not timed."""
+    import tierstore
+
+    g = torch.Generator().manual_seed(size)
+    data = [{"kv": torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)} for _ in range(keys)]
+    outs = [{"kv": torch.zeros(size, dtype=torch.uint8)} for _ in range(keys)]
+    batches = [[ChunkKey.from_bytes(f"peers-{size}-{r}-{i}".encode()) for i in range(keys)]
+               for r in range(rounds + 1)]
+    cfg = {"tiers": [{"kind": "disk", "path": os.path.join(folder, "data"),
+                      "capacity": (rounds + 2) * keys * size}]}
+    store_t: list[float] = []
+    load_t: list[float] = []
+    with tierstore.open(cfg) as store:
+        for batch in batches:
+            t0 = time.perf_counter()
+            put_all(store, list(zip(batch, data, strict=True)))
+            store_t.append(time.perf_counter() - t0)
+        for r, batch in enumerate(batches):
+            t0 = time.perf_counter()
+            got = get_all_into(store, batch, outs)
+            load_t.append(time.perf_counter() - t0)
+            if any(x is None for x in got):
+                raise RuntimeError(f"tierstore disk tier missed its own objects in round {r}")
+        if not all(torch.equal(o["kv"], d["kv"]) for o, d in zip(outs, data, strict=True)):
+            raise RuntimeError("tierstore disk tier returned wrong bytes")
+    total = keys * size
+    return {"store": total / statistics.mean(store_t[1:]) / 1e9, "load": total / statistics.mean(load_t[1:]) / 1e9}
+
+
+def round_shape(size: int, total: int) -> tuple[int, int]:
+    """(keys per round, measured rounds) for ``total`` bytes over all rounds, as the LMCache runs of
+    ``shared/notes/lmcache_bench.md``: 256 KiB -> 256 keys x 16 rounds, 16 MiB -> 16 keys x 4 rounds."""
+    keys = max(1, min(256, (256 << 20) // size))
+    return keys, max(2, total // (keys * size))
+
+
+# ---------------------------------------------------------------------------------------------- driver
+def measure(sizes: Sequence[int], total: int, repeats: int, adapters: Sequence[str], venv: str, build: bool = False,
+            rounds: int | None = None, workdir: str | None = None,
+            log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Alternate LMCache's adapters and ours per size and repeat; returns runs and medians (GB/s)."""
+    exe = ensure_venv(venv, build, log) if adapters else None
+    systems = [*adapters, OURS]
+    runs: list[dict[str, Any]] = []
+    steps, step = repeats * len(sizes) * len(systems), 0
+    for rep in range(repeats):
+        for size in sizes:
+            keys, n_rounds = round_shape(size, total)
+            n_rounds = rounds or n_rounds
+            # rotate the order each repeat so no system always runs first on a cold page cache
+            order = systems[rep % len(systems):] + systems[:rep % len(systems)]
+            for system in order:
+                step += 1
+                log(f"  [{step}/{steps}] {system:<15} {format_size(size):>7} x {keys} keys, {n_rounds} rounds, "
+                    f"repeat {rep + 1}")
+                folder = tempfile.mkdtemp(prefix="tierstore-peers-", dir=workdir)
+                try:
+                    if system == OURS:
+                        r = run_ours(folder, keys, size, n_rounds)
+                    else:
+                        assert exe is not None
+                        r = run_lmcache(exe, system, folder, keys, size, n_rounds)
+                finally:
+                    shutil.rmtree(folder, ignore_errors=True)
+                runs.append({"system": system, "size": size, "repeat": rep, **r})
+    medians = []
+    for size in sizes:
+        for system in systems:
+            mine = [r for r in runs if r["system"] == system and r["size"] == size]
+            medians.append({"system": system, "size": size,
+                            **{op: statistics.median(r[op] for r in mine) for op in ("store", "load")}})
+    return {"runs": runs, "medians": medians, "sizes": list(sizes), "systems": systems,
+            "total_bytes": total, "repeats": repeats, "lmcache": LMCACHE if adapters else None}
+
+
+def ratio_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per size and op: our median GB/s, each peer's, and ours ÷ peer."""
+    rows = []
+    med = {(m["system"], m["size"]): m for m in result["medians"]}
+    for size in result["sizes"]:
+        for op in ("load", "store"):
+            ours = med[(OURS, size)][op]
+            row: dict[str, Any] = {"size": size, "op": op, "ours": ours}
+            for peer in result["systems"]:
+                if peer != OURS:
+                    row[peer] = med[(peer, size)][op]
+                    row[f"ratio_{peer}"] = ours / row[peer] if row[peer] else float("nan")
+            rows.append(row)
+    return rows
+
+
+def table(result: dict[str, Any]) -> str:
+    peers = [s for s in result["systems"] if s != OURS]
+    head = ["size", "op", "tierstore disk GB/s", *(f"LMCache {p} GB/s" for p in peers),
+            *(f"vs {p}" for p in peers)]
+    body = [[format_size(r["size"]), r["op"], f"{r['ours']:.2f}", *(f"{r[p]:.2f}" for p in peers),
+             *(f"{r[f'ratio_{p}']:.2f}x" for p in peers)] for r in ratio_rows(result)]
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in [head, *body]]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = [parse_size(s, key="--sizes") for s in str(args.sizes).split(",") if s.strip()]
+    adapters = [a.strip() for a in str(args.adapters).split(",") if a.strip()]
+    total = parse_size(args.total, key="--total")
+    try:
+        result = measure(sizes, total, args.repeats, adapters, args.venv, args.build, args.rounds, args.dir)
+    except Unavailable as exc:
+        print(f"tierstore bench peers: {exc}", file=sys.stderr)
+        return 2
+    print(f"\nLMCache {LMCACHE.split('==')[1]} bench l2 vs tierstore disk tier (not durable): "
+          f"{format_size(total)} per run, median of {args.repeats} runs, GB/s = bytes per round / mean round time")
+    print(table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

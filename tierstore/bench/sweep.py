@@ -1,0 +1,178 @@
+"""Throughput per object size of each tier beside its physical limit measured in the same run, and the
+remote tier through the S3 shim beside the shim's concurrent ceiling.
+
+* host tier ``get(out=)`` vs a bare ``copy_`` of the same bytes into existing buffers (memcpy; torch
+  runs one intra-op thread in this section, for the tier and its limit alike);
+* disk tier ``get(out=)`` vs ``readinto`` of plain files from the page cache, ``put`` vs plain writes
+  without fsync (the tier is not durable here either);
+* remote tier ``get`` of ``count`` objects through :mod:`tierstore.bench.s3shim` vs the same objects
+  fetched by ``concurrency`` plain threads (the ceiling at the configured concurrency), the per-key
+  loop, and a cold instance's ``lookup`` of the prefix (open + lookup, requests counted at the shim).
+
+Reads go through a one-tier store with :mod:`tierstore.bench.ops` (batched where the store has it).
+Values are GB/s, median of ``repeats``; a tier and its limit are timed in alternation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ..keys import ChunkKey
+from .common import gbps, median_time
+from .ops import delete_all, get_all_into, put_all
+
+
+def _objects(count: int, size: int, tag: str) -> list[tuple[ChunkKey, dict[str, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(size)
+    return [(ChunkKey.from_bytes(f"sweep-{tag}-{size}-{i}".encode()),
+             {"kv": torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)}) for i in range(count)]
+
+
+def tier_sizes(sizes: list[int], total: int, repeats: int, workdir: str | None = None,
+               log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """One row per object size: GB/s of each tier operation and of its limit, ``total`` bytes each."""
+    rows = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # copy_ of MiBs splits over threads, which stall on a busy machine; 1 for all
+    try:
+        for size in sizes:
+            count = max(2, total // size)
+            log(f"  tiers: {count} x {size >> 10} KiB")
+            with tempfile.TemporaryDirectory(prefix="tierstore-bench-sweep-", dir=workdir) as tmp:
+                rows.append(_one_size(size, count, repeats, tmp))
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+def _one_size(size: int, count: int, repeats: int, tmp: str) -> dict[str, Any]:
+    import tierstore
+
+    items = _objects(count, size, "tiers")
+    keys = [k for k, _ in items]
+    outs = [{"kv": torch.zeros(size, dtype=torch.uint8)} for _ in items]  # touched: no page faults timed
+    files = [os.path.join(tmp, f"plain{i}") for i in range(count)]
+
+    def plain_write() -> None:
+        for path, (_, v) in zip(files, items, strict=True):
+            with open(path, "wb") as f:
+                f.write(v["kv"].numpy().data)
+
+    def remove_plain() -> None:
+        for path in files:
+            if os.path.exists(path):
+                os.unlink(path)
+
+    def plain_read() -> None:
+        for path, o in zip(files, outs, strict=True):
+            with open(path, "rb", buffering=0) as f:
+                f.readinto(o["kv"].numpy().data)
+
+    host_cfg = {"tiers": [{"kind": "host", "capacity": 2 * count * size + (64 << 20), "pinned": False}]}
+    disk_cfg = {"tiers": [{"kind": "disk", "path": os.path.join(tmp, "disk"), "capacity": 3 * count * size}]}
+    with tierstore.open(host_cfg) as host, tierstore.open(disk_cfg) as disk:
+        cases: dict[str, Case] = {  # in this order; each get follows the put that stored its objects
+            "memcpy": (lambda: [o["kv"].copy_(v["kv"]) for o, (_, v) in zip(outs, items, strict=True)], None),
+            "host_put": (lambda: put_all(host, items), lambda: delete_all(host, keys)),
+            "host_get": (lambda: _checked(get_all_into(host, keys, outs)), None),
+            "plain_write": (plain_write, remove_plain),
+            "page_cache_read": (plain_read, None),
+            "disk_put": (lambda: put_all(disk, items), lambda: delete_all(disk, keys)),
+            "disk_get": (lambda: _checked(get_all_into(disk, keys, outs)), None),
+        }
+        return {"size": size, "count": count, **interleaved(cases, count * size, repeats)}
+
+
+Case = tuple[Callable[[], object], Callable[[], object] | None]
+
+
+def interleaved(cases: dict[str, Case], nbytes: int, repeats: int) -> dict[str, float]:
+    """GB/s of each ``(fn, setup)`` case, median of ``repeats``: each repeat runs every case once in turn
+    (after one untimed warm-up round), so a disturbance on a shared machine hits a tier and its limit
+    alike instead of one of them only."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for r in range(repeats + 1):
+        for name, (fn, setup) in cases.items():
+            if setup is not None:
+                setup()
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    return {name: gbps(nbytes, statistics.median(ts)) for name, ts in times.items()}
+
+
+def _rate(fn: Callable[[], object], nbytes: int, repeats: int, setup: Callable[[], object] | None = None) -> float:
+    """GB/s: median of ``repeats`` timed runs after one untimed warm-up (thread pools, page faults)."""
+    if setup is not None:
+        setup()
+    fn()
+    return gbps(nbytes, median_time(fn, repeats, setup))
+
+
+def _checked(results: list[Any]) -> None:
+    if any(r is None for r in results):
+        raise RuntimeError("a tier missed an object it holds")
+
+
+def remote(count: int, size: int, concurrency: int = 8, latency: float = 0.020, bandwidth: float = 90e6,
+           repeats: int = 3, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The remote tier through the S3 shim: ``get`` of ``count`` objects vs the concurrent ceiling."""
+    import tierstore
+
+    from ..testing.s3 import local_s3
+    from .s3shim import S3Shim
+
+    items = _objects(count, size, "remote")
+    keys = [k for k, _ in items]
+    nbytes = count * size
+    outs = [{"kv": torch.zeros(size, dtype=torch.uint8)} for _ in items]
+    waves = math.ceil(count / concurrency)
+    res: dict[str, Any] = {"count": count, "size": size, "concurrency": concurrency, "latency_s": latency,
+                           "bandwidth_Bps": bandwidth,
+                           "model_ceiling": nbytes / (waves * (latency + size / bandwidth)) / 1e9}
+    with local_s3() as s3, S3Shim(s3.endpoint_url, latency, bandwidth) as shim:
+        bucket = s3.new_bucket("bench")
+        opts = shim.storage_options(s3.storage_options)
+        import s3fs
+
+        fs = s3fs.S3FileSystem(**opts)
+        raw = [f"{bucket}/raw/{i}" for i in range(count)]
+        log(f"  remote: uploading {count} x {size >> 10} KiB through the shim")
+        for path, (_, v) in zip(raw, items, strict=True):
+            fs.pipe_file(path, v["kv"].numpy().tobytes())
+        with ThreadPoolExecutor(concurrency) as pool:
+            res["ceiling"] = _rate(lambda: list(pool.map(fs.cat_file, raw)), nbytes, repeats)
+        res["single_stream"] = gbps(nbytes, median_time(lambda: [fs.cat_file(p) for p in raw], 1))
+        cfg = {"tiers": [{"kind": "remote", "url": f"s3://{bucket}/tier", "storage_options": opts,
+                          "max_in_flight": concurrency}]}
+        log("  remote: tier put and get")
+        with tierstore.open(cfg) as store:
+            t0 = time.perf_counter()
+            put_all(store, items)
+            res["put"] = gbps(nbytes, time.perf_counter() - t0)
+            res["get"] = _rate(lambda: _checked(get_all_into(store, keys, outs)), nbytes, repeats)
+            tier = store.tier("remote")
+            res["tier_get_many"] = _rate(lambda: _checked(tier.get_many(keys)), nbytes, repeats)
+            res["get_loop"] = gbps(nbytes, median_time(
+                lambda: _checked([store.get(k, out=o) for k, o in zip(keys, outs, strict=True)]), 1))
+        if not all(torch.equal(o["kv"], v["kv"]) for o, (_, v) in zip(outs, items, strict=True)):
+            raise RuntimeError("remote tier returned wrong bytes")
+        log("  remote: cold instance lookup")
+        shim.reset()
+        t0 = time.perf_counter()
+        with tierstore.open(cfg) as cold:
+            found = cold.lookup(keys)
+        res["cold_lookup_s"] = time.perf_counter() - t0
+        res["cold_lookup_found"] = found
+        res["cold_lookup_requests"] = shim.stats()["requests"]
+    return res
