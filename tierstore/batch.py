@@ -49,10 +49,10 @@ Item = tuple[ChunkKey, Mapping[str, torch.Tensor]]
 class BatchedStoreMixin:
     """``get_many``, ``put_many``, ``contains_many``, a batched ``lookup`` and their async forms.
 
-    Mixed into :class:`~tierstore.TieredStore`; it uses the store's tiers, dirty marking
-    (``_schedule``), counters and lock, and keeps the single-key semantics: a ``put_many`` marks each
-    chunk dirty exactly as ``put`` does, a ``get_many`` hit below the top tier is promoted as ``get``
-    promotes it (in one ``put_many`` per tier above).
+    Mixed into :class:`~tierstore.TieredStore`; it uses the store's tiers, counters and lock and its
+    write-back hooks, and keeps the single-key semantics: ``put_many`` stores each item exactly as
+    ``put`` does (``_put_claimed``), ``get_many`` skips tiers not yet written for a key and promotes a
+    hit from below as ``get`` does, under the key's claim (``_promote_read``).
     """
 
     tiers: list[Tier]
