@@ -43,11 +43,6 @@ def test_killed_write_through_writers_lose_nothing_acknowledged(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="write-back races of today's store.py: an overwrite during an in-flight "
-                   "write-back leaves the old value on disk (review C4a); a retain get promotes the value it read "
-                   "over a newer put of the same key, which write-back then copies down; eviction skips a pending "
-                   "middle tier and flush() still returns (C6b); an eviction before the chunk is marked dirty (C1). "
-                   "Remove this mark once the writeback branch has fixed them")
 @pytest.mark.parametrize("config", ["host+disk/write_back", "host+disk+remote/write_back", "disk+remote/write_back"])
 def test_killed_write_back_writers_lose_nothing_acknowledged(tmp_path, config):
     proc, result = crashtest(tmp_path, "--kills", "10", "--configs", config)

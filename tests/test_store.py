@@ -48,13 +48,13 @@ def test_write_through_returns_when_every_tier_has_it(tmp_path):
 def test_dirty_chunk_is_written_back_before_eviction(tmp_path):
     with open_store(tmp_path) as s:
         blocker = threading.Event()
-        original = s._write_down
+        original = s._wb._write
 
         def stalled_write_down(keys, level):  # the background writer stalls before it pins anything
             blocker.wait(10)
             return original(keys, level)
 
-        s._write_down = stalled_write_down
+        s._wb._write = stalled_write_down
         for i in range(8):  # host holds 3: five dirty evictions must write synchronously
             s.put(key_of(i), chunk(i, CHUNK))
         for i in range(8):

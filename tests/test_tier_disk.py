@@ -431,8 +431,9 @@ def _fill_until_enospc(t: DiskTier, nbytes: int, n: int) -> None:
 def _check_after_enospc(t: DiskTier, root: Path, nbytes: int, n: int) -> None:
     st = t.stats()
     assert st["enospc"] >= 1
-    assert t.capacity is not None and t.capacity < 1 << 20
-    assert t.used_bytes <= t.capacity
+    limit = st["space_limit_bytes"]  # what the storage really holds, until free space is probed again
+    assert limit is not None and limit < 1 << 20
+    assert t.used_bytes <= limit
     assert t.used_bytes == sum(p.stat().st_size for p in _files(root))
     assert _tmp_files(root) == []
     kept = [i for i in range(n) if t.contains(key_of(i))]
@@ -454,6 +455,42 @@ def test_enospc_injected(tmp_path, monkeypatch):
     _fault_fs(monkeypatch, 1 << 20)
     _fill_until_enospc(t, 100_000, 30)
     _check_after_enospc(t, root, 100_000, 30)
+    t.close()
+
+
+def test_a_failed_read_never_forgets_a_newer_object(tmp_path):
+    """A reader that pinned a key, then failed on its object (deleted or damaged meanwhile), must not drop
+    the object a put stored under that key after its pin (found by tests/test_store_threads.py)."""
+    t = DiskTier(path=tmp_path / "d")
+    t.put(key_of(0), chunk(0))
+    t.pin([key_of(0)])  # a reader is about to open the object
+    t.delete(key_of(0))  # ... which vanishes under it
+    t.put(key_of(0), chunk(1))  # and is stored again
+    t._forget(key_of(0))  # the reader's FileNotFoundError path
+    t.unpin([key_of(0)])
+    assert_same(t.get(key_of(0)), chunk(1))
+    t.close()
+
+
+def test_one_enospc_does_not_disable_the_tier(tmp_path, monkeypatch):
+    """C8: after ENOSPC the tier backs off and re-probes free space; it is not cut to 0 bytes for good."""
+    t = DiskTier(path=tmp_path / "d")  # unbounded, and empty when the device reports full
+    t.enospc_recheck = 0.05
+    real_writev, failures = os.writev, [1]
+
+    def writev(fd, bufs):
+        if failures[0]:
+            failures[0] -= 1
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_writev(fd, bufs)
+
+    monkeypatch.setattr(os, "writev", writev)
+    assert not t.put(key_of(0), chunk(0))  # nothing to evict: this put is skipped
+    assert t.stats()["enospc"] == 1
+    time.sleep(0.1)  # the back-off passes; free space is probed again
+    assert [t.put(key_of(i), chunk(i)) for i in range(1, 4)] == [True] * 3
+    assert t.stats()["space_limit_bytes"] is None or t.stats()["space_limit_bytes"] > t.used_bytes
+    assert_same(t.get(key_of(3)), chunk(3))
     t.close()
 
 

@@ -23,6 +23,7 @@ from .errors import (
     TierstoreError,
     TierTimeoutError,
     UnsupportedObjectError,
+    WriteBackError,
 )
 from .keys import ChunkKey
 
@@ -57,5 +58,6 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "ChunkKey", "TierstoreError", "ConfigError", "InvalidInputError", "InvalidTypeError",
     "CorruptObjectError", "UnsupportedObjectError", "MissingKeyError", "CapacityError", "LockedError",
-    "TierTimeoutError", "ClosedError", "open", "TieredStore", "KVNamespace", "KVCacheStore", "weights",
+    "TierTimeoutError", "ClosedError", "WriteBackError", "open", "TieredStore", "KVNamespace", "KVCacheStore",
+    "weights",
 ]

@@ -49,10 +49,10 @@ Item = tuple[ChunkKey, Mapping[str, torch.Tensor]]
 class BatchedStoreMixin:
     """``get_many``, ``put_many``, ``contains_many``, a batched ``lookup`` and their async forms.
 
-    Mixed into :class:`~tierstore.TieredStore`; it uses the store's tiers, dirty marking
-    (``_schedule``), counters and lock, and keeps the single-key semantics: a ``put_many`` marks each
-    chunk dirty exactly as ``put`` does, a ``get_many`` hit below the top tier is promoted as ``get``
-    promotes it (in one ``put_many`` per tier above).
+    Mixed into :class:`~tierstore.TieredStore`; it uses the store's tiers, counters and lock and its
+    write-back hooks, and keeps the single-key semantics: ``put_many`` stores each item exactly as
+    ``put`` does (``_put_claimed``), ``get_many`` skips tiers not yet written for a key and promotes a
+    hit from below as ``get`` does, under the key's claim (``_promote_read``).
     """
 
     tiers: list[Tier]
@@ -64,7 +64,10 @@ class BatchedStoreMixin:
 
     if TYPE_CHECKING:
         def _check_open(self) -> None: ...
-        def _schedule(self, key: ChunkKey, level: int) -> None: ...
+        def _put_claimed(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool: ...
+        def _stale_levels(self, key: ChunkKey) -> frozenset[int]: ...
+        def _puts_begun(self) -> int: ...
+        def _promote_read(self, hits: list[tuple[ChunkKey, TensorDict]], level: int, puts_before: int) -> None: ...
 
     # ------------------------------------------------------------------ reads
     def get_many(self, keys: Sequence[ChunkKey], out: Sequence[Mapping[str, torch.Tensor]] | None = None,
@@ -85,14 +88,19 @@ class BatchedStoreMixin:
                 raise InvalidInputError(f"out has {len(out)} entries for {len(keys)} keys")
         results: list[TensorDict | None] = [None] * len(keys)
         todo = list(range(len(keys)))
-        promote: list[tuple[int, list[Item]]] = []
+        promote: list[tuple[int, list[tuple[ChunkKey, TensorDict]]]] = []
+        puts_before = self._puts_begun()
         for level, tier in enumerate(self.tiers):
             if not todo:
                 break
+            # skip tiers that may hold an older value; checked per level (an eviction writes below first)
+            stale = {i: level in self._stale_levels(keys[i]) for i in todo}
+            skipped = [i for i in todo if stale[i]]
+            todo = [i for i in todo if not stale[i]]
             sub = [keys[i] for i in todo]
             got: list[Any] = (tier.get_many(sub, device=device) if out is None
                               else tier.get_many_into(sub, [out[i] for i in todo]))
-            rest, hits = [], []
+            rest, hits = list(skipped), []
             for i, r in zip(todo, got, strict=True):
                 if isinstance(r, InvalidInputError):
                     log.warning("get_many: out[%d] does not fit chunk %s: %s", i, keys[i].hex(), r)
@@ -105,23 +113,13 @@ class BatchedStoreMixin:
                 promote.append((level, hits))
             todo = rest
         for level, hits in promote:
-            self._promote_many(hits, level)
+            self._promote_read(hits, level, puts_before)
         n_hits = sum(r is not None for r in results)
         with self._cond:
             self._counts["gets"] += len(keys)
             self._counts["hits"] += n_hits
             self._counts["misses"] += len(keys) - n_hits
         return results
-
-    def _promote_many(self, items: list[Item], level: int) -> None:
-        unique = list({k: (k, t) for k, t in items}.values())
-        for upper in self.tiers[:level]:
-            try:
-                upper.put_many(unique)
-            except Exception as exc:  # promotion is an optimisation: never fail the read for it
-                log.warning("promotion of %d chunks into tier %s failed: %s", len(unique), upper.name, exc)
-        with self._cond:
-            self._counts["promotions"] += len(unique)
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Whether some tier holds each key; shared tiers are probed concurrently for keys the local
@@ -191,34 +189,15 @@ class BatchedStoreMixin:
         valid = list(todo)
         with self._cond:
             self._counts["puts"] += len(todo)
-        write_through = self.write_policy is WritePolicy.WRITE_THROUGH
-        for level, tier in enumerate(self.tiers):
-            if not todo:
-                break
-            # Each item is put and marked dirty before the next put can evict it (as put() does), on the
-            # tier's own parallelism; a batch marked only at its end could evict its own clean-looking chunks.
-            def put(i: int, tier: Tier = tier, level: int = level) -> bool:
-                return self._put_item(tier, level, items[i], write_through)
-
-            stored = tier._map(put, todo)
-            for i, s in zip(todo, stored, strict=True):
-                ok[i] = ok[i] or s
-            if not write_through:
-                todo = [i for i, s in zip(todo, stored, strict=True) if not s]
+        # one item at a time per key, exactly as put() (dirty before held, one write of a key at a time),
+        # on the top tier's parallelism
+        stored = self.tiers[0]._map(lambda i: self._put_claimed(*items[i]), todo)
+        for i, s in zip(todo, stored, strict=True):
+            ok[i] = s
         refused = sum(not ok[i] for i in valid)
         if refused:
             log.warning("put_many: no tier accepted %d of %d chunks", refused, len(valid))
         return ok
-
-    def _put_item(self, tier: Tier, level: int, item: Item, write_through: bool) -> bool:
-        try:
-            stored = tier.put(*item)
-        except Exception as exc:  # e.g. a read-only tier: it takes none of them
-            log.warning("put into tier %s failed: %s", tier.name, exc)
-            return False
-        if stored and not write_through:
-            self._schedule(item[0], level)
-        return stored
 
     # ------------------------------------------------------------------ async forms
     def get_many_async(self, keys: Sequence[ChunkKey], out: Sequence[Mapping[str, torch.Tensor]] | None = None,

@@ -36,7 +36,7 @@ class PrefetchPolicy(str, enum.Enum):
     TRANSIENT = "transient"
 
 
-_STORE_KEYS = {"tiers", "write_policy", "prefetch_policy", "max_in_flight"}
+_STORE_KEYS = {"tiers", "write_policy", "prefetch_policy", "max_in_flight", "close_timeout"}
 #: how many directories (``disk``, ``disk.1`` …) the default disk tier may take: one per process on a host
 DEFAULT_DISK_INSTANCES = 8
 
@@ -54,6 +54,7 @@ class StoreConfig:
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.RETAIN
     max_in_flight: int = 8
+    close_timeout: float = 10.0  # seconds close() (and the flush at exit) waits for write-back
 
 
 def default_config(root: str = DEFAULT_ROOT) -> dict[str, Any]:
@@ -128,6 +129,7 @@ def parse_config(config: Mapping[str, Any] | str | os.PathLike[str] | None = Non
         write_policy=_enum(WritePolicy, raw.get("write_policy", "write_back"), "write_policy"),
         prefetch_policy=_enum(PrefetchPolicy, raw.get("prefetch_policy", "retain"), "prefetch_policy"),
         max_in_flight=_positive_int(raw.get("max_in_flight", 8), "max_in_flight"),
+        close_timeout=_seconds(raw.get("close_timeout", 10.0), "close_timeout"),
     )
 
 
@@ -143,7 +145,6 @@ def _positive_int(value: Any, key: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{key}: expected a positive integer, got {value!r}")
     return value
-
 
 
 # ---------------------------------------------------------------------- tier options, checked in one place

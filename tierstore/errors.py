@@ -7,6 +7,12 @@ working for code that does not know about tierstore.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .keys import ChunkKey
+
 
 class TierstoreError(Exception):
     """Base class of every error raised by tierstore."""
@@ -51,6 +57,22 @@ class LockedError(TierstoreError, BlockingIOError):
 
 class TierTimeoutError(TierstoreError, TimeoutError):
     """An operation did not finish within its deadline."""
+
+
+class WriteBackError(TierstoreError, OSError):
+    """Write-back could not bring some chunks to some tiers.
+
+    ``failed`` maps each such :class:`~tierstore.ChunkKey` to the names of the tiers it did not reach.
+    """
+
+    def __init__(self, failed: Mapping[ChunkKey, tuple[str, ...]]) -> None:
+        self.failed: dict[ChunkKey, tuple[str, ...]] = dict(failed)
+        shown = ", ".join(f"{k.hex()[:16]}->{'+'.join(v)}" for k, v in list(self.failed.items())[:5])
+        more = f" and {len(self.failed) - 5} more" if len(self.failed) > 5 else ""
+        super().__init__(f"write-back failed for {len(self.failed)} chunks: {shown}{more}")
+
+    def __str__(self) -> str:  # OSError formats a single argument plainly; keep it that way
+        return str(self.args[0])
 
 
 class ClosedError(TierstoreError, RuntimeError):

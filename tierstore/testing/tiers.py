@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 import pytest
 import torch
 
-from ..errors import InvalidInputError, InvalidTypeError, TierstoreError
+from ..errors import ClosedError, InvalidInputError, InvalidTypeError, TierstoreError
 from ..keys import ChunkKey
 from ..tensors import DTYPES
 from ..tiers.base import Tier
@@ -236,6 +236,37 @@ class TierTests:
         assert len(t) == 1
         assert t.used_bytes == t.stats()["used_bytes"] > 0
 
+    def test_overwrite_in_a_full_tier(self):
+        """Replacing the only chunk of a full tier works: the old value's bytes count as freed."""
+        t = self.bounded_tier(12000)  # one 8000-byte chunk (plus any object header) fits, two do not
+        assert t.put(key_of(5), chunk(1, 8000))
+        assert t.put(key_of(5), chunk(2, 8000))
+        assert_same(t.get(key_of(5)), chunk(2, 8000) if t.overwrites else chunk(1, 8000))
+        assert len(t) == 1 and self.fits(t)
+        assert t.stats()["reserved_bytes"] == 0 and t.stats()["skipped"] == 0
+
+    def test_duplicate_keys_in_batched_calls(self):
+        """A key repeated in one batched call is fine everywhere, and leaks no pin (review C3)."""
+        t = self.tier(capacity=12000)  # one chunk fits
+        assert t.put(key_of(0), chunk(0, 8000))
+        assert t.contains_many([key_of(0), key_of(1), key_of(0)]) == [True, False, True]
+        got = t.get_many([key_of(0), key_of(1), key_of(0), key_of(0)])
+        assert got[1] is None
+        for value in (got[0], got[2], got[3]):
+            assert_same(value, chunk(0, 8000))
+        assert got[0] is not None
+        got[0]["k"].zero_()  # each slot owns its tensors
+        assert_same(got[2], chunk(0, 8000))
+        assert t.stats()["pinned"] == 0
+        t.pin_wait = 0.3
+        assert t.put(key_of(1), chunk(1, 8000))  # in a bounded tier, key 0 is evictable: no pin was left behind
+        assert t.contains(key_of(0)) is not self.bounded
+        assert t.put_many([(key_of(2), chunk(2, 8000)), (key_of(2), chunk(2, 8000))]) == [True, True]
+        assert_same(t.get(key_of(2)), chunk(2, 8000))
+        used = t.used_bytes
+        assert t.delete_many([key_of(2), key_of(2)]) == 1
+        assert not t.contains(key_of(2)) and t.used_bytes < used
+
     def test_delete_and_byte_accounting(self):
         t = self.tier()
         sizes = []
@@ -385,13 +416,49 @@ class TierTests:
 
         run_threads(worker, 6)
         assert self.fits(t)
-        assert t.stats()["reserved_bytes"] == 0
+        assert t.stats()["reserved_bytes"] == 0 and t.stats()["pinned"] == 0
         assert sum(hits) > 0, "every read right after its put missed"
         held = t.keys()
         assert held, "the tier kept nothing"
         for k in held:  # what survived the storm is exactly what was put under that key
             n = next(n for w in range(6) for n in range(w * 1000, w * 1000 + 12) if key_of(n) == k)
             assert_same(t.get(k), chunk(n, 8000))
+
+    def test_close_racing_operations(self):
+        """close() while other threads put, get and delete: they finish or raise ClosedError, nothing hangs,
+        and a second close() is a no-op."""
+        t = self.tier(capacity=8 * 8192)
+        started = threading.Barrier(5)
+
+        def worker(w):
+            started.wait()
+            try:
+                for i in range(200):
+                    k = key_of(w * 1000 + i % 10)
+                    t.put(k, chunk(i % 10, 8000))
+                    got = t.get(k)
+                    if got is not None:
+                        assert_same(got, chunk(i % 10, 8000))
+                    if i % 7 == 0:
+                        t.delete(k)
+            except ClosedError:
+                pass
+
+        failures: list[BaseException] = []
+
+        def workers():
+            try:
+                run_threads(worker, 4)
+            except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+                failures.append(exc)
+
+        storm = threading.Thread(target=workers)
+        storm.start()
+        started.wait()
+        t.close()
+        storm.join(30)
+        assert not storm.is_alive() and not failures, failures
+        t.close()
 
     def test_racing_overwrites_deletes_and_reads(self):
         """Each key has one writer cycling through versions while other threads read and delete it:

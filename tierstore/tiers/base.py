@@ -1,35 +1,37 @@
 """The :class:`Tier` interface and the bookkeeping every tier shares.
 
 A tier is one storage level (device, host, disk, remote). This base class owns the control plane —
-the index of keys and sizes, LRU order, pins, byte accounting, eviction and counters — and leaves the
-data plane to four primitives a subclass implements: ``_prepare`` (turn tensors into what is stored),
-``_store``, ``_load`` and ``_drop``. Storage I/O always runs outside the tier's lock.
+the index of keys and sizes, LRU order, byte accounting, eviction and counters — and leaves the data
+plane to four primitives a subclass implements: ``_prepare`` (turn tensors into what is stored),
+``_store``, ``_load`` and ``_drop``. Storage I/O always runs outside the tier's lock. Pins, exclusive
+per-key claims and reservations live in :mod:`tierstore.tiers.claims`.
 
 Capacity is exact: ``used_bytes + reserved`` never exceeds ``capacity``. A put first reserves its bytes,
 evicting least-recently-used, unpinned keys synchronously until they fit; a victim is handed to
-``before_evict`` (the tiered store writes a dirty chunk below there) and removed unless a reader pinned it
-meanwhile. Mutations of one key (store, delete, drop) never overlap (see ``_exclusive``).
+``before_evict`` (the tiered store writes a dirty chunk below there, and says to keep it if it cannot)
+and removed unless it must stay. A put that cannot get room within ``pin_wait`` skips the tier; a
+refused overwrite removes the old value, so a tier never serves a value older than its last put.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import threading
 import time
 from abc import ABC, abstractmethod
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..errors import ClosedError, CorruptObjectError, InvalidInputError, UnsupportedObjectError
+from ..errors import CorruptObjectError, InvalidInputError, UnsupportedObjectError
 from ..keys import ChunkKey, check_key
 from ..objformat import validate_chunk
 from ..policy import LRUPolicy
-from ..tensors import TensorDict, fill_out
+from ..tensors import TensorDict, fill_out, nbytes
+from .claims import Claims
+from .space import SpaceLimit
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -41,19 +43,28 @@ COUNTERS = ("hits", "misses", "puts", "evictions", "bytes_in", "bytes_out", "cor
 #: outcomes of reading one object (see ``Tier._read_checked``)
 OK, MISSING, CORRUPT, UNSUPPORTED, ERROR = "ok", "missing", "corrupt", "unsupported", "error"
 
+#: ``before_evict(tier, key) -> bool``: ``False`` keeps the victim (a dirty chunk that could not be saved)
+BeforeEvict = Callable[["Tier", ChunkKey], "bool | None"]
+
 
 class Tier(ABC):
     """One storage level holding chunks (``Mapping[str, Tensor]``) by :class:`ChunkKey`.
 
     Batched methods (``get_many``, ``put_many``, ``contains_many``, ``delete_many``) are the interface;
-    the single-key forms are conveniences over them. All methods are thread-safe.
+    the single-key forms are conveniences over them. Repeated keys are fine in every batched call. All
+    methods are thread-safe.
     """
 
     kind: ClassVar[str] = ""
     #: whether a put of an existing key replaces its value (write-once remote tiers keep the first)
     overwrites: ClassVar[bool] = True
-    #: seconds a put waits for pinned chunks to be released before it skips this tier
+    #: seconds a put waits for room (pins released, others' evictions and writes finished) before it skips
     pin_wait: float = 2.0
+    #: seconds after ENOSPC before free space is probed again (doubling while the storage stays full)
+    enospc_recheck: float = 1.0
+    max_enospc_recheck: ClassVar[float] = 60.0
+    #: a read-only tier serves reads and refuses writes; the tiered store never writes to one
+    read_only: bool = False
     #: storage other processes read and write (a remote prefix): a reader never deletes there, not even
     #: a damaged object; it forgets it in this process and leaves removal to ``verify_many(repair=True)``
     shared: ClassVar[bool] = False
@@ -63,22 +74,17 @@ class Tier(ABC):
             raise InvalidInputError(f"capacity must be a non-negative int or None, got {capacity!r}")
         self.name = name or self.kind
         self.capacity = capacity
-        self.before_evict: Callable[[Tier, ChunkKey], None] | None = None
-        self._cond = threading.Condition(threading.Lock())
+        self.before_evict: BeforeEvict | None = None
         self._lru: LRUPolicy[ChunkKey] = LRUPolicy()
-        self._pins: Counter[ChunkKey] = Counter()
-        self._evicting: set[ChunkKey] = set()
-        self._busy: set[ChunkKey] = set()  # keys being stored, deleted or forgotten (see _exclusive)
-        self._evicting_bytes = 0
-        self._reserved = 0
+        self._claims = Claims(self._lru, self.name)
+        self._cond = self._claims.cond
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._logged: set[str] = set()
-        self._closed = False
+        self._space = SpaceLimit()
 
     # ------------------------------------------------------------------ primitives for subclasses
     def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> tuple[Any, int]:
         """Return ``(payload, size)``: what ``_store`` writes and the bytes it will occupy."""
-        from ..tensors import nbytes
         return tensors, nbytes(tensors)
 
     @abstractmethod
@@ -105,11 +111,22 @@ class Tier(ABC):
 
     @abstractmethod
     def _drop(self, key: ChunkKey) -> None:
-        """Remove a chunk from storage (missing is fine)."""
+        """Remove a chunk from storage (missing is fine).
+
+        Must be safe while a reader that pinned the key during the drop still copies it: files are
+        unlinked, memory that may still be read is released by :meth:`_last_unpin`.
+        """
+
+    def _last_unpin(self, key: ChunkKey) -> None:
+        """Called under the lock when ``key``'s last pin is released (memory tiers free retired memory)."""
 
     def _probe(self, keys: Sequence[ChunkKey]) -> list[int | None]:
         """Sizes of ``keys`` found in storage but not in the index (other writers); default: none."""
         return [None] * len(keys)
+
+    def _free_space(self) -> int | None:
+        """Bytes free on the underlying storage after ENOSPC; ``None`` = unknown (just try again)."""
+        return None
 
     def _close(self) -> None:
         """Release resources; called once."""
@@ -134,7 +151,7 @@ class Tier(ABC):
         with self._cond:
             self._counts[name] += n
 
-    def _log_once(self, what: str, msg: str, *args: object) -> None:
+    def _log_once(self, what: str, msg: str, *args: Any) -> None:
         if what not in self._logged:
             self._logged.add(what)
             log.warning("tier %s: " + msg, self.name, *args)
@@ -146,40 +163,24 @@ class Tier(ABC):
     def stats(self) -> dict[str, Any]:
         with self._cond:
             return {"kind": self.kind, "used_bytes": self._lru.currsize, "capacity_bytes": self.capacity,
-                    "objects": len(self._lru), "reserved_bytes": self._reserved,
-                    "pinned": sum(1 for v in self._pins.values() if v), **self._counts}
+                    "space_limit_bytes": self._space.bytes, "objects": len(self._lru),
+                    "reserved_bytes": self._claims.reserved, "pinned": len(self._claims.pins), **self._counts}
 
     def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError(f"tier {self.name!r} is closed")
+        self._claims.check_open()
 
     # ------------------------------------------------------------------ pins (two-phase access)
     def pin(self, keys: Iterable[ChunkKey], touch: bool = True) -> list[int | None]:
         """Pin the keys this tier holds against eviction; return their sizes (``None`` = absent).
 
-        Every key whose size is not ``None`` must later be passed to :meth:`unpin`. ``touch`` marks them
-        recently used; internal copies (write-back, eviction) pass ``False`` so they leave LRU order alone.
+        Every key whose size is not ``None`` must later be passed to :meth:`unpin`, once per time it was
+        pinned. ``touch`` marks them recently used; internal copies (write-back, eviction) pass ``False``
+        so they leave LRU order alone.
         """
-        keys = [check_key(k) for k in keys]
-        sizes: list[int | None] = []
-        with self._cond:
-            for k in keys:
-                if k in self._lru:
-                    self._pins[k] += 1
-                    if touch:
-                        self._lru.touch(k)
-                    sizes.append(self._lru.size(k))
-                else:
-                    sizes.append(None)
-        return sizes
+        return self._claims.pin([check_key(k) for k in keys], touch)
 
     def unpin(self, keys: Iterable[ChunkKey]) -> None:
-        with self._cond:
-            for k in keys:
-                self._pins[k] -= 1
-                if self._pins[k] <= 0:
-                    del self._pins[k]
-            self._cond.notify_all()
+        self._claims.unpin(keys, self._last_unpin)
 
     @contextmanager
     def borrowed(self, key: ChunkKey) -> Iterator[TensorDict | None]:
@@ -196,13 +197,27 @@ class Tier(ABC):
         finally:
             self.unpin([key])
 
+    def copy_out(self, key: ChunkKey) -> TensorDict | None:
+        """The chunk as fresh CPU tensors the caller owns, or ``None``; holds no pin once it returns.
+
+        An internal access like :meth:`borrowed` (no hit counted, LRU order unchanged), for copies that
+        go to a tier whose eviction may need this one (promotion, write-back from a deeper tier).
+        """
+        (size,) = self.pin([key], touch=False)
+        if size is None:
+            return None
+        try:
+            return self._load_checked(key, size, "cpu")
+        finally:
+            self.unpin([key])
+
     # ------------------------------------------------------------------ reads
     def contains_many(self, keys: Sequence[ChunkKey], probe: bool = True) -> list[bool]:
         """Whether each key is held. ``probe=False`` checks the in-memory index only (no I/O)."""
         keys = [check_key(k) for k in keys]
         with self._cond:
             found = [k in self._lru for k in keys]
-        missing = [k for k, f in zip(keys, found, strict=True) if not f]
+        missing = list(dict.fromkeys(k for k, f in zip(keys, found, strict=True) if not f))
         if missing and probe:
             probed = dict(zip(missing, self._probe(missing), strict=True))
             with self._cond:
@@ -213,17 +228,29 @@ class Tier(ABC):
         return found
 
     def get_many(self, keys: Sequence[ChunkKey], device: str | torch.device = "cpu") -> list[TensorDict | None]:
-        """Return each key's tensors on ``device`` (fresh tensors the caller owns) or ``None``."""
+        """Return each key's tensors on ``device`` (fresh tensors the caller owns) or ``None``.
+
+        A repeated key is read once; each further slot gets its own copy.
+        """
         self._check_open()
         keys = list(keys)
-        present = self.contains_many(keys)
-        pinned = [k for k, p in zip(keys, present, strict=True) if p]
-        size_of = {k: s for k, s in zip(pinned, self.pin(pinned), strict=True) if s is not None}
+        unique = list(dict.fromkeys(keys))
+        held = [k for k, p in zip(unique, self.contains_many(unique), strict=True) if p]
+        size_of = {k: s for k, s in zip(held, self.pin(held), strict=True) if s is not None}
         try:
-            results = self._map(lambda k: None if k not in size_of
-                                else self._load_checked(k, size_of[k], device), keys)
-        finally:  # one unpin per pin: a key listed twice was pinned twice
-            self.unpin(k for k in pinned if k in size_of)
+            values = self._map(lambda k: None if k not in size_of else self._load_checked(k, size_of[k], device),
+                               unique)
+            loaded = dict(zip(unique, values, strict=True))
+        finally:
+            self.unpin(size_of)
+        results: list[TensorDict | None] = []
+        seen: set[ChunkKey] = set()
+        for k in keys:
+            value = loaded[k]
+            if value is not None and k in seen:
+                value = {name: t.clone() for name, t in value.items()}
+            seen.add(k)
+            results.append(value)
         hits = sum(r is not None for r in results)
         with self._cond:
             self._counts["hits"] += hits
@@ -250,7 +277,7 @@ class Tier(ABC):
             loaded = self._load_many_into([(keys[i], size_of[keys[i]], outs[i]) for i in todo])
             for i, r in zip(todo, loaded, strict=True):
                 results[i] = r
-        finally:
+        finally:  # one unpin per pin: a key listed twice was pinned twice
             self.unpin(k for k in pinned if k in size_of)
         hits = [i for i, r in enumerate(results) if isinstance(r, dict)]
         with self._cond:
@@ -346,42 +373,38 @@ class Tier(ABC):
         from storage.
 
         Never waits: the caller may itself be evicting the key (``before_evict`` reads it). A key that is
-        being written, deleted or evicted is left to that operation, which replaces or removes it anyway.
+        being written, deleted or evicted is left to that operation, which replaces or removes it anyway;
+        one stored again since the reader pinned it is left alone (the failure may be the old object's).
         """
-        with self._cond:
-            if key in self._busy or key in self._evicting:
-                return
-            self._busy.add(key)
-            if key in self._lru:
-                self._lru.remove(key)
+        if not self._claims.try_claim_to_forget(key):
+            return
         try:
+            with self._cond:
+                if key in self._lru:
+                    self._lru.remove(key)
             if remove:
-                self._drop(key)
-        except OSError:
-            pass
+                try:
+                    self._drop(key)
+                except OSError:
+                    pass
         finally:
-            self._unclaim(key)
+            self._claims.unclaim(key)
 
-    @contextmanager
-    def _exclusive(self, key: ChunkKey) -> Iterator[None]:
-        """Serialise mutations of one key (store, delete) with each other and with its eviction or
-        forgetting; eviction skips a key held here.
+    def _discard(self, key: ChunkKey, drop_absent: bool = False) -> bool:
+        """Remove ``key`` from index and storage (the caller holds its exclusive claim); whether it was indexed.
 
-        Without this, a drop racing a store of the same key frees or deletes what the store just wrote.
+        Storage is touched only for an indexed key unless ``drop_absent`` (a damaged object found by a read).
         """
         with self._cond:
-            while key in self._busy or key in self._evicting:
-                self._cond.wait()
-            self._busy.add(key)
-        try:
-            yield
-        finally:
-            self._unclaim(key)
-
-    def _unclaim(self, key: ChunkKey) -> None:
-        with self._cond:
-            self._busy.discard(key)
-            self._cond.notify_all()
+            present = key in self._lru
+            if present:
+                self._lru.remove(key)
+        if present or drop_absent:
+            try:
+                self._drop(key)
+            except OSError as exc:
+                self._log_once("drop", "could not remove %s: %s", key.hex(), exc)
+        return present
 
     def get(self, key: ChunkKey, device: str | torch.device = "cpu",
             out: Mapping[str, torch.Tensor] | None = None) -> TensorDict | None:
@@ -411,11 +434,20 @@ class Tier(ABC):
     def contains(self, key: ChunkKey) -> bool:
         return self.contains_many([key])[0]
 
+    def holds(self, key: ChunkKey) -> bool:
+        """Whether the index has ``key`` and no eviction of it is under way (no I/O).
+
+        Write-back's test for "another tier keeps a copy": a copy being evicted does not count.
+        """
+        with self._cond:
+            return key in self._lru and key not in self._claims.evicting
+
     # ------------------------------------------------------------------ writes
     def put_many(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]) -> list[bool]:
         """Store each ``(key, tensors)``; ``False`` where it was skipped (too big, no room, I/O error).
 
-        Bad input (wrong key type, non-tensor values) raises before anything is written.
+        Bad input (wrong key type, non-tensor values) raises before anything is written. After ``False``
+        an overwriting tier no longer holds the key at all (never its older value).
         """
         self._check_open()
         items = list(items)
@@ -431,151 +463,116 @@ class Tier(ABC):
         if not self.overwrites and self.contains(key):
             return True
         payload, size = self._prepare(key, tensors)
-        with self._exclusive(key):
+        with self._claims.exclusive(key):
             if not self.overwrites and self.contains_many([key], probe=False)[0]:
                 return True  # a concurrent put of the same key won
-            return self._store_reserved(key, payload, size)
+            if self._store_reserved(key, payload, size):
+                return True
+            if self.overwrites:
+                self._discard(key)
+            return False
 
     def _store_reserved(self, key: ChunkKey, payload: Any, size: int) -> bool:
         for attempt in range(2):
-            if not self._reserve(key, size):
+            limit = self._limit()
+            reserved = None
+            if limit is None or size <= limit:
+                reserved = self._claims.reserve(key, size, limit, self._evict, time.monotonic() + self.pin_wait)
+            if reserved is None:
                 self._count("skipped")
                 return False
             try:
                 self._store(key, payload, size)
             except OSError as exc:
-                self._release(size)
+                self._claims.release(reserved)
                 if exc.errno == errno.ENOSPC and attempt == 0:
-                    self._shrink_after_enospc()
+                    self._after_enospc()
                     continue
                 self._count("errors")
                 self._log_once("write", "write failed (%s); skipping", exc)
                 return False
             except BaseException:
-                self._release(size)
+                self._claims.release(reserved)
                 raise
+            self._claims.commit(key, size, reserved)
             with self._cond:
-                self._reserved -= size
-                self._lru.add(key, size)
                 self._counts["puts"] += 1
                 self._counts["bytes_in"] += size
-                self._cond.notify_all()
+                self._space.stored()
             return True
         return False
 
-    def _release(self, size: int) -> None:
-        with self._cond:
-            self._reserved -= size
-            self._cond.notify_all()
-
-    def _shrink_after_enospc(self) -> None:
-        """The device is full below our capacity: take what we really hold as the capacity."""
+    # ------------------------------------------------------------------ a full device (ENOSPC)
+    def _after_enospc(self) -> None:
+        """The storage is full below our capacity: hold at most what we hold now (see :mod:`.space`)."""
         with self._cond:
             self._counts["enospc"] += 1
-            self.capacity = self._lru.currsize + self._reserved
-        self._log_once("enospc", "no space left on device; capacity lowered to %d bytes", self.capacity)
+            held = self._lru.currsize + self._claims.reserved
+            backoff = self._space.full(held, self.enospc_recheck, self.max_enospc_recheck)
+        self._log_once("enospc", "no space left on device; holding at most %d bytes, re-probing free space "
+                       "in %.1fs (doubling while full)", held, backoff)
 
-    def _reserve(self, key: ChunkKey, size: int) -> bool:
-        """Reserve ``size`` bytes, evicting LRU victims synchronously; ``False`` if it cannot fit."""
-        if self.capacity is not None and size > self.capacity:
-            return False
-        deadline = time.monotonic() + self.pin_wait
-        with self._cond:
-            while True:
-                self._check_open()
-                if self.capacity is None or self._lru.currsize + self._reserved + size <= self.capacity:
-                    self._reserved += size
-                    return True
-                deficit = self._lru.currsize + self._reserved + size - self.capacity - self._evicting_bytes
-                victims = self._select_victims(deficit, exclude=key) if deficit > 0 else []
-                if victims:
-                    self._cond.release()
-                    try:
-                        self._evict(victims)
-                    finally:
-                        self._cond.acquire()
-                elif self._evicting_bytes or self._reserved or (self._pins and time.monotonic() < deadline):
-                    # others are freeing space or finishing writes, or readers / write-back hold pins that
-                    # are released within milliseconds; a pin held longer than pin_wait makes the put skip
-                    self._cond.wait(0.05)
-                else:
-                    return False  # everything left is pinned
-
-    def _select_victims(self, deficit: int, exclude: ChunkKey) -> list[tuple[ChunkKey, int]]:
-        victims, freed = [], 0
-        for k in self._lru.victims():
-            if freed >= deficit:
-                break
-            if self._pins.get(k) or k in self._evicting or k in self._busy or k == exclude:
-                continue
-            size = self._lru.size(k)
-            self._evicting.add(k)
-            self._evicting_bytes += size
-            victims.append((k, size))
-            freed += size
-        return victims
-
-    def _evict(self, victims: list[tuple[ChunkKey, int]]) -> None:
-        """Hand each victim to ``before_evict``, then remove it unless a reader pinned it meanwhile.
-
-        Never waiting for readers keeps lock order acyclic: a reader may hold a pin here while it waits
-        for a put into another tier whose eviction chain leads back to this one. Subclasses make a drop
-        safe against a reader that pins during it (files are unlinked, pool slots freed on unpin).
-        """
-        for k, size in victims:
-            try:
-                if self.before_evict is not None:
-                    self.before_evict(self, k)
-            except Exception as exc:  # degrade: a failed write-back must not wedge the tier
-                self._log_once("before_evict", "write-back before eviction failed: %s", exc)
+    def _limit(self) -> int | None:
+        """The bytes this tier may hold now: its capacity, lowered after ENOSPC until free space returns."""
+        if self._space.due():
+            free = self._free_space()
             with self._cond:
-                if self._pins.get(k):  # read after selection: keep it; the caller picks other victims
-                    self._evicting.discard(k)
-                    self._evicting_bytes -= size
-                    self._cond.notify_all()
-                    continue
+                self._space.probed(self._lru.currsize + self._claims.reserved, free)
+        with self._cond:
+            return self._space.apply(self.capacity)
+
+    # ------------------------------------------------------------------ eviction and deletes
+    def _evict(self, victims: list[tuple[ChunkKey, int]]) -> set[ChunkKey]:
+        """Hand each victim to ``before_evict``, then remove it unless it must stay; return the kept keys.
+
+        A victim stays when ``before_evict`` says so (a dirty chunk it could not write below) or a reader
+        pinned it after selection. Never waiting for readers keeps lock order acyclic: a reader may hold
+        a pin here while it waits for a put into another tier whose eviction chain leads back to this one.
+        """
+        kept: set[ChunkKey] = set()
+        for k, size in victims:
+            keep = False
+            if self.before_evict is not None:
+                try:
+                    keep = self.before_evict(self, k) is False
+                except Exception as exc:  # never drop what could not be saved
+                    keep = True
+                    self._count("errors")
+                    self._log_once("before_evict", "write-back before eviction failed: %s", exc)
+            with self._cond:
+                keep = keep or self._claims.pinned(k)
+            if keep:
+                self._claims.end_eviction(k, size, removed=False)
+                kept.add(k)
+                continue
             try:
                 self._drop(k)
             except OSError as exc:
                 self._log_once("drop", "could not remove %s: %s", k.hex(), exc)
-            with self._cond:
-                self._evicting.discard(k)
-                self._evicting_bytes -= size
-                if k in self._lru:
-                    self._lru.remove(k)
-                    self._counts["evictions"] += 1
-                self._cond.notify_all()
+            if self._claims.end_eviction(k, size, removed=True):
+                self._count("evictions")
+        return kept
 
     def delete_many(self, keys: Sequence[ChunkKey]) -> int:
-        """Remove keys; returns how many were present."""
+        """Remove keys; returns how many were present (a repeated key counts once)."""
         self._check_open()
-        keys = [check_key(k) for k in keys]
         n = 0
-        for k in keys:
-            with self._exclusive(k):
-                with self._cond:
-                    present = k in self._lru
-                    if present:
-                        self._lru.remove(k)
-                if present:
-                    n += 1
-                    try:
-                        self._drop(k)
-                    except OSError as exc:
-                        self._log_once("drop", "could not remove %s: %s", k.hex(), exc)
+        for k in dict.fromkeys(check_key(k) for k in keys):
+            with self._claims.exclusive(k):
+                n += self._discard(k)
         return n
 
     def delete(self, key: ChunkKey) -> bool:
         return self.delete_many([key]) == 1
 
     # ------------------------------------------------------------------ lifecycle
-    def close(self) -> None:
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            self._cond.notify_all()
-        self._close()
+    def close(self, timeout: float = 5.0) -> None:
+        """Refuse new work, wait up to ``timeout`` s for running puts and deletes, release resources.
+
+        Idempotent and thread-safe.
+        """
+        if self._claims.close(timeout):
+            self._close()
 
     def __enter__(self) -> Self:
         return self

@@ -34,6 +34,7 @@ import contextlib
 import logging
 import os
 import re
+import shutil
 import stat
 import threading
 import time
@@ -354,6 +355,12 @@ class DiskTier(Tier):
             except OSError:
                 sizes.append(None)
         return sizes
+
+    def _free_space(self) -> int | None:
+        try:
+            return shutil.disk_usage(self.path).free
+        except OSError:
+            return None
 
     def _map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
         """Batched I/O on a small pool (inline for one item, for ``io_threads=1`` and inside a worker)."""

@@ -15,7 +15,7 @@ least-recently-used chunks are evicted until one is (they free adjacent runs, wh
 from __future__ import annotations
 
 import errno
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -80,14 +80,21 @@ class HostTier(MemoryTier):
                 self._free_run(key, old)
 
     def _alloc_run(self, key: ChunkKey, size: int) -> tuple[int, int]:
-        """Bytes are reserved already; evict further LRU chunks while fragmentation blocks a run."""
+        """Bytes are reserved already; evict further LRU chunks while fragmentation blocks a run.
+
+        An overwrite whose new run only fits where the old value lies gives the old value up first.
+        """
         assert self.pool is not None  # runs exist only in a pooled tier
+        kept: set[ChunkKey] = set()
         while (run := self.pool.alloc(size)) is None:
             with self._cond:
-                victims = self._select_victims(size, exclude=key)
-            if not victims:
+                victims = self._claims.select_victims(size, exclude=kept | {key})
+            if victims:
+                kept |= self._evict(victims)
+            elif key in self._runs:
+                self._drop(key)  # the put replaces it anyway; a failed put then removes the key (base)
+            else:
                 raise OSError(errno.ENOMEM, "host pool fragmented: no contiguous run free")
-            self._evict(victims)
         return run
 
     def _drop(self, key: ChunkKey) -> None:
@@ -105,18 +112,13 @@ class HostTier(MemoryTier):
         Call with the lock held: a reader pins under it before it looks the key up.
         """
         assert self.pool is not None
-        if self._pins.get(key):
+        if self._claims.pinned(key):
             self._retired.setdefault(key, []).append(run)
         else:
             self.pool.free(run)
 
-    def unpin(self, keys: Iterable[ChunkKey]) -> None:
-        keys = list(keys)
-        super().unpin(keys)
+    def _last_unpin(self, key: ChunkKey) -> None:
         if self._retired:
             assert self.pool is not None
-            with self._cond:
-                for k in keys:
-                    if not self._pins.get(k):
-                        for run in self._retired.pop(k, ()):
-                            self.pool.free(run)
+            for run in self._retired.pop(key, ()):
+                self.pool.free(run)

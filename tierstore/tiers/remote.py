@@ -278,7 +278,7 @@ class RemoteTier(Tier):
                 pass  # its writer finished or another gc got there first
             if not path.endswith(TMP_SUFFIX):
                 with self._cond:
-                    if key in self._lru and key not in self._busy and key not in self._pins:
+                    if key in self._lru and key not in self._claims.busy and not self._claims.pinned(key):
                         self._lru.remove(key)
         return removed
 
