@@ -31,7 +31,8 @@ import torch
 from .config import PrefetchPolicy, WritePolicy
 from .errors import InvalidInputError, InvalidTypeError
 from .keys import ChunkKey, check_key
-from .tensors import TensorDict, validate_tensors
+from .objformat import validate_chunk
+from .tensors import TensorDict
 
 if TYPE_CHECKING:
     from .tiers import Tier
@@ -181,7 +182,7 @@ class BatchedStoreMixin:
                 if not isinstance(item, tuple) or len(item) != 2:
                     raise InvalidTypeError(f"item is {type(item).__name__}, not a (key, tensors) pair")
                 check_key(item[0])
-                validate_tensors(item[1])
+                validate_chunk(item[1])  # exactly what put() refuses
             except (TypeError, ValueError) as exc:
                 log.warning("put_many: item %d rejected: %s", i, exc)
                 continue
