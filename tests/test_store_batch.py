@@ -112,6 +112,23 @@ def test_put_many_marks_dirty_like_put_and_rejects_bad_items_alone(tmp_path):
             s.put_many({"k": torch.zeros(1)})
 
 
+def test_put_many_refuses_per_item_what_put_refuses(tmp_path):
+    """The object format's limits (dims, dimension size) apply to each batch item as to ``put``."""
+    deep = {"x": torch.zeros([1] * 65)}  # a valid tensor, but the format allows 64 dims
+    wide = {"x": torch.zeros(0, 1 << 41)}  # empty, but a dimension over the format's limit
+    with open_store(tmp_path) as s:
+        for bad in (deep, wide):
+            with pytest.raises(InvalidInputError):
+                s.put(key_of(8), bad)
+        ok = s.put_many([(key_of(0), chunk(0, CHUNK)), (key_of(8), deep), (key_of(9), wide),
+                         (key_of(1), chunk(1, CHUNK))])
+        assert ok == [True, False, False, True]
+        s.flush()
+        assert not s.contains(key_of(8)) and not s.contains(key_of(9))
+        for i in range(2):
+            assert_same(s.get(key_of(i)), chunk(i, CHUNK))
+
+
 def test_put_many_write_through_and_oversize(tmp_path):
     with open_store(tmp_path, write_policy="write_through") as s:
         big = {"x": torch.zeros(40_000)}  # 160 kB: too big for the host tier, fits on disk

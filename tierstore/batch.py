@@ -31,7 +31,8 @@ import torch
 from .config import PrefetchPolicy, WritePolicy
 from .errors import InvalidInputError, InvalidTypeError
 from .keys import ChunkKey, check_key
-from .tensors import TensorDict, validate_tensors
+from .objformat import validate_chunk
+from .tensors import TensorDict
 
 if TYPE_CHECKING:
     from .tiers import Tier
@@ -124,13 +125,17 @@ class BatchedStoreMixin:
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Whether some tier holds each key; shared tiers are probed concurrently for keys the local
         indexes lack."""
-        keys = _check_keys(keys)
+        return self._held_by_some_tier(_check_keys(keys), probe=True)
+
+    def _held_by_some_tier(self, keys: list[ChunkKey], probe: bool) -> list[bool]:
+        """Per key, whether some tier holds it; each tier is asked only for the keys not found above it.
+        ``probe=False`` checks the in-memory indexes only (see :meth:`Tier.contains_many`)."""
         found = [False] * len(keys)
         for tier in self.tiers:
             rest = [i for i, f in enumerate(found) if not f]
             if not rest:
                 break
-            for i, hit in zip(rest, tier.contains_many([keys[i] for i in rest]), strict=True):
+            for i, hit in zip(rest, tier.contains_many([keys[i] for i in rest], probe=probe), strict=True):
                 found[i] = hit
         return found
 
@@ -141,13 +146,7 @@ class BatchedStoreMixin:
         in concurrent windows (32, 64, ... keys), so a cold prefix costs a few round trips, not one per key.
         """
         keys = _check_keys(keys)
-        found = [False] * len(keys)
-        for t in self.tiers:
-            rest = [i for i, f in enumerate(found) if not f]
-            if not rest:
-                break
-            for i, hit in zip(rest, t.contains_many([keys[i] for i in rest], probe=False), strict=True):
-                found[i] = hit
+        found = self._held_by_some_tier(keys, probe=False)
         n = found.index(False) if False in found else len(found)
         window = LOOKUP_WINDOW
         while n < len(keys):
@@ -181,7 +180,7 @@ class BatchedStoreMixin:
                 if not isinstance(item, tuple) or len(item) != 2:
                     raise InvalidTypeError(f"item is {type(item).__name__}, not a (key, tensors) pair")
                 check_key(item[0])
-                validate_tensors(item[1])
+                validate_chunk(item[1])  # exactly what put() refuses
             except (TypeError, ValueError) as exc:
                 log.warning("put_many: item %d rejected: %s", i, exc)
                 continue

@@ -1,1 +1,1 @@
-"""Test support shipped with the package: the tier conformance suite and a local S3 server."""
+"""Test support shipped with the package: the tier conformance suite, shared test data and a local S3 server."""

@@ -51,11 +51,11 @@ from ..errors import ClosedError, ConfigError, CorruptObjectError, InvalidInputE
 from ..iov import read_into, writev_all
 from ..keys import ChunkKey, check_key
 from ..objformat import validate_chunk
-from ..tensors import TensorDict, byte_alias, fill_out
+from ..tensors import TensorDict, fill_out
 from . import objfile
 from .base import Tier
 from .dirlock import DirLock, lock_first_free, open_dir
-from .disk_batch import BatchedReader
+from .disk_batch import BatchedReader, payload_segments
 from .layout import PERMISSIONS, is_temp_name, key_from_name, object_relpath, temp_name
 
 log = logging.getLogger("tierstore")
@@ -306,16 +306,7 @@ class DiskTier(Tier):
                 data = objfile.read_object(fd, st, key)
                 self._touch(fd, st)
                 return fill_out(out, data)
-            segments: list[memoryview] = []
-            pos = 0
-            for s in hdr.tensors:
-                if s.offset > pos:
-                    segments.append(memoryview(bytearray(s.offset - pos)))
-                if s.nbytes:
-                    segments.append(byte_alias(out[s.name]).numpy().data)
-                pos = s.offset + s.nbytes
-            if hdr.raw_size > pos:
-                segments.append(memoryview(bytearray(hdr.raw_size - pos)))
+            segments = payload_segments(out, hdr)
             os.lseek(fd, hdr.payload_offset, os.SEEK_SET)
             h = xxhash.xxh3_128(memoryview(head)[objformat.PREFIX_SIZE:hdr.payload_offset])
             got = read_into(fd, segments, h)

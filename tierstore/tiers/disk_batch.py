@@ -99,7 +99,7 @@ class BatchedReader:
             if hdr.codec != "none" or not self._matches(out, hdr):
                 return self.tier._load_into(key, size, out)  # the checked slow path decides
             scratch = bytearray(hdr.payload_offset)  # prefix and header land here, the payload in out
-            segments = [memoryview(scratch), *_segments(out, hdr)]
+            segments = [memoryview(scratch), *payload_segments(out, hdr)]
             h = xxhash.xxh3_128()
             got = read_into(fd, segments, h, skip=objformat.PREFIX_SIZE)
             if got != hdr.object_size:
@@ -125,8 +125,9 @@ class BatchedReader:
             self._headers.pop(key, None)
 
 
-def _segments(out: Mapping[str, torch.Tensor], hdr: objformat.Header) -> list[memoryview]:
-    """Buffers covering the raw payload in order: each tensor's bytes in ``out``, scratch for gaps."""
+def payload_segments(out: Mapping[str, torch.Tensor], hdr: objformat.Header) -> list[memoryview]:
+    """Buffers covering the raw payload in order: each tensor's bytes in ``out`` (contiguous CPU tensors
+    matching ``hdr``), scratch for gaps. Shared by the single and batched disk reads."""
     segments: list[memoryview] = []
     pos = 0
     for s in hdr.tensors:

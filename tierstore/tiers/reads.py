@@ -1,0 +1,296 @@
+"""The read path of a :class:`~tierstore.tiers.base.Tier`: batched gets, ``verify_many``, and what a
+damaged, unsupported or vanished object does to the index (see :meth:`TierReads._read_checked`).
+
+A mixin: :class:`~tierstore.tiers.base.Tier` supplies the index, claims, counters and storage
+primitives it uses.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from ..errors import CorruptObjectError, InvalidInputError, UnsupportedObjectError
+from ..keys import ChunkKey, check_key
+from ..policy import LRUPolicy
+from ..tensors import TensorDict
+from .claims import Claims
+
+#: outcomes of reading one object (see ``TierReads._read_checked``)
+OK, MISSING, CORRUPT, UNSUPPORTED, ERROR = "ok", "missing", "corrupt", "unsupported", "error"
+
+
+class TierReads:
+    """Reads of one tier; mixed into :class:`~tierstore.tiers.base.Tier`, which defines what is declared here."""
+
+    shared: ClassVar[bool]
+    _cond: threading.Condition
+    _lru: LRUPolicy[ChunkKey]
+    _claims: Claims
+    _counts: dict[str, int]
+
+    if TYPE_CHECKING:  # provided by Tier
+        @abstractmethod
+        def pin(self, keys: Iterable[ChunkKey], touch: bool = True) -> list[int | None]: ...
+        @abstractmethod
+        def unpin(self, keys: Iterable[ChunkKey]) -> None: ...
+        @abstractmethod
+        def _check_open(self) -> None: ...
+        @abstractmethod
+        def _map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]: ...
+        @abstractmethod
+        def _load(self, key: ChunkKey, size: int, device: str | torch.device,
+                  borrow: bool = False) -> TensorDict | None: ...
+        @abstractmethod
+        def _load_into(self, key: ChunkKey, size: int, out: Mapping[str, torch.Tensor]) -> TensorDict | None: ...
+        @abstractmethod
+        def _drop(self, key: ChunkKey) -> None: ...
+        @abstractmethod
+        def _probe(self, keys: Sequence[ChunkKey]) -> list[int | None]: ...
+        @abstractmethod
+        def _index_add(self, key: ChunkKey, size: int) -> None: ...
+        @abstractmethod
+        def _count(self, name: str, n: int = 1) -> None: ...
+        @abstractmethod
+        def _log_once(self, what: str, msg: str, *args: Any) -> None: ...
+
+    @contextmanager
+    def borrowed(self, key: ChunkKey) -> Iterator[TensorDict | None]:
+        """Pin ``key`` and yield its tensors without copying where the tier allows (read-only!).
+
+        An internal access: it does not count as a hit or change LRU order.
+        """
+        (size,) = self.pin([key], touch=False)
+        if size is None:
+            yield None
+            return
+        try:
+            yield self._load_checked(key, size, "cpu", borrow=True)
+        finally:
+            self.unpin([key])
+
+    def copy_out(self, key: ChunkKey) -> TensorDict | None:
+        """The chunk as fresh CPU tensors the caller owns, or ``None``; holds no pin once it returns.
+
+        An internal access like :meth:`borrowed` (no hit counted, LRU order unchanged), for copies that
+        go to a tier whose eviction may need this one (promotion, write-back from a deeper tier).
+        """
+        (size,) = self.pin([key], touch=False)
+        if size is None:
+            return None
+        try:
+            return self._load_checked(key, size, "cpu")
+        finally:
+            self.unpin([key])
+
+    def contains_many(self, keys: Sequence[ChunkKey], probe: bool = True) -> list[bool]:
+        """Whether each key is held. ``probe=False`` checks the in-memory index only (no I/O)."""
+        keys = [check_key(k) for k in keys]
+        with self._cond:
+            found = [k in self._lru for k in keys]
+        missing = list(dict.fromkeys(k for k, f in zip(keys, found, strict=True) if not f))
+        if missing and probe:
+            probed = dict(zip(missing, self._probe(missing), strict=True))
+            with self._cond:
+                for k, size in probed.items():
+                    if size is not None and k not in self._lru:
+                        self._index_add(k, size)
+            found = [f or probed.get(k) is not None for k, f in zip(keys, found, strict=True)]
+        return found
+
+    def get_many(self, keys: Sequence[ChunkKey], device: str | torch.device = "cpu") -> list[TensorDict | None]:
+        """Return each key's tensors on ``device`` (fresh tensors the caller owns) or ``None``.
+
+        A repeated key is read once; each further slot gets its own copy.
+        """
+        self._check_open()
+        keys = list(keys)
+        unique = list(dict.fromkeys(keys))
+        held = [k for k, p in zip(unique, self.contains_many(unique), strict=True) if p]
+        size_of = {k: s for k, s in zip(held, self.pin(held), strict=True) if s is not None}
+        try:
+            values = self._map(lambda k: None if k not in size_of else self._load_checked(k, size_of[k], device),
+                               unique)
+            loaded = dict(zip(unique, values, strict=True))
+        finally:
+            self.unpin(size_of)
+        results: list[TensorDict | None] = []
+        seen: set[ChunkKey] = set()
+        for k in keys:
+            value = loaded[k]
+            if value is not None and k in seen:
+                value = {name: t.clone() for name, t in value.items()}
+            seen.add(k)
+            results.append(value)
+        hits = sum(r is not None for r in results)
+        with self._cond:
+            self._counts["hits"] += hits
+            self._counts["misses"] += len(results) - hits
+            self._counts["bytes_out"] += sum(size_of[k] for k, r in zip(keys, results, strict=True) if r is not None)
+        return results
+
+    def get_many_into(self, keys: Sequence[ChunkKey], outs: Sequence[Mapping[str, torch.Tensor]]
+                      ) -> list[TensorDict | InvalidInputError | None]:
+        """Fill ``outs[i]`` from ``keys[i]`` for every key held, on the tier's I/O parallelism.
+
+        Returns per key ``outs[i]`` as a dict (a hit), ``None`` (a miss) or the
+        :class:`InvalidInputError` raised because ``outs[i]`` does not match the stored chunk (nothing
+        else is affected). A key may appear more than once (each with its own ``out``).
+        """
+        self._check_open()
+        keys = list(keys)
+        present = self.contains_many(keys)
+        pinned = [k for k, p in zip(keys, present, strict=True) if p]
+        size_of = {k: s for k, s in zip(pinned, self.pin(pinned), strict=True) if s is not None}
+        try:
+            results: list[TensorDict | InvalidInputError | None] = [None] * len(keys)
+            todo = [i for i, k in enumerate(keys) if k in size_of]
+            loaded = self._load_many_into([(keys[i], size_of[keys[i]], outs[i]) for i in todo])
+            for i, r in zip(todo, loaded, strict=True):
+                results[i] = r
+        finally:  # one unpin per pin: a key listed twice was pinned twice
+            self.unpin(k for k in pinned if k in size_of)
+        hits = [i for i, r in enumerate(results) if isinstance(r, dict)]
+        with self._cond:
+            self._counts["hits"] += len(hits)
+            self._counts["misses"] += len(results) - len(hits)
+            self._counts["bytes_out"] += sum(size_of[keys[i]] for i in hits)
+        return results
+
+    def _load_many_into(self, work: list[tuple[ChunkKey, int, Mapping[str, torch.Tensor]]]
+                        ) -> list[TensorDict | InvalidInputError | None]:
+        """Fill each ``(key, size, out)`` of pinned keys (see :meth:`get_many_into`). Tiers with a faster
+        batched read path override this."""
+        def one(item: tuple[ChunkKey, int, Mapping[str, torch.Tensor]]) -> TensorDict | InvalidInputError | None:
+            try:
+                return self._load_checked(*item[:2], "cpu", out=item[2])
+            except InvalidInputError as exc:
+                return exc
+
+        return self._map(one, work)
+
+    def _load_checked(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False,
+                      out: Mapping[str, torch.Tensor] | None = None,
+                      reader: Callable[[], TensorDict | None] | None = None) -> TensorDict | None:
+        """Read a chunk (through ``reader`` when given, e.g. a batched fast path); anything wrong with the
+        stored object is a counted miss, never an exception."""
+        return self._read_checked(key, size, device, borrow, out, reader=reader)[0]
+
+    def _read_checked(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False,
+                      out: Mapping[str, torch.Tensor] | None = None, repair: bool = False,
+                      reader: Callable[[], TensorDict | None] | None = None) -> tuple[TensorDict | None, str]:
+        """``(tensors or None, outcome)``: read a chunk and classify what went wrong.
+
+        * damaged (:class:`CorruptObjectError`): counted ``corrupt``, forgotten; removed from storage on
+          a private tier, on a :attr:`shared` one only with ``repair``;
+        * unsupported (:class:`UnsupportedObjectError`: newer format, dtype this torch lacks): counted
+          ``unsupported``, never removed (another reader may need it); a shared tier forgets it, a private
+          one keeps it indexed so its bytes stay accounted for until it is evicted;
+        * gone (``FileNotFoundError``): forgotten;
+        * an I/O error or an object too large for memory right now: counted ``errors``, kept.
+
+        :class:`InvalidInputError` (``out`` does not match an intact chunk) propagates.
+        """
+        try:
+            if reader is not None:
+                data = reader()
+            elif out is not None:
+                data = self._load_into(key, size, out)
+            else:
+                data = self._load(key, size, device, borrow)
+            return data, OK if data is not None else MISSING
+        except UnsupportedObjectError as exc:
+            self._count("unsupported")
+            self._log_once("unsupported", "cannot read object %s (left in place): %s", key.hex(), exc)
+            if self.shared:
+                self._forget(key, remove=False)
+            return None, UNSUPPORTED
+        except CorruptObjectError as exc:
+            self._count("corrupt")
+            remove = repair or not self.shared
+            self._log_once("corrupt", "%s damaged object %s: %s", "removing" if remove else "skipping",
+                           key.hex(), exc)
+            self._forget(key, remove=remove)
+            return None, CORRUPT
+        except FileNotFoundError:  # removed by another process or a racing delete
+            self._forget(key, remove=False)
+            return None, MISSING
+        except (OSError, MemoryError) as exc:
+            self._count("errors")
+            self._log_once("read", "read failed (%s: %s); treating as a miss", type(exc).__name__, exc)
+            return None, ERROR
+
+    def verify_many(self, keys: Sequence[ChunkKey], repair: bool = False) -> list[str]:
+        """Read and check each key's stored object; return each outcome (``"ok"``, ``"missing"``,
+        ``"corrupt"``, ``"unsupported"``, ``"error"``).
+
+        Outcomes are handled as on any read; ``repair`` also removes damaged objects from a shared tier
+        (``tierstore verify --repair``). Unsupported objects are never removed. No hit/miss counting.
+        """
+        self._check_open()
+        keys = [check_key(k) for k in keys]
+        unique = list(dict.fromkeys(keys))
+        self.contains_many(unique)  # a shared tier also checks objects this process has not indexed
+        held = [(k, size) for k, size in zip(unique, self.pin(unique, touch=False), strict=True) if size is not None]
+        try:
+            outcomes = self._map(lambda kv: self._read_checked(kv[0], kv[1], "cpu", True, None, repair)[1], held)
+        finally:
+            self.unpin(k for k, _ in held)
+        outcome = dict(zip((k for k, _ in held), outcomes, strict=True))
+        return [outcome.get(k, MISSING) for k in keys]
+
+    def _forget(self, key: ChunkKey, remove: bool = True) -> None:
+        """Drop a key whose object is gone, damaged or unreadable from the index, and with ``remove``
+        from storage.
+
+        Never waits: the caller may itself be evicting the key (``before_evict`` reads it). A key that is
+        being written, deleted or evicted is left to that operation, which replaces or removes it anyway;
+        one stored again since the reader pinned it is left alone (the failure may be the old object's).
+        """
+        if not self._claims.try_claim_to_forget(key):
+            return
+        try:
+            with self._cond:
+                if key in self._lru:
+                    self._lru.remove(key)
+            if remove:
+                try:
+                    self._drop(key)
+                except OSError:
+                    pass
+        finally:
+            self._claims.unclaim(key)
+
+    def get(self, key: ChunkKey, device: str | torch.device = "cpu",
+            out: Mapping[str, torch.Tensor] | None = None) -> TensorDict | None:
+        """One chunk as fresh tensors on ``device``, or copied into caller-owned ``out``."""
+        if out is None:
+            return self.get_many([key], device=device)[0]
+        return self.get_into(key, out)
+
+    def get_into(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
+        """Fill ``out`` (same names, shapes, dtypes) from the stored chunk; ``None`` on a miss.
+
+        Memory tiers copy straight from their own tensors: no allocation on this path.
+        """
+        self._check_open()
+        size = self.pin([key])[0] if self.contains(key) else None
+        result = None
+        if size is not None:
+            try:
+                result = self._load_checked(key, size, "cpu", out=out)
+            finally:
+                self.unpin([key])
+        with self._cond:
+            self._counts["hits" if result is not None else "misses"] += 1
+            self._counts["bytes_out"] += size if result is not None and size is not None else 0
+        return result
+
+    def contains(self, key: ChunkKey) -> bool:
+        return self.contains_many([key])[0]
+
