@@ -84,8 +84,9 @@ def test_prefetch_promotes_in_background(tmp_path):
         for i in range(8):
             s.put(key_of(i), chunk(i, CHUNK))
         s.flush()
-        cold = [key_of(i) for i in range(2)]
-        assert all(s.where(k) == "lower" for k in cold)
+        # which chunks the host kept depends on write-back timing (a victim being written is kept): take two it lacks
+        cold = [key_of(i) for i in range(8) if s.where(key_of(i)) == "lower"][:2]
+        assert len(cold) == 2
         assert s.prefetch(cold).result(timeout=10) == 2
         assert all(s.where(k) == "host" for k in cold)
         assert s.prefetch([key_of(99)]).result(timeout=10) == 0
