@@ -141,6 +141,7 @@ class WorkerSide:
     def start_load(self) -> None:
         """Start loading this step's planned prefixes (one layer-wise load per request); layer ``i``
         is usable once :meth:`wait_for_layer` returns for it."""
+        self._finish_loads()  # a previous step's loads, if vLLM never asked for their outcome
         if not self._plan.loads:
             return
         names = sorted(self._index, key=self._index.__getitem__)
