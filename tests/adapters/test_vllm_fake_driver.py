@@ -27,6 +27,7 @@ from vllm_fakes import (
 
 from tierstore.errors import ConfigError
 from tierstore.kv import PagedLayout, gather
+from tierstore.kv.transfer import PagedTransfer
 
 PROMPT = list(range(100, 180))  # 80 tokens: two full 32-token chunks may hit (never the whole prompt)
 HIT = 64
@@ -66,6 +67,38 @@ def test_fresh_engine_loads_every_rank_bit_exact(tmp_path, saved):
         assert b.workers[0].counters["loaded_tokens"] == HIT
         for rank in range(2):  # the ranks of one engine never share a disk directory
             assert list((tmp_path / "node-a" / f"tp{rank}-pp0").rglob("*.tso"))
+    finally:
+        b.close()
+
+
+def test_each_layer_wait_returns_once_that_layer_is_in_the_cache(tmp_path, saved, monkeypatch):
+    """wait_for_layer_load(layer i) waits for the load's future of layer i (the last layer's write is
+    delayed here), and the load writes layers in order."""
+    last = len(LAYER_NAMES) - 1
+    scattered, seen = [], []
+    scatter, wait = PagedTransfer.scatter, WorkerSide.wait_for_layer
+
+    def slow_scatter(self, layer, pieces, staged):
+        if layer == last:
+            time.sleep(0.2)
+        scatter(self, layer, pieces, staged)
+        scattered.append(layer)
+
+    def observed(self, name):
+        wait(self, name)
+        seen.append((LAYER_NAMES.index(name), list(scattered)))
+
+    monkeypatch.setattr(PagedTransfer, "scatter", slow_scatter)
+    monkeypatch.setattr(WorkerSide, "wait_for_layer", observed)
+    b = Engine(tmp_path, tiers(tmp_path))
+    try:
+        assert b.serve(Request("b", PROMPT), B_BLOCKS) == HIT
+        assert len(seen) == 2 * len(LAYER_NAMES)  # two ranks
+        for layer, written in seen:
+            assert layer in written, f"the wait for layer {layer} returned before it was written"
+        assert scattered[:len(LAYER_NAMES)] == list(range(len(LAYER_NAMES))), "layers are written in order"
+        for rank in range(2):
+            assert all(torch.equal(g, w) for g, w in zip(kv_of(b, rank, B_BLOCKS), saved[rank], strict=True))
     finally:
         b.close()
 

@@ -7,6 +7,7 @@ layer by layer, and saves finished prompts in the background.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import re
 import threading
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 import tierstore
-from tierstore.kv import KVCacheStore, KVNamespace, PagedLayout, gather, scatter
+from tierstore.kv import KVCacheStore, KVNamespace, LayerwiseLoad, PagedLayout, gather
 
 from .plan import LoadSpec, SaveSpec, StepPlan
 
@@ -27,13 +28,15 @@ MAX_PENDING_SAVES = 64
 
 
 # --------------------------------------------------------------------------- data path
-# The one seam between this adapter and the core's KV data path. Swapping to the batched
-# ``KVCacheStore.load_into`` / ``save_from`` changes these two functions only.
-def fetch_prefix(kv: KVCacheStore, spec: LoadSpec) -> list[torch.Tensor] | None:
-    """The canonical per-layer KV of the longest leading part of ``spec.token_ids`` still stored
-    (``None`` if nothing); a chunk that vanished since the lookup shortens the result."""
-    layers: list[torch.Tensor] | None = kv.load(spec.token_ids)
-    return layers
+def start_prefix_load(kv: KVCacheStore, spec: LoadSpec, caches: list[torch.Tensor], layout: PagedLayout,
+                      block_size: int) -> LayerwiseLoad:
+    """Start writing tokens ``[spec.start, n)`` of ``spec.token_ids`` into the request's blocks of
+    ``caches`` (one per layer, in model order), where ``n`` is the leading part still stored; one
+    future per layer. A chunk that vanished since the lookup shortens ``n``."""
+    handle = kv.load_into(spec.token_ids, caches, layout, spec.block_ids, start=spec.start,
+                          block_size=block_size, layerwise=True)
+    assert isinstance(handle, LayerwiseLoad)
+    return handle
 
 
 def save_prefix(kv: KVCacheStore, spec: SaveSpec, layers: list[torch.Tensor]) -> int:
@@ -71,8 +74,7 @@ class WorkerSide:
         self._views: dict[str, tuple[torch.Tensor, PagedLayout]] = {}
         self._index: dict[str, int] = {}
         self._plan = StepPlan()
-        self._layer_ready: list[threading.Event] | None = None
-        self._loader: threading.Thread | None = None
+        self._loads: list[tuple[LoadSpec, LayerwiseLoad | None]] = []
         self._gathered: dict[str, list[torch.Tensor]] = {}
         self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierstore-vllm-save")
         self._pending_saves = 0
@@ -137,40 +139,24 @@ class WorkerSide:
         self._plan = plan
 
     def start_load(self) -> None:
-        """Start loading this step's planned prefixes; layer ``i`` is usable once :meth:`wait_for_layer`
-        returns for it."""
+        """Start loading this step's planned prefixes (one layer-wise load per request); layer ``i``
+        is usable once :meth:`wait_for_layer` returns for it."""
+        self._finish_loads()  # a previous step's loads, if vLLM never asked for their outcome
         if not self._plan.loads:
             return
-        events = [threading.Event() for _ in self._views]
-        self._layer_ready = events
-        self._loader = threading.Thread(target=self._load, args=(self._plan.loads, events),
-                                        name="tierstore-vllm-load", daemon=True)
-        self._loader.start()
-
-    def _load(self, loads: list[LoadSpec], events: list[threading.Event]) -> None:
-        try:
-            fetched = []
-            for spec in loads:
-                try:
-                    layers = fetch_prefix(self.kv(spec.tenant), spec)
-                except Exception as exc:  # a broken tier is a miss, never a crash
-                    log.warning("tierstore: load of %s failed: %r", spec.req_id, exc)
-                    layers = None
-                got = 0 if layers is None else layers[0].shape[1]
-                if got < spec.end:
-                    self._fail(spec, max(got, spec.start))
-                fetched.append((spec, layers, min(got, spec.end)))
-            views = [self._views[n] for n in sorted(self._index, key=self._index.__getitem__)]
-            for j, (cache, layout) in enumerate(views):
-                for spec, layers, got in fetched:
-                    if layers is not None and got > spec.start:
-                        scatter(cache, layout, spec.block_ids, layers[j][:, spec.start:got], spec.start)
-                events[j].set()
-            for spec, _, got in fetched:
-                self._count("loaded_tokens", max(0, got - spec.start))
-        finally:
-            for e in events:
-                e.set()
+        names = sorted(self._index, key=self._index.__getitem__)
+        caches = [self._views[n][0] for n in names]
+        layout = self._views[names[0]][1]  # one attention backend: every layer has the same layout
+        loads: list[tuple[LoadSpec, LayerwiseLoad | None]] = []
+        for spec in self._plan.loads:
+            handle = None
+            try:
+                handle = start_prefix_load(self.kv(spec.tenant), spec, caches, layout, self.block_size)
+            except Exception as exc:  # a broken tier is a miss, never a crash
+                log.warning("tierstore: load of %s failed: %r", spec.req_id, exc)
+            loads.append((spec, handle))
+        with self._state:
+            self._loads = loads
 
     def _fail(self, spec: LoadSpec, good: int) -> None:
         """Report the blocks holding tokens ``[good, spec.end)`` as not loaded (vLLM recomputes them)."""
@@ -181,9 +167,28 @@ class WorkerSide:
             self.counters["load_failed_tokens"] += spec.end - good
 
     def wait_for_layer(self, layer_name: str) -> None:
-        events = self._layer_ready
-        if events is not None:
-            events[self._index[layer_name]].wait()
+        """Block until every load of this step has written layer ``layer_name`` (a failed load is
+        accounted for in :meth:`_finish_loads`)."""
+        i = self._index[layer_name]
+        for _, handle in self._loads:
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    handle.wait_for_layer(i)
+
+    def _finish_loads(self) -> None:
+        """Wait for this step's loads; the blocks past what each really loaded are reported failed."""
+        with self._state:
+            loads, self._loads = self._loads, []
+        for spec, handle in loads:
+            got = spec.start
+            if handle is not None:
+                try:
+                    got = max(spec.start, min(handle.result(), spec.end))
+                except Exception as exc:
+                    log.warning("tierstore: load of %s failed: %r", spec.req_id, exc)
+            if got < spec.end:
+                self._fail(spec, got)
+            self._count("loaded_tokens", got - spec.start)
 
     def save_layer(self, layer_name: str) -> None:
         """Copy this layer's KV of the prompts finishing in this step out of the paged cache."""
@@ -197,7 +202,7 @@ class WorkerSide:
     def wait_for_save(self) -> None:
         """The step's copies are taken (in :meth:`save_layer`), so vLLM may reuse the blocks now; the
         writes to the store run in the background."""
-        self._wait_for_loader()
+        self._finish_loads()
         gathered, self._gathered = self._gathered, {}
         for spec in self._plan.saves:
             layers = gathered.get(spec.req_id)
@@ -220,13 +225,8 @@ class WorkerSide:
             with self._state:
                 self._pending_saves -= 1
 
-    def _wait_for_loader(self) -> None:
-        if self._loader is not None:
-            self._loader.join()
-            self._loader = None
-            self._layer_ready = None
-
     def take_failed_blocks(self) -> set[int]:
+        self._finish_loads()
         with self._state:
             failed, self._failed_blocks = self._failed_blocks, set()
         return failed
@@ -236,7 +236,7 @@ class WorkerSide:
         self._saver.submit(lambda: None).result(timeout=timeout)
 
     def close(self) -> None:
-        self._wait_for_loader()
+        self._finish_loads()
         self._saver.shutdown(wait=True)
         self.store.close()
 
