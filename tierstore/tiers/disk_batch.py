@@ -68,7 +68,7 @@ class Plan:
     head: bytes  # the prefix and header, exactly as verified (the checksum sits in head[16:32])
     size: int
     #: per tensor in payload order: name, shape, dtype, bytes of padding before it
-    tensors: tuple[tuple[str, torch.Size, torch.dtype, int], ...]
+    tensors: tuple[tuple[str, torch.Size, torch.dtype | None, int], ...]
     tail: int  # padding after the last tensor
 
     @classmethod
