@@ -79,7 +79,7 @@ def test_a_replaced_object_is_read_again_not_misjudged(tier):
     assert tier.stats()["corrupt"] == 0
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "symlink"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "append", "symlink", "fifo", "directory"])
 def test_a_damaged_object_is_a_counted_miss_and_the_rest_of_the_batch_is_served(tier, tmp_path, damage):
     data = [chunk(i, SIZE) for i in range(3)]
     tier.put_many([(key_of(i), d) for i, d in enumerate(data)])
@@ -93,6 +93,15 @@ def test_a_damaged_object_is_a_counted_miss_and_the_rest_of_the_batch_is_served(
             f.write(bytes([b[0] ^ 0xFF]))
     elif damage == "truncate":
         os.truncate(path, os.path.getsize(path) - 64)
+    elif damage == "append":  # the planned bytes are all intact: only the size betrays it
+        with open(path, "ab") as f:
+            f.write(b"x")
+    elif damage == "fifo":
+        os.unlink(path)
+        os.mkfifo(path)
+    elif damage == "directory":
+        os.unlink(path)
+        os.mkdir(path)
     else:
         target = tmp_path / "elsewhere"
         os.replace(path, target)

@@ -270,22 +270,25 @@ class DiskTier(Tier):
         finally:
             os.close(folder)
         if self.codec == "none":  # the first read of what we just wrote needs no parsing either
-            self._batched.remember_written(key, self._object_path(key), payload.parts[0], size)
+            self._batched.remember_written(key, self._object_path(key), payload.parts[0], size, time.time_ns())
 
-    def _touch(self, fd: int, st: os.stat_result) -> None:
-        """Refresh mtime on a hit so the LRU order rebuilt after a restart follows use, not creation."""
+    def _touch(self, fd: int, mtime_ns: int) -> int:
+        """Refresh mtime on a hit so the LRU order rebuilt after a restart follows use, not creation;
+        returns the file's mtime as it now is."""
         if self.read_only:
-            return
+            return mtime_ns
         now = time.time_ns()
-        if now - st.st_mtime_ns > _TOUCH_EVERY_NS:
+        if now - mtime_ns > _TOUCH_EVERY_NS:
             with contextlib.suppress(OSError):
                 os.utime(fd, ns=(now, now))
+                return now
+        return mtime_ns
 
     def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
         fd, st = objfile.open_object(self._object_path(key))
         try:
             tensors = objfile.read_object(fd, st, key)  # views over one buffer when uncompressed
-            self._touch(fd, st)
+            self._touch(fd, st.st_mtime_ns)
         finally:
             os.close(fd)
         device = torch.device(device)
@@ -307,7 +310,7 @@ class DiskTier(Tier):
             if (hdr.codec != "none" or not _matches(out, hdr)
                     or not all(t.device.type == "cpu" and t.is_contiguous() for t in out.values())):
                 data = objfile.read_object(fd, st, key)
-                self._touch(fd, st)
+                self._touch(fd, st.st_mtime_ns)
                 return fill_out(out, data)
             segments = payload_segments(out, hdr)
             os.lseek(fd, hdr.payload_offset, os.SEEK_SET)
@@ -317,7 +320,7 @@ class DiskTier(Tier):
                 raise CorruptObjectError(f"short read: {got} of {hdr.raw_size} payload bytes")
             if h.digest() != head[16:32]:
                 raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
-            self._touch(fd, st)
+            self._touch(fd, st.st_mtime_ns)
         finally:
             os.close(fd)
         return dict(out)

@@ -6,13 +6,13 @@ validated, then one pass of ``readv`` calls that land the prefix and header in a
 and the payload directly in the caller's tensors, hashing each ~256 KiB step while it is still in cache.
 
 **Planned read.** Once an object's checksum passed, its read plan is remembered (bounded): path, exact
-prefix-and-header bytes, size and tensor layout. A later read of that key opens the file, checks its
-size, reads it with one ``preadv`` into scratch + ``out`` (objects up to :data:`ONE_READ`; larger ones
-in hashed steps as above) and accepts it only if the header bytes equal the remembered ones *and* the
-checksum over what was read matches. The checksum is never skipped: the plan only saves parsing,
-validation and Python bookkeeping. Anything else — a different size, other header bytes (the file was
-replaced), a failed checksum, an I/O error, an ``out`` that does not fit the plan — falls back to the
-careful read, which decides (and classifies: corrupt, gone, error).
+prefix-and-header bytes, size and tensor layout. A later read of that key opens the file and reads it
+with one ``preadv`` into scratch + ``out`` + one byte beyond (objects up to :data:`ONE_READ`; larger ones
+in hashed steps as above), and accepts it only if exactly the planned size arrived, the header bytes
+equal the remembered ones *and* the checksum over what was read matches. The checksum is never
+skipped: the plan only saves a ``stat``, parsing, validation and Python bookkeeping. Anything else — a
+different size, other header bytes (the file was replaced), a failed checksum, an I/O error, an ``out``
+that does not fit the plan — falls back to the careful read, which decides (and classifies: corrupt, gone, error).
 
 On a checksum failure ``out`` holds unspecified bytes. Work is split into one slice per I/O thread (not
 one task per object), so a batch of small objects costs a few pool hand-offs rather than one per object.
@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import stat
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -60,7 +59,7 @@ def _raw_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-@dataclass(frozen=True)
+@dataclass
 class Plan:
     """How a verified object was laid out: enough to read it again without parsing its header."""
 
@@ -70,14 +69,15 @@ class Plan:
     #: per tensor in payload order: name, shape, dtype, bytes of padding before it
     tensors: tuple[tuple[str, torch.Size, torch.dtype | None, int], ...]
     tail: int  # padding after the last tensor
+    mtime_ns: int  # the file's mtime as last seen or set (when to touch it again)
 
     @classmethod
-    def of(cls, path: str, head: bytes, hdr: objformat.Header) -> Plan:
+    def of(cls, path: str, head: bytes, hdr: objformat.Header, mtime_ns: int) -> Plan:
         specs, pos = [], 0
         for s in hdr.tensors:
             specs.append((s.name, torch.Size(s.shape), s.dtype, s.offset - pos))
             pos = s.offset + s.nbytes
-        return cls(path, head, hdr.object_size, tuple(specs), hdr.raw_size - pos)
+        return cls(path, head, hdr.object_size, tuple(specs), hdr.raw_size - pos, mtime_ns)
 
     def segments(self, out: Mapping[str, torch.Tensor]) -> list[memoryview] | None:
         """Buffers for the payload in ``out``, or ``None`` when ``out`` does not fit this plan exactly."""
@@ -132,28 +132,26 @@ class BatchedReader:
     def _read_planned(self, plan: Plan, out: Mapping[str, torch.Tensor]) -> bool:
         """Read an object as ``plan`` says into ``out``; ``True`` only when it is verified (see module doc)."""
         segments = plan.segments(out)
-        if segments is None or len(segments) >= IOV_MAX:
+        if segments is None or len(segments) + 2 > IOV_MAX:
             return False
         scratch = bytearray(len(plan.head))
+        beyond = bytearray(1)  # a byte past the planned size: a longer file fills it
         try:
-            fd = os.open(plan.path, _FLAGS)
+            fd = os.open(plan.path, _FLAGS)  # a FIFO or directory fails the read below, a symlink the open
         except OSError:
             return False
         try:
-            st = os.fstat(fd)
-            if st.st_size != plan.size or not stat.S_ISREG(st.st_mode):
-                return False
             if plan.size <= ONE_READ:
-                got = os.preadv(fd, [scratch, *segments], 0)
+                got = os.preadv(fd, [scratch, *segments, beyond], 0)
                 h = xxhash.xxh3_128(memoryview(scratch)[_P:])
                 for s in segments:
                     h.update(s)
             else:
                 h = xxhash.xxh3_128()
-                got = read_into(fd, [scratch, *segments], h, skip=_P)
+                got = read_into(fd, [scratch, *segments, beyond], h, skip=_P)
             if got != plan.size or scratch != plan.head or h.digest() != plan.head[16:32]:
                 return False
-            self.tier._touch(fd, st)
+            plan.mtime_ns = self.tier._touch(fd, plan.mtime_ns)
             return True
         except OSError:
             return False
@@ -180,15 +178,16 @@ class BatchedReader:
                 return self.tier._load_into(key, size, out)
             if h.digest() != raw[16:32]:
                 raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
-            self._remember(key, Plan.of(path, raw, hdr))  # only once its object verified
-            self.tier._touch(fd, st)
+            mtime = self.tier._touch(fd, st.st_mtime_ns)
+            self._remember(key, Plan.of(path, raw, hdr, mtime))  # only once its object verified
         finally:
             os.close(fd)
         return dict(out)
 
-    def remember_written(self, key: ChunkKey, path: str, head: bytes, size: int) -> None:
+    def remember_written(self, key: ChunkKey, path: str, head: bytes, size: int, mtime_ns: int) -> None:
         """Plan the reads of an object this tier has just written (``head``: its prefix and header)."""
-        self._remember(key, Plan.of(path, bytes(head), objformat.parse_header(head, key, object_size=size)))
+        hdr = objformat.parse_header(head, key, object_size=size)
+        self._remember(key, Plan.of(path, bytes(head), hdr, mtime_ns))
 
     def _remember(self, key: ChunkKey, plan: Plan) -> None:
         with self._lock:
