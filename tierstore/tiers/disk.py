@@ -43,19 +43,18 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-import xxhash
 
 from .. import objformat
 from ..config import check_tier_options
-from ..errors import ClosedError, ConfigError, CorruptObjectError, InvalidInputError
-from ..iov import read_into, writev_all
+from ..errors import ClosedError, ConfigError, InvalidInputError
+from ..iov import writev_all
 from ..keys import ChunkKey, check_key
 from ..objformat import validate_chunk
 from ..tensors import TensorDict, fill_out
 from . import objfile
 from .base import Tier
 from .dirlock import DirLock, lock_first_free, open_dir
-from .disk_batch import BatchedReader, payload_segments
+from .disk_batch import BatchedReader
 from .layout import PERMISSIONS, is_temp_name, key_from_name, object_relpath, temp_name
 
 log = logging.getLogger("tierstore")
@@ -299,31 +298,24 @@ class DiskTier(Tier):
     def _load_into(self, key: ChunkKey, size: int, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
         """Read the payload straight into caller-owned ``out`` (contiguous CPU tensors): no allocation.
 
-        The checksum is verified after the read: on :class:`CorruptObjectError` ``out`` holds unspecified
-        bytes. Compressed objects, non-CPU or non-contiguous ``out`` tensors, and an ``out`` that differs
-        from what the (not yet verified) header says go through :meth:`_load` and a copy, so a damaged
-        object is a miss and only an intact one that differs raises :class:`InvalidInputError`.
+        Planned when this tier wrote or verified the object before, else the careful read (see
+        :mod:`~tierstore.tiers.disk_batch`). The checksum is verified after the read: on
+        :class:`CorruptObjectError` ``out`` holds unspecified bytes. Compressed objects, non-CPU or
+        non-contiguous ``out`` tensors, and an ``out`` that differs from what the (not yet verified) header
+        says go through :meth:`_load_copy`, so a damaged object is a miss and only an intact one that
+        differs raises :class:`InvalidInputError`.
         """
+        return self._batched.read_into(key, out)
+
+    def _load_copy(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
+        """Decode the whole object, then copy it into ``out`` (whatever its device, layout or codec)."""
         fd, st = objfile.open_object(self._object_path(key))
         try:
-            head, hdr = objfile.read_header(fd, st, key)
-            if (hdr.codec != "none" or not _matches(out, hdr)
-                    or not all(t.device.type == "cpu" and t.is_contiguous() for t in out.values())):
-                data = objfile.read_object(fd, st, key)
-                self._touch(fd, st.st_mtime_ns)
-                return fill_out(out, data)
-            segments = payload_segments(out, hdr)
-            os.lseek(fd, hdr.payload_offset, os.SEEK_SET)
-            h = xxhash.xxh3_128(memoryview(head)[objformat.PREFIX_SIZE:hdr.payload_offset])
-            got = read_into(fd, segments, h)
-            if got != hdr.raw_size:
-                raise CorruptObjectError(f"short read: {got} of {hdr.raw_size} payload bytes")
-            if h.digest() != head[16:32]:
-                raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
+            data = objfile.read_object(fd, st, key)
             self._touch(fd, st.st_mtime_ns)
         finally:
             os.close(fd)
-        return dict(out)
+        return fill_out(out, data)
 
     def _drop(self, key: ChunkKey) -> None:
         if self.read_only:

@@ -21,7 +21,6 @@ one task per object), so a batch of small objects costs a few pool hand-offs rat
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import threading
 from collections.abc import Mapping
@@ -116,13 +115,8 @@ class BatchedReader:
         def run(first: int) -> None:
             for i in range(first, len(work), threads):
                 key, size, out = work[i]
-                plan = self._plans.get(key)
-                if plan is not None and self._read_planned(plan, out):
-                    results[i] = dict(out)
-                    continue
                 try:
-                    results[i] = tier._load_checked(key, size, "cpu", out=out,
-                                                    reader=functools.partial(self.read_into, key, size, out))
+                    results[i] = tier._load_checked(key, size, "cpu", out=out)  # -> read_into
                 except InvalidInputError as exc:
                     results[i] = exc
 
@@ -158,16 +152,23 @@ class BatchedReader:
         finally:
             os.close(fd)
 
-    def read_into(self, key: ChunkKey, size: int, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
-        """The careful read of one object into ``out``; raises like :meth:`DiskTier._load_into`."""
+    def read_into(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
+        """One object into ``out``: planned when a plan exists and holds, else the careful read; raises
+        like :meth:`DiskTier._load_into`."""
+        plan = self._plans.get(key)
+        if plan is not None and self._read_planned(plan, out):
+            return dict(out)
+        return self._read_carefully(key, out)
+
+    def _read_carefully(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
         if not all(t.device.type == "cpu" and t.is_contiguous() for t in out.values()):
-            return self.tier._load_into(key, size, out)
+            return self.tier._load_copy(key, out)
         path = self.tier._object_path(key)
         fd, st = objfile.open_object(path)  # never a symlink, FIFO or directory
         try:
             head, hdr = objfile.read_header(fd, st, key, first=HEAD_READ)  # sizes checked against the file's
             if hdr.codec != "none" or not self._matches(out, hdr):
-                return self.tier._load_into(key, size, out)  # the checked slow path decides
+                return self.tier._load_copy(key, out)  # the checked slow path decides
             raw = bytes(head[:hdr.payload_offset])
             scratch = bytearray(hdr.payload_offset)  # prefix and header land here, the payload in out
             h = xxhash.xxh3_128()
@@ -175,7 +176,7 @@ class BatchedReader:
             if got != hdr.object_size:
                 raise CorruptObjectError(f"short read: {got} of {hdr.object_size} bytes")
             if scratch != raw:  # changed under us between the header read and this one: the slow path decides
-                return self.tier._load_into(key, size, out)
+                return self.tier._load_copy(key, out)
             if h.digest() != raw[16:32]:
                 raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
             mtime = self.tier._touch(fd, st.st_mtime_ns)
@@ -199,7 +200,7 @@ class BatchedReader:
 
 def payload_segments(out: Mapping[str, torch.Tensor], hdr: objformat.Header) -> list[memoryview]:
     """Buffers covering the raw payload in order: each tensor's bytes in ``out`` (contiguous CPU tensors
-    matching ``hdr``), scratch for gaps. Shared by the single and batched disk reads."""
+    matching ``hdr``), scratch for gaps."""
     segments: list[memoryview] = []
     pos = 0
     for s in hdr.tensors:

@@ -175,15 +175,13 @@ class TierReads:
         return self._map(one, work)
 
     def _load_checked(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False,
-                      out: Mapping[str, torch.Tensor] | None = None,
-                      reader: Callable[[], TensorDict | None] | None = None) -> TensorDict | None:
-        """Read a chunk (through ``reader`` when given, e.g. a batched fast path); anything wrong with the
-        stored object is a counted miss, never an exception."""
-        return self._read_checked(key, size, device, borrow, out, reader=reader)[0]
+                      out: Mapping[str, torch.Tensor] | None = None) -> TensorDict | None:
+        """Read a chunk; anything wrong with the stored object is a counted miss, never an exception."""
+        return self._read_checked(key, size, device, borrow, out)[0]
 
     def _read_checked(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False,
-                      out: Mapping[str, torch.Tensor] | None = None, repair: bool = False,
-                      reader: Callable[[], TensorDict | None] | None = None) -> tuple[TensorDict | None, str]:
+                      out: Mapping[str, torch.Tensor] | None = None, repair: bool = False
+                      ) -> tuple[TensorDict | None, str]:
         """``(tensors or None, outcome)``: read a chunk and classify what went wrong.
 
         * damaged (:class:`CorruptObjectError`): counted ``corrupt``, forgotten; removed from storage on
@@ -197,12 +195,7 @@ class TierReads:
         :class:`InvalidInputError` (``out`` does not match an intact chunk) propagates.
         """
         try:
-            if reader is not None:
-                data = reader()
-            elif out is not None:
-                data = self._load_into(key, size, out)
-            else:
-                data = self._load(key, size, device, borrow)
+            data = self._load_into(key, size, out) if out is not None else self._load(key, size, device, borrow)
             return data, OK if data is not None else MISSING
         except UnsupportedObjectError as exc:
             self._count("unsupported")
