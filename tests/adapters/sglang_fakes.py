@@ -88,6 +88,8 @@ class HostPool:
 
     def tokens(self, indices: torch.Tensor) -> torch.Tensor:
         """The KV of ``indices`` in one layout-independent form (for comparisons across pools)."""
+        if indices.numel() == 0:
+            return torch.empty((0, *self.token(0).shape), dtype=self.dtype)
         return torch.stack([self.token(int(i)) for i in indices])
 
 
