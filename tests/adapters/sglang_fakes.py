@@ -177,6 +177,13 @@ class MLATokenToKVPoolHost(HostPool):
             raise ValueError(f"Unsupported layout: {self.layout}")
         return data_page.flatten() if flat else data_page
 
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros((self.layer_num, self.page_size, 1, self.kv_cache_dim), dtype=self.dtype).flatten()
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        page = self.get_data_page(index, flat=False)
+        page.copy_(data_page.reshape(page.shape))  # what each layout's branch does in SGLang
+
     def token(self, i: int) -> torch.Tensor:
         p, o = divmod(i, self.page_size)
         b = self.kv_buffer
