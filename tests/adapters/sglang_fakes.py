@@ -1,6 +1,7 @@
 """SGLang-shaped stand-ins (no SGLang import): the storage config, the host KV pools and the cache
 controller's storage calls, copied from sglang 0.5.23 (``mem_cache/hicache_storage.py``,
-``mem_cache/pool_host/{mha,mla}.py``, ``managers/cache_controller.py``). ``make test-sglang`` runs the
+``mem_cache/pool_host/{mha,mla}.py``, ``managers/cache_controller.py``), and :class:`Instance`, one rank
+as the tests build it. ``make test-sglang`` checks these copies against the installed SGLang and runs the
 backend against the real classes."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
+from tierstore_sglang.backend import HiCacheBackend
 
 STORAGE_BATCH_SIZE = 128  # sglang.srt.mem_cache.hicache_storage.STORAGE_BATCH_SIZE
 
@@ -259,3 +261,42 @@ class Controller:
                 break
         self.pool.free(host[loaded * self.page_size:])
         return loaded, host[:loaded * self.page_size]
+
+
+# ---------------------------------------------------------------- one rank, as the tests build it
+PAGE = 4
+PROMPT = list(range(1000, 1000 + 10 * PAGE + 3))  # 10 full pages and a partial one (never stored)
+MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+MLA_LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+
+
+def disk(path, **more) -> dict:
+    return {"config": {"tiers": [{"kind": "disk", "path": str(path), "capacity": "64MiB"}]}, **more}
+
+
+def make_pool(mla: bool, layout: str, seed: int | None = None, page: int = PAGE, size: int = 256):
+    pool = (MLATokenToKVPoolHost if mla else MHATokenToKVPoolHost)(size, page, layout)
+    if seed is not None:
+        pool.randomize(seed)
+    return pool
+
+
+class Instance:
+    """One SGLang rank: its backend (built as the dynamic factory does) and its host pool."""
+
+    def __init__(self, extra: dict, *, mla=False, layout="page_first", seed=None, page=PAGE, size=256, **cfg):
+        self.pool = make_pool(mla, layout, seed, page, size)
+        self.config = storage_config(extra, mla=mla, layout=layout, **cfg)
+        self.backend = HiCacheBackend(self.config, {})
+        self.backend.register_mem_pool_host(self.pool)
+        self.ctl = Controller(self.backend, self.pool, is_writer=self.config.is_storage_writer)
+
+    def __enter__(self) -> Instance:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.backend.close()
+
+
+def kv_bytes(pool, slots: torch.Tensor) -> torch.Tensor:
+    return pool.tokens(slots).view(torch.uint8)

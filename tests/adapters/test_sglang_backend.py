@@ -8,45 +8,7 @@ import os
 
 import pytest
 import torch
-from sglang_fakes import Controller, MHATokenToKVPoolHost, MLATokenToKVPoolHost, page_hashes, storage_config
-from tierstore_sglang.backend import HiCacheBackend
-
-PAGE = 4
-PROMPT = list(range(1000, 1000 + 10 * PAGE + 3))  # 10 full pages and a partial one (never stored)
-MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
-MLA_LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
-
-
-def disk(path, **more) -> dict:
-    return {"config": {"tiers": [{"kind": "disk", "path": str(path), "capacity": "64MiB"}]}, **more}
-
-
-def make_pool(mla: bool, layout: str, seed: int | None = None, page: int = PAGE, size: int = 256):
-    pool = (MLATokenToKVPoolHost if mla else MHATokenToKVPoolHost)(size, page, layout)
-    if seed is not None:
-        pool.randomize(seed)
-    return pool
-
-
-class Instance:
-    """One SGLang rank: its backend (built as the dynamic factory does) and its host pool."""
-
-    def __init__(self, extra: dict, *, mla=False, layout="page_first", seed=None, page=PAGE, size=256, **cfg):
-        self.pool = make_pool(mla, layout, seed, page, size)
-        self.config = storage_config(extra, mla=mla, layout=layout, **cfg)
-        self.backend = HiCacheBackend(self.config, {})
-        self.backend.register_mem_pool_host(self.pool)
-        self.ctl = Controller(self.backend, self.pool, is_writer=self.config.is_storage_writer)
-
-    def __enter__(self) -> Instance:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.backend.close()
-
-
-def kv_bytes(pool, slots: torch.Tensor) -> torch.Tensor:
-    return pool.tokens(slots).view(torch.uint8)
+from sglang_fakes import MHA_LAYOUTS, MLA_LAYOUTS, PAGE, PROMPT, Instance, disk, kv_bytes, page_hashes
 
 
 @pytest.mark.parametrize(("mla", "layout"), [(False, x) for x in MHA_LAYOUTS] + [(True, x) for x in MLA_LAYOUTS])

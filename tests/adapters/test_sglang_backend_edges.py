@@ -10,8 +10,7 @@ import time
 
 import pytest
 import torch
-from sglang_fakes import MHATokenToKVPoolHost, page_hashes, storage_config
-from test_sglang_backend import PAGE, PROMPT, Instance, disk, kv_bytes
+from sglang_fakes import PAGE, PROMPT, Instance, MHATokenToKVPoolHost, disk, kv_bytes, page_hashes, storage_config
 from tierstore_sglang.backend import HiCacheBackend
 from tierstore_sglang.options import BackendOptions
 
