@@ -165,3 +165,24 @@ def test_cold_lookup_is_one_head_per_key_in_few_waves(published, shim, monkeypat
         shim.reset()
         assert store.lookup(keys) == n  # indexed now: no request
         assert requests(shim) == {}
+
+
+def test_s3_tiers_of_a_process_share_one_botocore_session(s3_server):
+    """Each s3fs filesystem made its own botocore session, which loads botocore's models (0.1-0.4 s of CPU)
+    before the first request of every store opened; shared, only the first pays. Clients stay per tier."""
+    from aiobotocore.session import AioSession
+
+    url = f"s3://{s3_server.new_bucket('session')}/kv"
+    fresh = s3_server.storage_options  # skip_instance_cache: a filesystem (and client) per tier
+    with RemoteTier(url=url, storage_options=fresh) as a, RemoteTier(url=url, storage_options=fresh) as b:
+        assert a.put(key_of(1), chunk(1))
+        assert_same(b.get(key_of(1)), chunk(1))
+        assert a.fs is not b.fs and a.fs.session is b.fs.session
+        assert a.fs._s3 is not b.fs._s3  # separate clients and connection pools
+    cached = {k: v for k, v in fresh.items() if k != "skip_instance_cache"}
+    with RemoteTier(url=url, storage_options=cached) as a, RemoteTier(url=url, storage_options=cached) as b:
+        assert a.fs is b.fs  # fsspec's instance cache still recognises the same options
+    own = AioSession()
+    with RemoteTier(url=url, storage_options={**fresh, "session": own}) as c:
+        assert_same(c.get(key_of(1)), chunk(1))
+        assert c.fs.session is own  # a session the caller brings is used as it is

@@ -166,6 +166,8 @@ class RemoteTier(Tier):
         self._in_flight: set[Future[Any]] = set()  # pool tasks not finished yet (close waits for them)
         if list_on_open:
             self._rebuild_index()
+        else:
+            self.storage.start_client()
 
     # ------------------------------------------------------------------ paths and plumbing
     def _path(self, key: ChunkKey) -> str:

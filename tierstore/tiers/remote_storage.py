@@ -44,13 +44,43 @@ class Unavailable(OSError):
     """The storage failed recently; raised without I/O until the back-off expires."""
 
 
+#: the keyword arguments s3fs hands to the botocore session it creates (all it does not know itself)
+_SESSION_OPTIONS = {"profile", "session_vars", "event_hooks", "include_builtin_handlers"}
+_sessions: dict[str | None, Any] = {}
+_sessions_lock = threading.Lock()
+
+
 def with_client_defaults(url: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """``options`` plus :data:`S3_CLIENT_DEFAULTS` for an ``s3://`` URL (the user's values win, key by key)."""
+    """``options`` plus, for an ``s3://`` URL, :data:`S3_CLIENT_DEFAULTS` (the user's values win, key by
+    key) and this process's shared botocore session (see :func:`shared_session`) unless the options
+    bring a ``session`` or session settings other than ``profile``."""
     options = dict(options)
     protocol, _ = fsspec.core.split_protocol(url.split("::")[-1])
     if protocol in ("s3", "s3a"):
         options["config_kwargs"] = {**S3_CLIENT_DEFAULTS, **(options.get("config_kwargs") or {})}
+        profile = options.get("profile")
+        if "session" not in options and _SESSION_OPTIONS & set(options) <= {"profile"} and (
+                profile is None or isinstance(profile, str)):
+            options["session"] = shared_session(profile)
     return options
+
+
+def shared_session(profile: str | None = None) -> Any:
+    """One botocore (aiobotocore) session per profile for every s3 remote tier of this process.
+
+    A session loads botocore's service models (megabytes of JSON, 0.1-0.4 s of CPU) on its first client;
+    s3fs makes a session per filesystem, so every store opened paid that again before its first request.
+    Shared, only the first does; each tier still gets its own client and connections (credentials,
+    endpoint and ``config_kwargs`` are the client's). It also keeps fsspec's instance cache working: the
+    same options name the same session.
+    """
+    with _sessions_lock:
+        session = _sessions.get(profile)
+        if session is None:
+            from aiobotocore.session import AioSession
+
+            session = _sessions[profile] = AioSession(profile=profile)
+        return session
 
 
 async def read_s3_object(fs: Any, path: str) -> torch.Tensor:
@@ -128,6 +158,12 @@ class GuardedStorage:
         """``await make()`` on an asynchronous filesystem's event loop, guarded as :meth:`call` is; the
         whole coroutine (request and body) shares one deadline. ``what`` names it in a timeout message."""
         return self._guarded(lambda: self._on_loop(what, make, timeout or self.timeout))
+
+    def start_client(self) -> None:
+        """Create an s3fs client in the background now (no request is sent), so that the first request
+        does not wait for it; a failure here is retried by that request."""
+        if self._async and hasattr(self.fs, "set_session"):
+            asyncio.run_coroutine_threadsafe(self.fs.set_session(), self.fs.loop)
 
     def _guarded(self, fn: Callable[[], T]) -> T:
         now = time.monotonic()
