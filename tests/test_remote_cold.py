@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import uuid
 
 import pytest
@@ -16,7 +17,7 @@ import torch
 
 import tierstore
 from tierstore.bench.s3shim import S3Shim
-from tierstore.testing.tiers import assert_same, chunk, key_of
+from tierstore.testing.tiers import assert_same, chunk, key_of, run_threads
 from tierstore.tiers.layout import object_relpath
 from tierstore.tiers.remote import RemoteTier
 
@@ -186,3 +187,34 @@ def test_s3_tiers_of_a_process_share_one_botocore_session(s3_server):
     with RemoteTier(url=url, storage_options={**fresh, "session": own}) as c:
         assert_same(c.get(key_of(1)), chunk(1))
         assert c.fs.session is own  # a session the caller brings is used as it is
+
+
+def test_cold_reads_racing_publishes_and_deletes_are_exact_or_miss(s3_server):
+    """Readers GET keys their index lacks while another instance publishes and deletes them: every result
+    is the exact chunk or a miss, and whatever the readers indexed is still read right or forgotten."""
+    url = f"s3://{s3_server.new_bucket('race')}/kv"
+    keys = [key_of(i) for i in range(8)]
+    with RemoteTier(url=url, storage_options=s3_server.storage_options) as writer, \
+            RemoteTier(url=url, storage_options=s3_server.storage_options, list_on_open=False) as reader:
+        def work(i: int) -> None:
+            for round_ in range(4):
+                if i == 0:
+                    writer.put_many([(k, chunk(j)) for j, k in enumerate(keys)])
+                elif i == 1:
+                    writer.delete_many(keys[round_ % 2::2])
+                else:
+                    got = reader.get_many(keys) if i % 2 else reader.get_many_into(
+                        keys, [{n: torch.empty_like(t) for n, t in chunk(j).items()} for j in range(len(keys))])
+                    for j, g in enumerate(got):
+                        if g is not None:
+                            assert_same(g, chunk(j))
+
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        try:
+            run_threads(work, 6)
+        finally:
+            sys.setswitchinterval(old)
+        for j, g in enumerate(reader.get_many(keys)):
+            assert g is None or assert_same(g, chunk(j)) is None
+        assert reader.stats()["corrupt"] == 0 and reader.stats()["errors"] == 0
