@@ -27,12 +27,27 @@ $(ESTAMP): pyproject.toml adapters/vllm/pyproject.toml
 	$(EBIN)/pip install -q -e '.[test]' -e ./adapters/vllm
 	touch $(ESTAMP)
 
+# `make test-sglang` runs the SGLang adapter against SGLang's real classes (storage factory, CPU host KV pools,
+# cache-controller methods, loader dispatch) in its own venv (~11 GiB: sglang pulls CUDA wheels; no engine
+# runs on CPU). Not part of `make test` or CI.
+SVENV := .venv-sglang
+SBIN := $(SVENV)/bin
+SSTAMP := $(SVENV)/.installed
+
+$(SSTAMP): pyproject.toml adapters/sglang/pyproject.toml
+	$(PY) -m venv $(SVENV)
+	$(SBIN)/pip install -q --upgrade pip
+	$(SBIN)/pip install -q sglang==0.5.23
+	$(SBIN)/pip install -q -e '.[test]' -e ./adapters/sglang
+	touch $(SSTAMP)
+
 # the engine adapters' packages (adapters/<engine>/tierstore_<engine>/), once they exist
 MYPY_TARGETS := tierstore $(patsubst %/__init__.py,%,$(wildcard adapters/*/tierstore_*/__init__.py))
 
-.PHONY: venv engines-venv demo test test-fast test-engines lint lint-ruff lint-mypy bench clean
+.PHONY: venv engines-venv sglang-venv demo test test-fast test-engines test-sglang lint lint-ruff lint-mypy bench clean
 venv: $(STAMP)
 engines-venv: $(ESTAMP)
+sglang-venv: $(SSTAMP)
 
 demo: $(STAMP)
 	$(BIN)/tierstore demo
@@ -44,6 +59,10 @@ test: $(STAMP)
 test-engines: $(ESTAMP)
 	TIERSTORE_ENGINE_TESTS=1 AWS_DEFAULT_REGION=us-east-1 $(EBIN)/python -m pytest -q -p no:cacheprovider \
 		-o testpaths=tests/engines tests/engines
+
+test-sglang: $(SSTAMP)
+	TIERSTORE_SGLANG_TESTS=1 AWS_DEFAULT_REGION=us-east-1 $(SBIN)/python -m pytest -q -p no:cacheprovider \
+		-W ignore::DeprecationWarning -o testpaths=tests/sglang_engine tests/sglang_engine
 
 # the quick local loop: skips tests marked slow
 test-fast: $(STAMP)
@@ -62,4 +81,4 @@ bench: $(STAMP)
 	$(BIN)/tierstore bench tiers
 
 clean:
-	rm -rf $(VENV) $(EVENV) build *.egg-info
+	rm -rf $(VENV) $(EVENV) $(SVENV) build *.egg-info
