@@ -66,6 +66,15 @@ def test_bench_all_quick_writes_report_and_plots(tmp_path, capsys):
     assert all(number(r[3]) > 0 for r in kv)
     targets = by_head[("target (issue 9)", "measured", "ratio", "target", "")]
     assert targets and all(r[4] in ("met", "missed") for r in targets)
+    cold = results["sections"]["remote"]["cold"]
+    n = cold["count"]
+    assert sum(r[0].startswith("cold ") for r in targets) == 2
+    table = {r[0]: r[1:] for r in by_head[("cold instance", "ms", "requests", "round trips", "vs ceiling")]}
+    assert number(table["`lookup` (client started, connections open)"][0]) == pytest.approx(
+        1e3 * cold["lookup"]["s"], abs=0.6)
+    assert table["`lookup` (client started, connections open)"][1] == f"{n} HEAD"  # no GET, no LIST
+    assert table["`get_many` of the keys, none indexed"][1] == f"{n} GET"  # no HEAD before a GET
+    assert 1 <= cold["lookup_spaced"]["round_trips"] <= 3 and 1 <= cold["load_spaced"]["round_trips"] <= 3
 
 
 LMCACHE_JSON = {  # shape of `lmcache bench l2 --format json` (0.5.6), figures from a real run, trimmed

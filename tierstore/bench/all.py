@@ -2,7 +2,7 @@
 plots and ``DIR/results.json``.
 
 Sections: tier throughput per object size beside its physical limit (memcpy, page-cache read, plain
-write); the remote tier through the S3 shim beside its concurrent ceiling, and a cold instance's lookup;
+write); the remote tier through the S3 shim beside its concurrent ceiling, and a cold instance's lookup and load;
 KV TTFT per store configuration (``bench kv``); the control plane (``lookup`` per key and index memory per
 key from 10k to 1M keys); weight loading (``bench weights``, local, small); LMCache's ``bench l2`` beside
 the disk tier (``bench peers``) when its venv exists or with ``--peers``. ``--quick`` runs tiny sizes and
@@ -92,8 +92,8 @@ def run(args: argparse.Namespace) -> int:
                                              2 if quick else 5, tmp, log=print)
 
         step("remote: S3 shim (20 ms first byte, 90 MB/s per connection) vs its concurrent ceiling")
-        sections["remote"] = sweep.remote(4, 256 << 10, 4, repeats=1) if quick else \
-            sweep.remote(32, 4 << 20, 8, repeats=3)
+        sections["remote"] = sweep.remote(4, 256 << 10, 4, repeats=1, cold_count=8, cold_size=64 << 10,
+                                          cold_in_flight=4) if quick else sweep.remote(32, 4 << 20, 8, repeats=3)
 
         step("kv: multi-round-chat TTFT per store configuration")
         kv_json = os.path.join(tmp, "kv.json")

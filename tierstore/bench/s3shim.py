@@ -54,12 +54,23 @@ def _reset_connection(request: Any) -> None:
 def serve(upstream: str, port: int, latency: float, bandwidth: float, lifetime: float) -> None:
     from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
-    stats: dict[str, Any] = {"requests": 0, "by_method": {}, "gets": {}, "bytes_out": 0, "faults": 0}
+    stats: dict[str, Any] = {"requests": 0, "by_method": {}, "gets": {}, "bytes_out": 0, "faults": 0,
+                             "round_trips": 0}
+    done_depth = 0  # the deepest chain of requests answered so far (see round_trips in S3Shim.stats)
     fault: dict[str, Any] = {"mode": "pass", "status": 503, "delay": 0.0, "methods": None}
     stopped = asyncio.Event()
     session: ClientSession | None = None
 
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        nonlocal done_depth
+        depth = done_depth + 1  # this request may have waited for every one answered before it began
+        stats["round_trips"] = max(stats["round_trips"], depth)
+        try:
+            return await forward(request)
+        finally:
+            done_depth = max(done_depth, depth)
+
+    async def forward(request: web.BaseRequest) -> web.StreamResponse:
         t0 = time.monotonic()
         stats["requests"] += 1
         stats["by_method"][request.method] = stats["by_method"].get(request.method, 0) + 1
@@ -112,6 +123,7 @@ def serve(upstream: str, port: int, latency: float, bandwidth: float, lifetime: 
 
     async def control(runner: web.ServerRunner, site: web.TCPSite, bound: int) -> None:
         """Answer the parent's commands on stdin: ``{"op": "stats" | "reset" | "fault", …}``; EOF stops."""
+        nonlocal done_depth
         reader = asyncio.StreamReader()
         await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
                                                            sys.stdin)
@@ -119,7 +131,8 @@ def serve(upstream: str, port: int, latency: float, bandwidth: float, lifetime: 
             command = json.loads(line)
             op = command.pop("op")
             if op == "reset":
-                stats.update(requests=0, by_method={}, gets={}, bytes_out=0, faults=0)
+                stats.update(requests=0, by_method={}, gets={}, bytes_out=0, faults=0, round_trips=0)
+                done_depth = 0
             elif op == "fault":
                 if command["mode"] == "refuse" and fault["mode"] != "refuse":
                     await site.stop()
@@ -186,7 +199,10 @@ class S3Shim:
                       methods=None if methods is None else [m.upper() for m in methods])
 
     def stats(self) -> dict[str, Any]:
-        """Requests seen so far: ``requests``, ``by_method``, ``gets`` (per path), ``bytes_out``, ``faults``."""
+        """Requests seen so far: ``requests``, ``by_method``, ``gets`` (per path), ``bytes_out``, ``faults``,
+        and ``round_trips``: the longest chain of requests each begun after the one before it was answered
+        (requests sent together count once; 64 sent 32 at a time count twice), the number of latencies
+        the client waited in sequence."""
         return self._command("stats")
 
     def reset(self) -> None:

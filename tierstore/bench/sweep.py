@@ -6,8 +6,9 @@ remote tier through the S3 shim beside the shim's concurrent ceiling.
 * disk tier ``get(out=)`` vs ``readinto`` of plain files from the page cache, ``put`` vs plain writes
   without fsync (the tier is not durable here either);
 * remote tier ``get`` of ``count`` objects through :mod:`tierstore.bench.s3shim` vs the same objects
-  fetched by ``concurrency`` plain threads (the ceiling at the configured concurrency), the per-key
-  loop, and a cold instance's ``lookup`` of the prefix (open + lookup, requests counted at the shim).
+  fetched by ``concurrency`` plain threads with one GET each (the ceiling at the configured concurrency),
+  the per-key loop, and a cold instance's ``lookup`` and load of a prefix only S3 holds
+  (:mod:`tierstore.bench.cold`, beside the shim's HEAD and GET ceilings at its concurrency).
 
 Reads go through a one-tier store with :mod:`tierstore.bench.ops` (batched where the store has it).
 Values are GB/s, median of ``repeats``; a tier and its limit are timed in alternation.
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from ..keys import ChunkKey
+from . import cold
 from .common import gbps, median_time
 from .ops import delete_all, get_all_into, put_all
 
@@ -125,8 +127,10 @@ def _checked(results: list[Any]) -> None:
 
 
 def remote(count: int, size: int, concurrency: int = 8, latency: float = 0.020, bandwidth: float = 90e6,
-           repeats: int = 3, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """The remote tier through the S3 shim: ``get`` of ``count`` objects vs the concurrent ceiling."""
+           repeats: int = 3, log: Callable[[str], None] = print, cold_count: int = 64, cold_size: int = 1 << 20,
+           cold_in_flight: int = 32) -> dict[str, Any]:
+    """The remote tier through the S3 shim: ``get`` of ``count`` objects vs the concurrent ceiling, and a
+    cold instance's lookup and load of ``cold_count`` chunks (:mod:`tierstore.bench.cold`, under ``cold``)."""
     import tierstore
 
     from ..testing.s3 import local_s3
@@ -140,39 +144,38 @@ def remote(count: int, size: int, concurrency: int = 8, latency: float = 0.020, 
     res: dict[str, Any] = {"count": count, "size": size, "concurrency": concurrency, "latency_s": latency,
                            "bandwidth_Bps": bandwidth,
                            "model_ceiling": nbytes / (waves * (latency + size / bandwidth)) / 1e9}
-    with local_s3() as s3, S3Shim(s3.endpoint_url, latency, bandwidth) as shim:
-        bucket = s3.new_bucket("bench")
-        opts = shim.storage_options(s3.storage_options)
-        import s3fs
+    with local_s3() as s3:
+        with S3Shim(s3.endpoint_url, latency, bandwidth) as shim:
+            bucket = s3.new_bucket("bench")
+            opts = shim.storage_options(s3.storage_options)
+            import s3fs
 
-        fs = s3fs.S3FileSystem(**opts)
-        raw = [f"{bucket}/raw/{i}" for i in range(count)]
-        log(f"  remote: uploading {count} x {size >> 10} KiB through the shim")
-        for path, (_, v) in zip(raw, items, strict=True):
-            fs.pipe_file(path, v["kv"].numpy().tobytes())
-        with ThreadPoolExecutor(concurrency) as pool:
-            res["ceiling"] = _rate(lambda: list(pool.map(fs.cat_file, raw)), nbytes, repeats)
-        res["single_stream"] = gbps(nbytes, median_time(lambda: [fs.cat_file(p) for p in raw], 1))
-        cfg = {"tiers": [{"kind": "remote", "url": f"s3://{bucket}/tier", "storage_options": opts,
-                          "max_in_flight": concurrency}]}
-        log("  remote: tier put and get")
-        with tierstore.open(cfg) as store:
-            t0 = time.perf_counter()
-            put_all(store, items)
-            res["put"] = gbps(nbytes, time.perf_counter() - t0)
-            res["get"] = _rate(lambda: _checked(get_all_into(store, keys, outs)), nbytes, repeats)
-            tier = store.tier("remote")
-            res["tier_get_many"] = _rate(lambda: _checked(tier.get_many(keys)), nbytes, repeats)
-            res["get_loop"] = gbps(nbytes, median_time(
-                lambda: _checked([store.get(k, out=o) for k, o in zip(keys, outs, strict=True)]), 1))
-        if not all(torch.equal(o["kv"], v["kv"]) for o, (_, v) in zip(outs, items, strict=True)):
-            raise RuntimeError("remote tier returned wrong bytes")
-        log("  remote: cold instance lookup")
-        shim.reset()
-        t0 = time.perf_counter()
-        with tierstore.open(cfg) as cold:
-            found = cold.lookup(keys)
-        res["cold_lookup_s"] = time.perf_counter() - t0
-        res["cold_lookup_found"] = found
-        res["cold_lookup_requests"] = shim.stats()["requests"]
+            fs = s3fs.S3FileSystem(**opts)
+            raw = [f"{bucket}/raw/{i}" for i in range(count)]
+            log(f"  remote: uploading {count} x {size >> 10} KiB through the shim")
+            for path, (_, v) in zip(raw, items, strict=True):
+                fs.pipe_file(path, v["kv"].numpy().tobytes())
+
+            def one_get(path: str) -> bytes:
+                data: bytes = fs.cat_file(path, max_concurrency=1)  # a single GET, as the tier sends
+                return data
+
+            with ThreadPoolExecutor(concurrency) as pool:
+                res["ceiling"] = _rate(lambda: list(pool.map(one_get, raw)), nbytes, repeats)
+            res["single_stream"] = gbps(nbytes, median_time(lambda: [one_get(p) for p in raw], 1))
+            cfg = {"tiers": [{"kind": "remote", "url": f"s3://{bucket}/tier", "storage_options": opts,
+                              "max_in_flight": concurrency}]}
+            log("  remote: tier put and get")
+            with tierstore.open(cfg) as store:
+                t0 = time.perf_counter()
+                put_all(store, items)
+                res["put"] = gbps(nbytes, time.perf_counter() - t0)
+                res["get"] = _rate(lambda: _checked(get_all_into(store, keys, outs)), nbytes, repeats)
+                tier = store.tier("remote")
+                res["tier_get_many"] = _rate(lambda: _checked(tier.get_many(keys)), nbytes, repeats)
+                res["get_loop"] = gbps(nbytes, median_time(
+                    lambda: _checked([store.get(k, out=o) for k, o in zip(keys, outs, strict=True)]), 1))
+            if not all(torch.equal(o["kv"], v["kv"]) for o, (_, v) in zip(outs, items, strict=True)):
+                raise RuntimeError("remote tier returned wrong bytes")
+        res["cold"] = cold.measure(s3, cold_count, cold_size, cold_in_flight, latency, bandwidth, repeats, log)
     return res

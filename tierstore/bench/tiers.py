@@ -24,6 +24,7 @@ def add_arguments(p) -> None:
     p.add_argument("--no-s3", action="store_true", help="skip the local S3 server rows")
     p.add_argument("--shim-chunks", type=int, default=64,
                    help="chunks of the cold-instance rows behind the S3 latency shim (0 to skip; default 64)")
+    p.add_argument("--shim-chunk", default="1MiB", help="chunk size of the cold-instance rows (default 1MiB)")
     p.add_argument("--shim-in-flight", type=int, default=32,
                    help="remote tier max_in_flight in the shim rows (default 32)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
@@ -125,7 +126,8 @@ def run(args) -> int:
         disk.close()
 
         if not args.no_s3:
-            _s3_rows(report, items, payloads, total, r, args.shim_chunks, args.shim_in_flight)
+            _s3_rows(report, items, payloads, total, r, args.shim_chunks, parse_size(args.shim_chunk),
+                     args.shim_in_flight)
         _store_rows(report, tmp, items, total, r, clone, args.lookup_keys)
 
     print(report.table())
@@ -134,7 +136,8 @@ def run(args) -> int:
     return 0
 
 
-def _s3_rows(report: Report, items, payloads, total: int, r: int, shim_chunks: int = 0, in_flight: int = 32) -> None:
+def _s3_rows(report: Report, items, payloads, total: int, r: int, shim_chunks: int = 0, shim_chunk: int = 1 << 20,
+             in_flight: int = 32) -> None:
     from ..testing.s3 import local_s3
     from ..tiers.remote import RemoteTier
 
@@ -155,51 +158,32 @@ def _s3_rows(report: Report, items, payloads, total: int, r: int, shim_chunks: i
         report.add("remote tier (S3) get_many", gbps(total, t_get), "GB/s", pr)
         remote.close()
         if shim_chunks:
-            _shim_rows(report, s3, items[:shim_chunks], in_flight)
+            _shim_rows(report, s3, shim_chunks, shim_chunk, in_flight, reps)
 
 
-def _shim_rows(report: Report, s3, items, in_flight: int, latency: float = 0.020, bandwidth: float = 90e6) -> None:
+def _shim_rows(report: Report, s3, count: int, size: int, in_flight: int, repeats: int) -> None:
     """A cold instance (empty local tiers, remote not listed) finds and loads a prefix only S3 holds,
-    behind the latency/bandwidth shim: ``lookup`` and ``get_many`` against one HEAD/GET per key in turn."""
-    import tierstore
+    behind the latency/bandwidth shim, beside the shim's HEAD and GET ceilings at the same concurrency
+    (:mod:`tierstore.bench.cold`)."""
+    from . import cold
 
-    from ..tiers.remote import RemoteTier
-    from .s3shim import S3Shim
+    c = cold.measure(s3, count, size, in_flight, repeats=repeats)
 
-    bucket = s3.new_bucket()
-    url = f"s3://{bucket}/kv"
-    keys = [k for k, _ in items]
-    with RemoteTier(url=url, storage_options=s3.storage_options) as writer:
-        writer.put_many(items)
-    per_chunk = sum(t.nbytes for t in items[0][1].values())
-    with S3Shim(s3.endpoint_url, latency=latency, bandwidth=bandwidth) as shim:
-        pool = {"config_kwargs": {"max_pool_connections": 2 * in_flight}}
-        options = shim.storage_options({**s3.storage_options, **pool})
-        cfg = {"tiers": [{"kind": "host", "capacity": 2 * per_chunk * len(items) + (64 << 20), "pinned": False},
-                         {"kind": "remote", "url": url, "storage_options": options, "list_on_open": False,
-                          "max_in_flight": in_flight}], "prefetch_policy": "transient"}
+    def row(name: str, key: str, baseline=None, note: str = ""):
+        m = c[key]
+        requests = " + ".join(f"{n} {method}" for method, n in sorted(m["requests"].items()))
+        return report.add(name, m["s"] * 1e3, "ms", baseline, higher_is_better=False,
+                          note=f"{requests}{'; ' + note if note else ''}")
 
-        def cold(fn):
-            with tierstore.open(cfg) as store:
-                warm = [ChunkKey.from_bytes(b"warm-up-%d" % i) for i in range(in_flight)]
-                store.tier("remote").contains_many(warm)
-                return median_time(lambda: fn(store), 1)  # connections are open; the keys are not indexed
-
-        seq = report.add(f"cold lookup, {len(keys)} keys, one HEAD at a time", cold(
-            lambda st: [st.tier("remote").contains(k) for k in keys]) * 1e3, "ms", higher_is_better=False)
-        report.add(f"cold lookup, {len(keys)} keys, batched", cold(lambda st: st.lookup(keys)) * 1e3, "ms",
-                   seq, higher_is_better=False, note="target <= 100 ms (3 round trips)")
-        one = report.add(f"cold load, {len(keys)} chunks, get() per key", cold(
-            lambda st: [st.get(k) for k in keys]) * 1e3, "ms", higher_is_better=False)
-        report.add(f"cold load, {len(keys)} chunks, get_many", cold(lambda st: st.get_many(keys)) * 1e3, "ms",
-                   one, higher_is_better=False, note="target <= 500 ms")
-        with tierstore.open(cfg) as store:
-            store.lookup(keys)  # indexed: the GETs alone
-            t = median_time(lambda: store.get_many(keys), 3)
-        rounds = -(-len(keys) // in_flight)
-        ceiling = len(keys) * per_chunk / (rounds * (latency + per_chunk / bandwidth)) / 1e9
-        report.add(f"get_many via shim ({in_flight} in flight)", gbps(len(keys) * per_chunk, t), "GB/s",
-                   note=f"{gbps(len(keys) * per_chunk, t) / ceiling:.2f}x the shim ceiling {ceiling:.3f} GB/s")
+    heads = row(f"ceiling: {count} plain HEADs, {in_flight} in flight", "head_ceiling")
+    gets = row(f"ceiling: {count} plain GETs, {in_flight} in flight", "get_ceiling")
+    row(f"cold lookup, {count} keys", "lookup", heads,
+        f"{c['lookup_spaced']['round_trips']} round trips; target <= 100 ms, <= 3 round trips")
+    row(f"cold lookup, {count} keys, first after open", "first_lookup", heads, "client start-up included")
+    row(f"cold load, {count} chunks, get_many", "load", gets,
+        f"{c['load_spaced']['round_trips']} round trips; target <= 500 ms")
+    row(f"cold lookup + get_many, {count} chunks", "lookup_load")
+    row(f"open (list_on_open) + lookup, {count} keys", "listed")
 
 
 def _store_rows(report: Report, tmp: str, items, total: int, r: int, clone, n_lookup: int) -> None:

@@ -18,7 +18,7 @@ import torch
 from ..errors import CorruptObjectError, InvalidInputError, UnsupportedObjectError
 from ..keys import ChunkKey, check_key
 from ..policy import LRUPolicy
-from ..tensors import TensorDict
+from ..tensors import TensorDict, fill_out
 from .claims import Claims
 
 #: outcomes of reading one object (see ``TierReads._read_checked``)
@@ -29,6 +29,9 @@ class TierReads:
     """Reads of one tier; mixed into :class:`~tierstore.tiers.base.Tier`, which defines what is declared here."""
 
     shared: ClassVar[bool]
+    #: whether reading an object the index lacks tells whether it exists (a remote GET: "not found" is the
+    #: miss); batched reads then skip the separate existence probe (a HEAD per key) for such keys
+    reads_probe: ClassVar[bool] = False
     _cond: threading.Condition
     _lru: LRUPolicy[ChunkKey]
     _claims: Claims
@@ -111,14 +114,24 @@ class TierReads:
         self._check_open()
         keys = list(keys)
         unique = list(dict.fromkeys(keys))
-        held = [k for k, p in zip(unique, self.contains_many(unique), strict=True) if p]
+        present = self.contains_many(unique, probe=not self.reads_probe)
+        held = [k for k, p in zip(unique, present, strict=True) if p]
         size_of = {k: s for k, s in zip(held, self.pin(held), strict=True) if s is not None}
+        unseen = {k for k, p in zip(unique, present, strict=True) if not p} if self.reads_probe else set()
+
+        def load(k: ChunkKey) -> TensorDict | None:
+            if k in size_of:
+                return self._load_checked(k, size_of[k], device)
+            if k in unseen:
+                data, size_of[k] = self._load_unseen(k, device)
+                return data
+            return None
+
         try:
-            values = self._map(lambda k: None if k not in size_of else self._load_checked(k, size_of[k], device),
-                               unique)
+            values = self._map(load, unique)
             loaded = dict(zip(unique, values, strict=True))
         finally:
-            self.unpin(size_of)
+            self.unpin(k for k in held if k in size_of)
         results: list[TensorDict | None] = []
         seen: set[ChunkKey] = set()
         for k in keys:
@@ -144,13 +157,18 @@ class TierReads:
         """
         self._check_open()
         keys = list(keys)
-        present = self.contains_many(keys)
+        present = self.contains_many(keys, probe=not self.reads_probe)
         pinned = [k for k, p in zip(keys, present, strict=True) if p]
         size_of = {k: s for k, s in zip(pinned, self.pin(pinned), strict=True) if s is not None}
         try:
             results: list[TensorDict | InvalidInputError | None] = [None] * len(keys)
             todo = [i for i, k in enumerate(keys) if k in size_of]
-            loaded = self._load_many_into([(keys[i], size_of[keys[i]], outs[i]) for i in todo])
+            unseen = [i for i, p in enumerate(present) if not p] if self.reads_probe else []
+            if unseen:  # reading probes: indexed and unseen keys in one batch on the tier's pool
+                todo += unseen
+                loaded = self._map(lambda i: self._fill_one(keys[i], size_of.get(keys[i]), outs[i], size_of), todo)
+            else:
+                loaded = self._load_many_into([(keys[i], size_of[keys[i]], outs[i]) for i in todo])
             for i, r in zip(todo, loaded, strict=True):
                 results[i] = r
         finally:  # one unpin per pin: a key listed twice was pinned twice
@@ -159,29 +177,67 @@ class TierReads:
         with self._cond:
             self._counts["hits"] += len(hits)
             self._counts["misses"] += len(results) - len(hits)
-            self._counts["bytes_out"] += sum(size_of[keys[i]] for i in hits)
+            self._counts["bytes_out"] += sum(size_of.get(keys[i], 0) for i in hits)
         return results
 
     def _load_many_into(self, work: list[tuple[ChunkKey, int, Mapping[str, torch.Tensor]]]
                         ) -> list[TensorDict | InvalidInputError | None]:
         """Fill each ``(key, size, out)`` of pinned keys (see :meth:`get_many_into`). Tiers with a faster
         batched read path override this."""
-        def one(item: tuple[ChunkKey, int, Mapping[str, torch.Tensor]]) -> TensorDict | InvalidInputError | None:
-            try:
-                return self._load_checked(*item[:2], "cpu", out=item[2])
-            except InvalidInputError as exc:
-                return exc
+        return self._map(lambda item: self._fill_one(*item), work)
 
-        return self._map(one, work)
+    def _fill_one(self, key: ChunkKey, size: int | None, out: Mapping[str, torch.Tensor],
+                  sizes: dict[ChunkKey, int] | None = None) -> TensorDict | InvalidInputError | None:
+        """One item of :meth:`get_many_into`: a pinned key of ``size``, or (``size`` is ``None``) one the
+        index lacks on a :attr:`reads_probe` tier, whose stored size is then recorded in ``sizes``."""
+        try:
+            if size is not None:
+                return self._load_checked(key, size, "cpu", out=out)
+            data, found = self._load_unseen(key, "cpu", out)
+            if data is not None and sizes is not None:
+                sizes[key] = found
+            return data
+        except InvalidInputError as exc:
+            return exc
+
+    def _fetch(self, key: ChunkKey, device: str | torch.device) -> tuple[TensorDict, int] | None:
+        """``(tensors, stored size)`` of a key the index lacks, ``None`` if storage does not have it; raises
+        like :meth:`_load`. Only :attr:`reads_probe` tiers implement it."""
+        raise NotImplementedError
+
+    def _load_unseen(self, key: ChunkKey, device: str | torch.device, out: Mapping[str, torch.Tensor] | None = None
+                     ) -> tuple[TensorDict | None, int]:
+        """Read a key the index lacks on a :attr:`reads_probe` tier, without probing first: ``(tensors or
+        None, stored size)``, ``out`` filled on a hit. A hit joins the index; anything wrong with the
+        object is a counted miss (as :meth:`_read_checked`), a mismatched ``out`` raises
+        :class:`InvalidInputError`."""
+        size = 0
+
+        def reader() -> TensorDict | None:
+            nonlocal size
+            got = self._fetch(key, device)
+            if got is None:
+                return None
+            data, size = got
+            return data if out is None else fill_out(out, data)
+
+        data = self._load_checked(key, 0, device, out=out, reader=reader)
+        if data is not None:
+            with self._cond:
+                if key not in self._lru:
+                    self._index_add(key, size)
+        return data, size
 
     def _load_checked(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False,
-                      out: Mapping[str, torch.Tensor] | None = None) -> TensorDict | None:
-        """Read a chunk; anything wrong with the stored object is a counted miss, never an exception."""
-        return self._read_checked(key, size, device, borrow, out)[0]
+                      out: Mapping[str, torch.Tensor] | None = None,
+                      reader: Callable[[], TensorDict | None] | None = None) -> TensorDict | None:
+        """Read a chunk (through ``reader`` when given: a key the index lacks); anything wrong with the
+        stored object is a counted miss, never an exception."""
+        return self._read_checked(key, size, device, borrow, out, reader=reader)[0]
 
     def _read_checked(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False,
-                      out: Mapping[str, torch.Tensor] | None = None, repair: bool = False
-                      ) -> tuple[TensorDict | None, str]:
+                      out: Mapping[str, torch.Tensor] | None = None, repair: bool = False,
+                      reader: Callable[[], TensorDict | None] | None = None) -> tuple[TensorDict | None, str]:
         """``(tensors or None, outcome)``: read a chunk and classify what went wrong.
 
         * damaged (:class:`CorruptObjectError`): counted ``corrupt``, forgotten; removed from storage on
@@ -195,7 +251,12 @@ class TierReads:
         :class:`InvalidInputError` (``out`` does not match an intact chunk) propagates.
         """
         try:
-            data = self._load_into(key, size, out) if out is not None else self._load(key, size, device, borrow)
+            if reader is not None:
+                data = reader()
+            elif out is not None:
+                data = self._load_into(key, size, out)
+            else:
+                data = self._load(key, size, device, borrow)
             return data, OK if data is not None else MISSING
         except UnsupportedObjectError as exc:
             self._count("unsupported")
@@ -272,13 +333,16 @@ class TierReads:
         Memory tiers copy straight from their own tensors: no allocation on this path.
         """
         self._check_open()
-        size = self.pin([key])[0] if self.contains(key) else None
+        present = self.contains_many([key], probe=not self.reads_probe)[0]
+        size = self.pin([key])[0] if present else None
         result = None
         if size is not None:
             try:
                 result = self._load_checked(key, size, "cpu", out=out)
             finally:
                 self.unpin([key])
+        elif not present and self.reads_probe:
+            result, size = self._load_unseen(key, "cpu", out)
         with self._cond:
             self._counts["hits" if result is not None else "misses"] += 1
             self._counts["bytes_out"] += size if result is not None and size is not None else 0

@@ -15,8 +15,9 @@ Rules this tier keeps:
   published it already, and a HEAD costs less than encoding and uploading it again; the conditional
   publish, not the HEAD, is what keeps the first object.
 * **Sharing.** The index is rebuilt by listing at open (``list_on_open``); keys missing from the index are
-  looked up in storage (one HEAD each, concurrently) every time — negative results are never cached, since
-  another process may publish a key at any moment.
+  looked up in storage every time — negative results are never cached, since another process may publish
+  a key at any moment. A lookup costs one HEAD per such key (concurrently); a read needs no HEAD at all:
+  its GET is the lookup (a ``404`` is the miss) and a hit joins the index (``reads_probe``).
 * **Bounded, concurrent batches.** ``put_many``/``get_many``/probes fan their per-key work out over a
   thread pool of ``max_in_flight`` workers shared by all callers of the tier; the base class keeps the
   accounting, pins and counters.
@@ -61,7 +62,7 @@ from ..tensors import TensorDict
 from . import objfile
 from .base import Tier
 from .layout import PERMISSIONS, TMP_SUFFIX, key_from_name, object_relpath
-from .remote_storage import DEFAULT_TIMEOUT, GuardedStorage, with_client_defaults
+from .remote_storage import DEFAULT_TIMEOUT, GuardedStorage, read_s3_object, with_client_defaults
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -117,9 +118,9 @@ class RemoteTier(Tier):
         Rebuild the index by listing the prefix at open (bounded by :attr:`list_timeout`). Without it the
         index fills lazily, as lookups find objects in storage.
     timeout:
-        Seconds one storage request may take (default :data:`DEFAULT_TIMEOUT`). A get or lookup of a key
-        this process has not seen makes one request (a HEAD), a get of a known key one GET, a put one PUT
-        (plus a HEAD for an unseen key): against a silent endpoint each returns a miss/``False`` within
+        Seconds one storage request may take (default :data:`DEFAULT_TIMEOUT`). A lookup of a key this
+        process has not seen makes one request (a HEAD), a get one GET (seen or not), a put one PUT (plus
+        a HEAD for an unseen key): against a silent endpoint each returns a miss/``False`` within
         ``timeout``, and later calls return at once while the tier backs off.
     permissions:
         For a local or mounted path: ``"private"`` (folders 0700, objects 0600) or ``"group"`` (0770,
@@ -128,6 +129,7 @@ class RemoteTier(Tier):
 
     kind = "remote"
     overwrites = False
+    reads_probe = True
     #: seconds the listing at open may take (at least ``timeout``); a prefix too large to list in that
     #: time starts with an empty index that fills as lookups find objects (or use ``list_on_open=False``)
     list_timeout: float = 30.0
@@ -164,6 +166,8 @@ class RemoteTier(Tier):
         self._in_flight: set[Future[Any]] = set()  # pool tasks not finished yet (close waits for them)
         if list_on_open:
             self._rebuild_index()
+        else:
+            self.storage.start_client()
 
     # ------------------------------------------------------------------ paths and plumbing
     def _path(self, key: ChunkKey) -> str:
@@ -395,12 +399,16 @@ class RemoteTier(Tier):
             except FileExistsError:
                 pass  # a concurrent writer made it
 
-    def _read(self, path: str) -> bytes:
-        """The whole object in one GET: what is allocated is bounded by the object's real size."""
+    def _read(self, path: str) -> torch.Tensor | bytes:
+        """The whole object in one request (on S3 one GET, no HEAD first); what is allocated is bounded
+        by the object's real size. Raises ``FileNotFoundError`` if it does not exist."""
+        if self._s3:
+            return self.storage.run("get", lambda: read_s3_object(self.fs, path))
         data: bytes = self._io("cat_file", path)
         return data
 
-    def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
+    def _read_object(self, key: ChunkKey, device: str | torch.device) -> tuple[TensorDict, int]:
+        """``(tensors on device, object size)`` of ``key``'s object, read and verified."""
         path = self._path(key)
         if self._local:  # a mount: read like the disk tier (no symlinks, no FIFOs, sizes checked first)
             fd, st = objfile.open_object(path)
@@ -408,12 +416,31 @@ class RemoteTier(Tier):
                 tensors = objfile.read_object(fd, st, key)
             finally:
                 os.close(fd)
+            size = st.st_size
         else:
-            tensors = objformat.decode(self._read(path), expected_key=key)
+            raw = self._read(path)
+            tensors = objformat.decode(raw, expected_key=key)
+            size = raw.numel() if isinstance(raw, torch.Tensor) else len(raw)
         device = torch.device(device)
         if device.type != "cpu":
             tensors = {name: t.to(device) for name, t in tensors.items()}
-        return tensors
+        return tensors, size
+
+    def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
+        return self._read_object(key, device)[0]
+
+    def _fetch(self, key: ChunkKey, device: str | torch.device) -> tuple[TensorDict, int] | None:
+        try:
+            return self._read_object(key, device)
+        except FileNotFoundError:
+            return None
+        except PermissionError as exc:
+            if not self._s3:
+                raise
+            # as for a HEAD (see _stat): S3 answers 403 for a missing key without s3:ListBucket
+            self._log_once("get-403", "read of %s denied (%s): treating as a miss; grant s3:ListBucket to "
+                           "tell misses from denials", self.url, exc)
+            return None
 
     def _drop(self, key: ChunkKey) -> None:
         try:

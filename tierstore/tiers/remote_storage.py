@@ -14,12 +14,16 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 import fsspec
+import torch
 
 from ..errors import TierstoreError
+from ..objformat import alloc_bytes
+
+T = TypeVar("T")
 
 #: seconds one storage request may take by default; a KV chunk later than this is worth less than
 #: recomputing it
@@ -29,6 +33,9 @@ DEFAULT_TIMEOUT = 5.0
 S3_CLIENT_DEFAULTS: dict[str, Any] = {"connect_timeout": 2, "read_timeout": 4,
                                       "retries": {"max_attempts": 3, "mode": "standard"}}
 
+#: bytes taken from an S3 response body at a time while it is copied into its buffer
+READ_CHUNK = 1 << 20
+
 #: exceptions from a filesystem call that are bugs or bad arguments, not an unreachable storage
 _PROGRAMMING_ERRORS = (TypeError, ValueError, AttributeError, LookupError, NotImplementedError, AssertionError)
 
@@ -37,13 +44,71 @@ class Unavailable(OSError):
     """The storage failed recently; raised without I/O until the back-off expires."""
 
 
+#: the keyword arguments s3fs hands to the botocore session it creates (all it does not know itself)
+_SESSION_OPTIONS = {"profile", "session_vars", "event_hooks", "include_builtin_handlers"}
+_sessions: dict[str | None, Any] = {}
+_sessions_lock = threading.Lock()
+
+
 def with_client_defaults(url: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """``options`` plus :data:`S3_CLIENT_DEFAULTS` for an ``s3://`` URL (the user's values win, key by key)."""
+    """``options`` plus, for an ``s3://`` URL, :data:`S3_CLIENT_DEFAULTS` (the user's values win, key by
+    key) and this process's shared botocore session (see :func:`shared_session`) unless the options
+    bring a ``session`` or session settings other than ``profile``."""
     options = dict(options)
     protocol, _ = fsspec.core.split_protocol(url.split("::")[-1])
     if protocol in ("s3", "s3a"):
         options["config_kwargs"] = {**S3_CLIENT_DEFAULTS, **(options.get("config_kwargs") or {})}
+        profile = options.get("profile")
+        if "session" not in options and _SESSION_OPTIONS & set(options) <= {"profile"} and (
+                profile is None or isinstance(profile, str)):
+            options["session"] = shared_session(profile)
     return options
+
+
+def shared_session(profile: str | None = None) -> Any:
+    """One botocore (aiobotocore) session per profile for every s3 remote tier of this process.
+
+    A session loads botocore's service models (megabytes of JSON, 0.1-0.4 s of CPU) on its first client;
+    s3fs makes a session per filesystem, so every store opened paid that again before its first request.
+    Shared, only the first does; each tier still gets its own client and connections (credentials,
+    endpoint and ``config_kwargs`` are the client's). It also keeps fsspec's instance cache working: the
+    same options name the same session.
+    """
+    with _sessions_lock:
+        session = _sessions.get(profile)
+        if session is None:
+            from aiobotocore.session import AioSession
+
+            session = _sessions[profile] = AioSession(profile=profile)
+        return session
+
+
+async def read_s3_object(fs: Any, path: str) -> torch.Tensor:
+    """The object at ``path`` of an s3fs filesystem as one flat uint8 tensor, from a single GET.
+
+    s3fs's ``cat_file`` sends a HEAD before each GET (to split large objects into ranged reads); a KV
+    chunk is read whole, so one GET does, and a missing key is its ``404`` (``FileNotFoundError``). The
+    body is streamed into a buffer of the response's ``Content-Length`` (what is allocated is bounded by
+    the object's real size), which :func:`tierstore.objformat.decode` then views without a copy.
+    """
+    bucket, key, _ = fs.split_path(path)
+    response = await fs._call_s3("get_object", Bucket=bucket, Key=key)
+    body = response["Body"]
+    try:
+        size = int(response["ContentLength"])
+        buf = alloc_bytes(size)
+        view = buf.numpy().data if size else memoryview(bytearray())
+        pos = 0
+        async for part in body.iter_chunks(READ_CHUNK):
+            if pos + len(part) > size:
+                raise OSError(f"{path}: the body is longer than its Content-Length {size}")
+            view[pos:pos + len(part)] = part
+            pos += len(part)
+        if pos != size:
+            raise OSError(f"{path}: the body ended after {pos} of {size} bytes")
+        return buf
+    finally:
+        body.close()
 
 
 def _server_error(exc: BaseException) -> bool:
@@ -85,11 +150,27 @@ class GuardedStorage:
         Raises :class:`Unavailable` while backing off; other failures as ``OSError`` (botocore, aiohttp …
         errors are wrapped), a missed deadline as ``TimeoutError``.
         """
+        if self._async:
+            return self.run(name, lambda: getattr(self.fs, "_" + name)(*args, **kwargs), timeout)
+        return self._guarded(lambda: getattr(self.fs, name)(*args, **kwargs))
+
+    def run(self, what: str, make: Callable[[], Awaitable[T]], timeout: float | None = None) -> T:
+        """``await make()`` on an asynchronous filesystem's event loop, guarded as :meth:`call` is; the
+        whole coroutine (request and body) shares one deadline. ``what`` names it in a timeout message."""
+        return self._guarded(lambda: self._on_loop(what, make, timeout or self.timeout))
+
+    def start_client(self) -> None:
+        """Create an s3fs client in the background now (no request is sent), so that the first request
+        does not wait for it; a failure here is retried by that request."""
+        if self._async and hasattr(self.fs, "set_session"):
+            asyncio.run_coroutine_threadsafe(self.fs.set_session(), self.fs.loop)
+
+    def _guarded(self, fn: Callable[[], T]) -> T:
         now = time.monotonic()
         if now < self._down_until:
             raise Unavailable(f"{self.url} is unreachable; next attempt in {self._down_until - now:.1f}s")
         try:
-            out = self._run(name, timeout or self.timeout, *args, **kwargs)
+            out = fn()
         except (FileNotFoundError, FileExistsError, TierstoreError):
             self._mark_up()  # the storage answered
             raise
@@ -100,6 +181,8 @@ class GuardedStorage:
             if _server_error(exc):
                 self._mark_down(exc)
             raise
+        except MemoryError:  # this host, not the storage
+            raise
         except _PROGRAMMING_ERRORS as exc:
             raise OSError(f"{type(exc).__name__}: {exc}") from exc
         except Exception as exc:  # botocore / aiohttp / gcsfs network errors
@@ -108,16 +191,16 @@ class GuardedStorage:
         self._mark_up()
         return out
 
-    def _run(self, name: str, timeout: float, *args: Any, **kwargs: Any) -> Any:
-        if not self._async:
-            return getattr(self.fs, name)(*args, **kwargs)
-        coro = getattr(self.fs, "_" + name)(*args, **kwargs)
-        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self.fs.loop)
+    def _on_loop(self, what: str, make: Callable[[], Awaitable[T]], timeout: float) -> T:
+        async def bounded() -> T:
+            return await asyncio.wait_for(make(), timeout)
+
+        future = asyncio.run_coroutine_threadsafe(bounded(), self.fs.loop)
         try:
             return future.result(timeout + 1.0)  # the extra second covers a busy event loop
         except TimeoutError as exc:
             future.cancel()
-            raise TimeoutError(f"{self.url}: {name} got no answer within {timeout:g}s") from exc
+            raise TimeoutError(f"{self.url}: {what} got no answer within {timeout:g}s") from exc
 
     def _mark_down(self, exc: BaseException) -> None:
         with self._health:
