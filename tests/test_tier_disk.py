@@ -156,7 +156,7 @@ def test_lru_order_rebuilt_from_mtime(tmp_path):
         t.put(key_of(i), chunk(i))
     t.close()
     now = time.time()
-    for age, i in zip((40, 10, 30, 20), range(4), strict=True):  # use order, oldest first: 0, 2, 3, 1
+    for age, i in zip((400, 100, 300, 200), range(4), strict=True):  # used: 0, 2, 3, 1; over a minute ago
         os.utime(root / object_relpath(key_of(i)), (now - age, now - age))
     t = DiskTier(path=root)
     assert t.keys() == [key_of(i) for i in (0, 2, 3, 1)]

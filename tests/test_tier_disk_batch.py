@@ -7,8 +7,10 @@ import sys
 import pytest
 import torch
 
+from tierstore import objformat
 from tierstore.errors import InvalidInputError
 from tierstore.testing.tiers import assert_same, chunk, key_of, run_threads
+from tierstore.tiers import objfile
 from tierstore.tiers.disk import DiskTier
 
 SIZE = 64 << 10
@@ -35,8 +37,37 @@ def test_batch_is_exact_and_reuses_remembered_headers(tier):
         for i in (*range(10), 11):
             assert_same(got[i], data[3] if i == 11 else data[i])
             assert got[i]["k"].data_ptr() == outs[i]["k"].data_ptr()
-    assert len(tier._batched._headers) == 10
+    assert len(tier._batched._plans) == 10
     assert tier.stats()["pinned"] == 0
+
+
+def test_reads_are_planned_from_the_write_and_after_a_restart_from_the_first_verified_read(tmp_path, monkeypatch):
+    parsed = []
+    real = objfile.read_header
+    monkeypatch.setattr(objfile, "read_header", lambda *a, **kw: parsed.append(a[2]) or real(*a, **kw))
+    data = [chunk(i, SIZE) for i in range(4)]
+    keys = [key_of(i) for i in range(4)]
+    with DiskTier(path=tmp_path / "d", io_threads=2) as t:
+        t.put_many(list(zip(keys, data, strict=True)))
+        for got, d in zip(t.get_many_into(keys, outs_for(*data)), data, strict=True):
+            assert_same(got, d)
+        assert parsed == []  # planned from what was written: no header parsed
+    with DiskTier(path=tmp_path / "d", io_threads=2) as t:
+        for _ in range(2):
+            for got, d in zip(t.get_many_into(keys, outs_for(*data)), data, strict=True):
+                assert_same(got, d)
+        assert sorted(parsed, key=lambda k: k.hex()) == sorted(keys, key=lambda k: k.hex())  # once each
+
+
+def test_an_object_replaced_behind_the_tiers_back_is_read_again_not_misjudged(tier):
+    tier.put(key_of(1), chunk(1, SIZE))  # planned from the write
+    path = tier._object_path(key_of(1))
+    with open(path + ".new", "wb") as f:  # same names and shapes and size: only the bytes differ
+        f.write(objformat.encode(key_of(1), chunk(2, SIZE)).tobytes())
+    os.replace(path + ".new", path)
+    got = tier.get_many_into([key_of(1)], outs_for(chunk(2, SIZE)))[0]
+    assert_same(got, chunk(2, SIZE))
+    assert tier.stats()["corrupt"] == 0
 
 
 def test_a_replaced_object_is_read_again_not_misjudged(tier):
@@ -48,7 +79,7 @@ def test_a_replaced_object_is_read_again_not_misjudged(tier):
     assert tier.stats()["corrupt"] == 0
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "symlink"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "append", "symlink", "fifo", "directory"])
 def test_a_damaged_object_is_a_counted_miss_and_the_rest_of_the_batch_is_served(tier, tmp_path, damage):
     data = [chunk(i, SIZE) for i in range(3)]
     tier.put_many([(key_of(i), d) for i, d in enumerate(data)])
@@ -62,6 +93,15 @@ def test_a_damaged_object_is_a_counted_miss_and_the_rest_of_the_batch_is_served(
             f.write(bytes([b[0] ^ 0xFF]))
     elif damage == "truncate":
         os.truncate(path, os.path.getsize(path) - 64)
+    elif damage == "append":  # the planned bytes are all intact: only the size betrays it
+        with open(path, "ab") as f:
+            f.write(b"x")
+    elif damage == "fifo":
+        os.unlink(path)
+        os.mkfifo(path)
+    elif damage == "directory":
+        os.unlink(path)
+        os.mkdir(path)
     else:
         target = tmp_path / "elsewhere"
         os.replace(path, target)

@@ -100,7 +100,7 @@ class ChunkKey:
         return isinstance(other, ChunkKey) and other._digest == self._digest
 
     def __hash__(self) -> int:
-        return int.from_bytes(self._digest[:8], "little")
+        return hash(self._digest)  # bytes cache their hash: keys are hashed many times per call
 
     def __repr__(self) -> str:
         return f"ChunkKey({self.hex()[:16]}…)"

@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 from tierstore_vllm.lookup import LookupClient, LookupServer
-from tierstore_vllm.options import open_store, rank_config, socket_path
+from tierstore_vllm.options import rank_config, socket_path
 from tierstore_vllm.scheduler import SchedulerSide
 from tierstore_vllm.worker import WorkerSide
 
+from tierstore.engines import open_store
 from tierstore.kv import KVNamespace
 
 BLOCK, CHUNK, HEADS, DIM, LAYERS, BLOCKS = 16, 32, 2, 8, 2, 64

@@ -1,20 +1,21 @@
 """The disk tier's batched read path: many objects straight into caller-owned tensors.
 
-Per object: ``open`` (``O_NOFOLLOW``), ``fstat`` (a regular file of exactly the size its header
-states), then one pass of ``readv`` calls from offset 0 that land the prefix and header in a small
-scratch buffer and the payload directly in the caller's tensors, hashing each ~256 KiB step while it is
-still in cache. The checksum is compared before the result is returned (on a mismatch the object is a
-corrupt miss and ``out`` holds unspecified bytes).
+**Careful read** (first read of a key, and whenever anything looks different): ``open``
+(``O_NOFOLLOW``), ``fstat`` (a regular file of exactly the size its header states), header parsed and
+validated, then one pass of ``readv`` calls that land the prefix and header in a small scratch buffer
+and the payload directly in the caller's tensors, hashing each ~256 KiB step while it is still in cache.
 
-**Parsed-header fast path.** A header is parsed and validated once and, after its object's checksum
-passed, remembered (bounded LRU) with its exact bytes; a later read of that key plans its ``readv``
-from the remembered layout and only compares the bytes it read into the scratch buffer with the
-remembered ones — any difference (the file was replaced) falls back to the full, validating read. When
-``out`` does not match the header, the disk tier's checked path decides (checksum first, then
-:class:`~tierstore.InvalidInputError`).
+**Planned read.** Once an object's checksum passed, its read plan is remembered (bounded): path, exact
+prefix-and-header bytes, size and tensor layout. A later read of that key opens the file and reads it
+with one ``preadv`` into scratch + ``out`` + one byte beyond (objects up to :data:`ONE_READ`; larger ones
+in hashed steps as above), and accepts it only if exactly the planned size arrived, the header bytes
+equal the remembered ones *and* the checksum over what was read matches. The checksum is never
+skipped: the plan only saves a ``stat``, parsing, validation and Python bookkeeping. Anything else — a
+different size, other header bytes (the file was replaced), a failed checksum, an I/O error, an ``out``
+that does not fit the plan — falls back to the careful read, which decides (and classifies: corrupt, gone, error).
 
-Work is split into one slice per I/O thread (not one task per object), so a batch of small objects
-costs a few pool hand-offs rather than one per object.
+On a checksum failure ``out`` holds unspecified bytes. Work is split into one slice per I/O thread (not
+one task per object), so a batch of small objects costs a few pool hand-offs rather than one per object.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,7 +32,7 @@ import xxhash
 
 from .. import objformat
 from ..errors import CorruptObjectError, InvalidInputError
-from ..iov import read_into
+from ..iov import IOV_MAX, read_into
 from ..keys import ChunkKey
 from ..tensors import TensorDict
 from . import objfile
@@ -39,10 +40,16 @@ from . import objfile
 if TYPE_CHECKING:
     from .disk import DiskTier
 
-#: remembered headers (a few hundred bytes each)
-HEADER_CACHE = 16384
+#: remembered read plans (a few hundred bytes each)
+PLANS = 16384
+#: the first read of the careful path: the prefix and a typical header (a longer one costs a second read)
+HEAD_READ = 4096
+#: objects up to this size are read with one ``preadv`` and hashed afterwards (still in cache)
+ONE_READ = 1 << 20
 
 Work = tuple[ChunkKey, int, Mapping[str, torch.Tensor]]
+_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+_P = objformat.PREFIX_SIZE
 
 
 def _raw_view(t: torch.Tensor) -> memoryview:
@@ -51,12 +58,50 @@ def _raw_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
+@dataclass
+class Plan:
+    """How a verified object was laid out: enough to read it again without parsing its header."""
+
+    path: str
+    head: bytes  # the prefix and header, exactly as verified (the checksum sits in head[16:32])
+    size: int
+    #: per tensor in payload order: name, shape, dtype, bytes of padding before it
+    tensors: tuple[tuple[str, torch.Size, torch.dtype | None, int], ...]
+    tail: int  # padding after the last tensor
+    mtime_ns: int  # the file's mtime as last seen or set (when to touch it again)
+
+    @classmethod
+    def of(cls, path: str, head: bytes, hdr: objformat.Header, mtime_ns: int) -> Plan:
+        specs, pos = [], 0
+        for s in hdr.tensors:
+            specs.append((s.name, torch.Size(s.shape), s.dtype, s.offset - pos))
+            pos = s.offset + s.nbytes
+        return cls(path, head, hdr.object_size, tuple(specs), hdr.raw_size - pos, mtime_ns)
+
+    def segments(self, out: Mapping[str, torch.Tensor]) -> list[memoryview] | None:
+        """Buffers for the payload in ``out``, or ``None`` when ``out`` does not fit this plan exactly."""
+        if len(out) != len(self.tensors):
+            return None
+        segs: list[memoryview] = []
+        for name, shape, dtype, gap in self.tensors:
+            t = out.get(name)
+            if t is None or t.shape != shape or t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+                return None
+            if gap:
+                segs.append(memoryview(bytearray(gap)))
+            if t.numel():
+                segs.append(_raw_view(t))
+        if self.tail:
+            segs.append(memoryview(bytearray(self.tail)))
+        return segs
+
+
 class BatchedReader:
     """Reads batches of objects of one :class:`~tierstore.tiers.disk.DiskTier` into ``out`` tensors."""
 
     def __init__(self, tier: DiskTier):
         self.tier = tier
-        self._headers: OrderedDict[ChunkKey, tuple[bytes, objformat.Header]] = OrderedDict()
+        self._plans: dict[ChunkKey, Plan] = {}  # read without the lock (one dict lookup); written under it
         self._lock = threading.Lock()
         from .disk import _matches  # the disk tier's own out-vs-header check (imported once it exists)
 
@@ -64,70 +109,98 @@ class BatchedReader:
 
     def load_many_into(self, work: list[Work]) -> list[TensorDict | InvalidInputError | None]:
         tier = self.tier
-        slices = [list(range(i, len(work), tier.io_threads)) for i in range(min(tier.io_threads, len(work)))]
+        threads = min(tier.io_threads, len(work))
         results: list[TensorDict | InvalidInputError | None] = [None] * len(work)
 
-        def run(indices: list[int]) -> None:
-            for i in indices:
+        def run(first: int) -> None:
+            for i in range(first, len(work), threads):
                 key, size, out = work[i]
                 try:
-                    results[i] = tier._load_checked(key, size, "cpu", out=out, reader=self._reader(key, size, out))
+                    results[i] = tier._load_checked(key, size, "cpu", out=out)  # -> read_into
                 except InvalidInputError as exc:
                     results[i] = exc
 
-        tier._map(run, slices)
+        tier._map(run, range(threads))
         return results
 
-    def _reader(self, key: ChunkKey, size: int, out: Mapping[str, torch.Tensor]) -> Callable[[], TensorDict | None]:
-        return lambda: self.read_into(key, size, out)
-
-    def read_into(self, key: ChunkKey, size: int, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
-        """One object into ``out``; raises like :meth:`DiskTier._load_into`."""
-        if not all(t.device.type == "cpu" and t.is_contiguous() for t in out.values()):
-            return self.tier._load_into(key, size, out)
-        with self._lock:
-            known = self._headers.get(key)
-            if known is not None:
-                self._headers.move_to_end(key)
-        fd, st = objfile.open_object(self.tier._object_path(key))  # never a symlink, FIFO or directory
+    def _read_planned(self, plan: Plan, out: Mapping[str, torch.Tensor]) -> bool:
+        """Read an object as ``plan`` says into ``out``; ``True`` only when it is verified (see module doc)."""
+        segments = plan.segments(out)
+        if segments is None or len(segments) + 2 > IOV_MAX:
+            return False
+        scratch = bytearray(len(plan.head))
+        beyond = bytearray(1)  # a byte past the planned size: a longer file fills it
         try:
-            if known is not None and known[1].object_size == st.st_size:
-                raw, hdr = known
+            fd = os.open(plan.path, _FLAGS)  # a FIFO or directory fails the read below, a symlink the open
+        except OSError:
+            return False
+        try:
+            if plan.size <= ONE_READ:
+                got = os.preadv(fd, [scratch, *segments, beyond], 0)
+                h = xxhash.xxh3_128(memoryview(scratch)[_P:])
+                for s in segments:
+                    h.update(s)
             else:
-                head, hdr = objfile.read_header(fd, st, key)  # sizes checked against the file's
-                raw = bytes(head[:hdr.payload_offset])
+                h = xxhash.xxh3_128()
+                got = read_into(fd, [scratch, *segments, beyond], h, skip=_P)
+            if got != plan.size or scratch != plan.head or h.digest() != plan.head[16:32]:
+                return False
+            plan.mtime_ns = self.tier._touch(fd, plan.mtime_ns)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
+    def read_into(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
+        """One object into ``out``: planned when a plan exists and holds, else the careful read; raises
+        like :meth:`DiskTier._load_into`."""
+        plan = self._plans.get(key)
+        if plan is not None and self._read_planned(plan, out):
+            return dict(out)
+        return self._read_carefully(key, out)
+
+    def _read_carefully(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
+        if not all(t.device.type == "cpu" and t.is_contiguous() for t in out.values()):
+            return self.tier._load_copy(key, out)
+        path = self.tier._object_path(key)
+        fd, st = objfile.open_object(path)  # never a symlink, FIFO or directory
+        try:
+            head, hdr = objfile.read_header(fd, st, key, first=HEAD_READ)  # sizes checked against the file's
             if hdr.codec != "none" or not self._matches(out, hdr):
-                return self.tier._load_into(key, size, out)  # the checked slow path decides
+                return self.tier._load_copy(key, out)  # the checked slow path decides
+            raw = bytes(head[:hdr.payload_offset])
             scratch = bytearray(hdr.payload_offset)  # prefix and header land here, the payload in out
-            segments = [memoryview(scratch), *payload_segments(out, hdr)]
             h = xxhash.xxh3_128()
-            got = read_into(fd, segments, h, skip=objformat.PREFIX_SIZE)
+            got = read_into(fd, [memoryview(scratch), *payload_segments(out, hdr)], h, skip=_P)
             if got != hdr.object_size:
                 raise CorruptObjectError(f"short read: {got} of {hdr.object_size} bytes")
-            if scratch != raw:  # replaced since its header was remembered: read it the careful way
-                with self._lock:
-                    self._headers.pop(key, None)
-                return self.tier._load_into(key, size, out)
+            if scratch != raw:  # changed under us between the header read and this one: the slow path decides
+                return self.tier._load_copy(key, out)
             if h.digest() != raw[16:32]:
                 raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
-            if known is None or known[0] is not raw:  # remember a header only once its object verified
-                with self._lock:
-                    self._headers[key] = (raw, hdr)
-                    while len(self._headers) > HEADER_CACHE:
-                        self._headers.popitem(last=False)
-            self.tier._touch(fd, st)
+            mtime = self.tier._touch(fd, st.st_mtime_ns)
+            self._remember(key, Plan.of(path, raw, hdr, mtime))  # only once its object verified
         finally:
             os.close(fd)
         return dict(out)
 
-    def forget(self, key: ChunkKey) -> None:
+    def remember_written(self, key: ChunkKey, path: str, head: bytes, size: int, mtime_ns: int) -> None:
+        """Plan the reads of an object this tier has just written (``head``: its prefix and header)."""
+        hdr = objformat.parse_header(head, key, object_size=size)
+        self._remember(key, Plan.of(path, bytes(head), hdr, mtime_ns))
+
+    def _remember(self, key: ChunkKey, plan: Plan) -> None:
         with self._lock:
-            self._headers.pop(key, None)
+            self._plans.pop(key, None)
+            self._plans[key] = plan
+            while len(self._plans) > PLANS:  # oldest first
+                del self._plans[next(iter(self._plans))]
 
 
 def payload_segments(out: Mapping[str, torch.Tensor], hdr: objformat.Header) -> list[memoryview]:
     """Buffers covering the raw payload in order: each tensor's bytes in ``out`` (contiguous CPU tensors
-    matching ``hdr``), scratch for gaps. Shared by the single and batched disk reads."""
+    matching ``hdr``), scratch for gaps."""
     segments: list[memoryview] = []
     pos = 0
     for s in hdr.tensors:

@@ -52,13 +52,13 @@ def open_object(path: str) -> tuple[int, os.stat_result]:
     return fd, st
 
 
-def read_header(fd: int, st: os.stat_result, key: ChunkKey) -> tuple[bytes, objformat.Header]:
+def read_header(fd: int, st: os.stat_result, key: ChunkKey, first: int = HEAD_READ) -> tuple[bytes, objformat.Header]:
     """Read and validate the prefix and header of the open object: ``(bytes read, header)``.
 
-    At most :data:`HEAD_READ` bytes, or the header's length when it is longer (capped by the format);
-    the object size the header implies must equal the file's size.
+    At most ``first`` bytes, or the header's length when it is longer (capped by the format); the object
+    size the header implies must equal the file's size.
     """
-    head = os.pread(fd, min(st.st_size, HEAD_READ), 0)
+    head = os.pread(fd, min(st.st_size, first), 0)
     hlen = objformat.header_length(head)
     if objformat.PREFIX_SIZE + hlen > len(head):
         if objformat.PREFIX_SIZE + hlen > st.st_size:

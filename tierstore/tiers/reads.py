@@ -231,7 +231,7 @@ class TierReads:
     def _load_checked(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False,
                       out: Mapping[str, torch.Tensor] | None = None,
                       reader: Callable[[], TensorDict | None] | None = None) -> TensorDict | None:
-        """Read a chunk (through ``reader`` when given, e.g. a batched fast path); anything wrong with the
+        """Read a chunk (through ``reader`` when given: a key the index lacks); anything wrong with the
         stored object is a counted miss, never an exception."""
         return self._read_checked(key, size, device, borrow, out, reader=reader)[0]
 

@@ -22,12 +22,13 @@ from typing import Any
 
 import torch
 
+from tierstore.engines import open_store, rank_config
 from tierstore.errors import ConfigError, InvalidInputError, InvalidTypeError
 from tierstore.keys import ChunkKey
 from tierstore.kv import KVNamespace
 from tierstore.tensors import dtype_name
 
-from .options import BackendOptions, open_store, rank_config
+from .options import BackendOptions
 from .pages import PageGeometry
 
 log = logging.getLogger("tierstore_sglang")

@@ -23,35 +23,23 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from sglang.srt.model_loader.loader import DefaultModelLoader
 
-import tierstore
-from tierstore.config import read_config
-from tierstore.errors import ConfigError
-
-from .options import open_store, rank_config
+from tierstore.engines import iter_weights, split_loader_options
 
 if TYPE_CHECKING:
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
-
-OWN_KEYS = ("uri", "storage_options", "store")
 
 
 class TierstoreModelLoader(DefaultModelLoader):
     """SGLang's default loader reading safetensors through ``tierstore.weights.iter_tensors``."""
 
     def __init__(self, load_config: LoadConfig):
-        extra = dict(load_config.model_loader_extra_config or {})
-        self.tierstore_options: dict[str, Any] = {k: extra.pop(k) for k in OWN_KEYS if k in extra}
-        opts = self.tierstore_options
-        if "uri" in opts and not isinstance(opts["uri"], str):
-            raise ConfigError("model_loader_extra_config.uri must be a string")
-        if not isinstance(opts.get("storage_options", {}), dict):
-            raise ConfigError("model_loader_extra_config.storage_options must be a dict")
+        self.tierstore_options, extra = split_loader_options(load_config.model_loader_extra_config)
         super().__init__(dataclasses.replace(load_config, model_loader_extra_config=extra))
         self.load_config = load_config
 
@@ -60,14 +48,5 @@ class TierstoreModelLoader(DefaultModelLoader):
 
     def _get_all_weights(self, model_config: ModelConfig,
                          model: torch.nn.Module) -> Generator[tuple[str, torch.Tensor], None, None]:
-        uri = self.tierstore_options.get("uri") or model_config.model_path
-        store = None
-        if self.tierstore_options.get("store") is not None:
-            rank = f"tp{self.load_config.tp_rank or 0}"
-            store = open_store(rank_config(read_config(self.tierstore_options["store"]), rank, read_only=False))
-        try:
-            yield from tierstore.weights.iter_tensors(uri, device="cpu", store=store,
-                                                      storage_options=self.tierstore_options.get("storage_options"))
-        finally:
-            if store is not None:
-                store.close()
+        yield from iter_weights(self.tierstore_options.get("uri") or model_config.model_path, self.tierstore_options,
+                                f"tp{self.load_config.tp_rank or 0}")

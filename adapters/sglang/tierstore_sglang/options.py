@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import tierstore
 from tierstore.config import DEFAULT_ROOT, default_config, read_config
-from tierstore.errors import ConfigError, LockedError
+from tierstore.errors import ConfigError
 
 log = logging.getLogger("tierstore_sglang")
 
@@ -81,32 +78,3 @@ def default_backend_config(remote: str | None = None,
             entry["storage_options"] = dict(storage_options)
         tiers.append(entry)
     return {"tiers": tiers, "write_policy": "write_back", "prefetch_policy": "retain"}
-
-
-def rank_config(config: Mapping[str, Any], rank_dir: str, *, read_only: bool) -> dict[str, Any]:
-    """``config`` with each disk tier in its own ``rank_dir`` subdirectory (an SGLang rank is a process,
-    and a disk directory belongs to one process); ``read_only`` opens those directories without owning
-    them (MLA ranks reading the pages their writer rank stores), creating them first if needed."""
-    out = copy.deepcopy(dict(config))
-    for tier in out.get("tiers", []):
-        if isinstance(tier, dict) and tier.get("kind") == "disk" and isinstance(tier.get("path"), str):
-            path = Path(os.path.expanduser(tier["path"])) / rank_dir
-            tier["path"] = str(path)
-            if read_only:
-                path.mkdir(mode=0o700, parents=True, exist_ok=True)
-                tier["read_only"] = True
-                tier.pop("instances", None)
-    return out
-
-
-def open_store(config: Mapping[str, Any]) -> tierstore.TieredStore:
-    """Open the rank's store; a disk directory locked by another process is skipped (logged) while the
-    other tiers still serve: an engine never fails to start because of the cache."""
-    try:
-        return tierstore.open(dict(config))
-    except LockedError as exc:
-        kept = [t for t in config.get("tiers", []) if not (isinstance(t, dict) and t.get("kind") == "disk")]
-        if not kept:
-            raise
-        log.warning("tierstore: %s; running without the disk tier(s)", exc)
-        return tierstore.open({**config, "tiers": kept})

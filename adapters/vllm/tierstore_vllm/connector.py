@@ -19,11 +19,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from tierstore.engines import open_store
 from tierstore.errors import ConfigError
 from tierstore.kv import KVNamespace
 
 from .lookup import LookupClient, LookupServer
-from .options import ConnectorOptions, open_store, rank_config, socket_path
+from .options import ConnectorOptions, rank_config, socket_path
 from .plan import StepPlan
 from .scheduler import SchedulerSide
 from .worker import WorkerSide

@@ -17,22 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-import tierstore
-from tierstore.errors import ConfigError
-
-from .options import open_store, rank_config
+from tierstore.engines import iter_weights, split_loader_options
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig
     from vllm.config.load import LoadConfig
-
-OWN_KEYS = ("uri", "storage_options", "store")
 
 
 @register_model_loader("tierstore")
@@ -40,13 +35,7 @@ class TierstoreModelLoader(DefaultModelLoader):
     """vLLM's default loader reading safetensors through ``tierstore.weights.iter_tensors``."""
 
     def __init__(self, load_config: LoadConfig):
-        extra = dict(load_config.model_loader_extra_config or {})
-        self.tierstore_options: dict[str, Any] = {k: extra.pop(k) for k in OWN_KEYS if k in extra}
-        opts = self.tierstore_options
-        if "uri" in opts and not isinstance(opts["uri"], str):
-            raise ConfigError("model_loader_extra_config.uri must be a string")
-        if not isinstance(opts.get("storage_options", {}), dict):
-            raise ConfigError("model_loader_extra_config.storage_options must be a dict")
+        self.tierstore_options, extra = split_loader_options(load_config.model_loader_extra_config)
         super().__init__(dataclasses.replace(load_config, model_loader_extra_config=extra))
         self.load_config = load_config
 
@@ -55,24 +44,15 @@ class TierstoreModelLoader(DefaultModelLoader):
 
     def get_all_weights(self, model_config: ModelConfig,
                         model: torch.nn.Module) -> Generator[tuple[str, torch.Tensor], None, None]:
-        uri = self.tierstore_options.get("uri") or model_config.model
-        store = None
-        if self.tierstore_options.get("store") is not None:
+        rank_dir = None
+        if self.tierstore_options.get("store") is not None:  # one disk directory per rank when several
             from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
-            from tierstore.config import read_config
-
-            tp = get_tensor_model_parallel_rank()
             pp = get_pp_group()
-            config = rank_config(read_config(self.tierstore_options["store"]), tp, _tp_size(), pp.rank_in_group,
-                                 pp.world_size)
-            store = open_store(config)
-        try:
-            yield from tierstore.weights.iter_tensors(uri, device="cpu", store=store,
-                                                      storage_options=self.tierstore_options.get("storage_options"))
-        finally:
-            if store is not None:
-                store.close()
+            if _tp_size() * pp.world_size > 1:
+                rank_dir = f"tp{get_tensor_model_parallel_rank()}-pp{pp.rank_in_group}"
+        yield from iter_weights(self.tierstore_options.get("uri") or model_config.model, self.tierstore_options,
+                                rank_dir)
 
 
 def _tp_size() -> int:

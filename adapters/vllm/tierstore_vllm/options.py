@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import logging
 import os
@@ -12,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import tierstore
+from tierstore import engines
 from tierstore.config import read_config
-from tierstore.errors import ConfigError, LockedError
+from tierstore.errors import ConfigError
 
 log = logging.getLogger("tierstore_vllm")
 
@@ -111,22 +110,4 @@ def rank_config(config: Mapping[str, Any], tp_rank: int, tp_size: int, pp_rank: 
                 pp_size: int) -> dict[str, Any]:
     """``config`` with each disk tier's path given a per-rank subdirectory when there are several ranks,
     so the workers of one engine never contend for one directory's lock."""
-    out = copy.deepcopy(dict(config))
-    if tp_size * pp_size > 1:
-        for tier in out.get("tiers", []):
-            if isinstance(tier, dict) and tier.get("kind") == "disk" and "path" in tier:
-                tier["path"] = str(Path(os.path.expanduser(tier["path"])) / f"tp{tp_rank}-pp{pp_rank}")
-    return out
-
-
-def open_store(config: Mapping[str, Any]) -> tierstore.TieredStore:
-    """Open the worker's store; a disk directory locked by another process is skipped (logged), the
-    other tiers still serve: an engine never fails to start because of the cache."""
-    try:
-        return tierstore.open(dict(config))
-    except LockedError as exc:
-        log.warning("tierstore: %s; running without the disk tier(s)", exc)
-        kept = [t for t in config.get("tiers", []) if not (isinstance(t, dict) and t.get("kind") == "disk")]
-        if not kept:
-            raise
-        return tierstore.open({**config, "tiers": kept})
+    return engines.rank_config(config, f"tp{tp_rank}-pp{pp_rank}") if tp_size * pp_size > 1 else dict(config)
