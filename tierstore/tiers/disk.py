@@ -91,7 +91,8 @@ class DiskTier(Tier):
             ``skipped``) and deletes raise :class:`ReadOnlyError`.
         codec: ``"none"`` (reads are zero-copy views) or ``"zstd"``.
         io_threads: batched calls (``get_many``, ``put_many``) read and write up to this many objects at
-            once (a queue depth for NVMe); 1 = serial. Single-key calls always run on the caller's thread.
+            once (a queue depth for NVMe; batched reads use no more threads than there are cores); 1 =
+            serial. Single-key calls always run on the caller's thread.
         permissions: ``"private"`` (directories 0700, files 0600) or ``"group"`` (0770, 0660).
         instances: when ``path`` is held by another process, take the first free directory of
             ``path.1`` … ``path.<instances-1>`` instead (the path actually used is :attr:`path`).
