@@ -413,12 +413,6 @@ class DiskTier(Tier):
                 "codec": self.codec, "permissions": self.permissions}
 
 
-def _matches(out: Mapping[str, torch.Tensor], hdr: objformat.Header) -> bool:
-    """Whether ``out`` has exactly the header's names, shapes and dtypes."""
-    return set(out) == {s.name for s in hdr.tensors} and all(
-        tuple(out[s.name].shape) == s.shape and out[s.name].dtype == s.dtype for s in hdr.tensors)
-
-
 def _scandir(dir_fd: int) -> list[os.DirEntry[str]]:
     try:
         with os.scandir(dir_fd) as it:

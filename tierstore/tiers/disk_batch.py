@@ -54,7 +54,6 @@ ONE_READ = 1 << 20
 CORES = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 Work = tuple[ChunkKey, int, Mapping[str, torch.Tensor]]
-_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 _P = objformat.PREFIX_SIZE
 
 
@@ -109,9 +108,6 @@ class BatchedReader:
         self.tier = tier
         self._plans: dict[ChunkKey, Plan] = {}  # read without the lock (one dict lookup); written under it
         self._lock = threading.Lock()
-        from .disk import _matches  # the disk tier's own out-vs-header check (imported once it exists)
-
-        self._matches = _matches
 
     def load_many_into(self, work: list[Work]) -> list[TensorDict | InvalidInputError | None]:
         tier = self.tier
@@ -137,7 +133,7 @@ class BatchedReader:
         scratch = bytearray(len(plan.head))
         beyond = bytearray(1)  # a byte past the planned size: a longer file fills it
         try:
-            fd = os.open(plan.path, _FLAGS)  # a FIFO or directory fails the read below, a symlink the open
+            fd = os.open(plan.path, objfile.OPEN_FLAGS)  # a FIFO or directory fails the read below, a symlink the open
         except OSError:
             return False
         try:
@@ -173,20 +169,21 @@ class BatchedReader:
         fd, st = objfile.open_object(path)  # never a symlink, FIFO or directory
         try:
             head, hdr = objfile.read_header(fd, st, key, first=HEAD_READ)  # sizes checked against the file's
-            if hdr.codec != "none" or not self._matches(out, hdr):
-                return self.tier._load_copy(key, out)  # the checked slow path decides
-            raw = bytes(head[:hdr.payload_offset])
+            plan = Plan.of(path, bytes(head[:hdr.payload_offset]), hdr, st.st_mtime_ns)
+            segments = plan.segments(out) if hdr.codec == "none" else None
+            if segments is None:  # compressed, or out differs from the (unverified) header: the slow path decides
+                return self.tier._load_copy(key, out)
             scratch = bytearray(hdr.payload_offset)  # prefix and header land here, the payload in out
             h = xxhash.xxh3_128()
-            got = read_into(fd, [memoryview(scratch), *payload_segments(out, hdr)], h, skip=_P)
+            got = read_into(fd, [memoryview(scratch), *segments], h, skip=_P)
             if got != hdr.object_size:
                 raise CorruptObjectError(f"short read: {got} of {hdr.object_size} bytes")
-            if scratch != raw:  # changed under us between the header read and this one: the slow path decides
+            if scratch != plan.head:  # changed under us between the header read and this one: the slow path decides
                 return self.tier._load_copy(key, out)
-            if h.digest() != raw[16:32]:
+            if h.digest() != plan.head[16:32]:
                 raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
-            mtime = self.tier._touch(fd, st.st_mtime_ns)
-            self._remember(key, Plan.of(path, raw, hdr, mtime))  # only once its object verified
+            plan.mtime_ns = self.tier._touch(fd, st.st_mtime_ns)
+            self._remember(key, plan)  # only once its object verified
         finally:
             os.close(fd)
         return dict(out)
@@ -203,18 +200,3 @@ class BatchedReader:
             while len(self._plans) > PLANS:  # oldest first
                 del self._plans[next(iter(self._plans))]
 
-
-def payload_segments(out: Mapping[str, torch.Tensor], hdr: objformat.Header) -> list[memoryview]:
-    """Buffers covering the raw payload in order: each tensor's bytes in ``out`` (contiguous CPU tensors
-    matching ``hdr``), scratch for gaps."""
-    segments: list[memoryview] = []
-    pos = 0
-    for s in hdr.tensors:
-        if s.offset > pos:
-            segments.append(memoryview(bytearray(s.offset - pos)))
-        if s.nbytes:
-            segments.append(_raw_view(out[s.name]))
-        pos = s.offset + s.nbytes
-    if hdr.raw_size > pos:
-        segments.append(memoryview(bytearray(hdr.raw_size - pos)))
-    return segments

@@ -21,9 +21,8 @@ from ..iov import read_into
 from ..keys import ChunkKey
 from ..tensors import TensorDict
 
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+#: how objects are opened: read-only, never following a symlink, never blocking on a FIFO
+OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 #: the first read of an object: its prefix and header, and all of a small object
 HEAD_READ = 64 << 10
 
@@ -37,7 +36,7 @@ def open_object(path: str) -> tuple[int, os.stat_result]:
         OSError: any other I/O failure.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | _O_NOFOLLOW | _O_NONBLOCK)
+        fd = os.open(path, OPEN_FLAGS)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP):  # a symlink; a socket
             raise CorruptObjectError(f"{path} is not a regular file ({os.strerror(exc.errno)})") from None
