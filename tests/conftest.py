@@ -19,3 +19,13 @@ def s3_server():
 def s3_bucket(s3_server):
     """A fresh, empty bucket on the local S3 server."""
     return s3_server.new_bucket()
+
+
+@pytest.fixture(scope="module")
+def shim(s3_server):
+    """A pass-through S3 shim (no added latency) in front of the local S3 server: counts requests and
+    injects faults (:class:`tierstore.bench.s3shim.S3Shim`); one per test module."""
+    from tierstore.bench.s3shim import S3Shim
+
+    with S3Shim(s3_server.endpoint_url, latency=0.0, bandwidth=0, lifetime=900) as s:
+        yield s

@@ -24,12 +24,6 @@ from tierstore.tiers.remote import RemoteTier
 N = 16
 
 
-@pytest.fixture(scope="module")
-def shim(s3_server):
-    with S3Shim(s3_server.endpoint_url, latency=0.0, bandwidth=0, lifetime=900) as s:
-        yield s
-
-
 @pytest.fixture
 def published(s3_server, shim):
     """``(url, options through the shim)`` of a fresh prefix where another engine published keys 0..N-1."""

@@ -49,12 +49,6 @@ def within(limit: float, fn: Callable[[], Any]) -> tuple[Any, float]:
     return out["result"], elapsed
 
 
-@pytest.fixture(scope="module")
-def shim(s3_server):
-    with S3Shim(s3_server.endpoint_url, latency=0.0, bandwidth=0, lifetime=900) as s:
-        yield s
-
-
 @pytest.fixture
 def prefix(s3_server, shim):
     """``(url, options through the shim, options straight to moto)`` for a fresh prefix holding key 1."""

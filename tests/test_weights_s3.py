@@ -11,15 +11,8 @@ import torch
 
 import tierstore
 import tierstore.weights as tw
-from tierstore.bench.s3shim import S3Shim
 from tierstore.weights import CheckpointError
 from tierstore.weights.synth import random_tensor, write_checkpoint
-
-
-@pytest.fixture(scope="module")
-def shim(s3_server):
-    with S3Shim(s3_server.endpoint_url, latency=0.0, bandwidth=0) as s:
-        yield s
 
 
 @pytest.fixture
