@@ -73,10 +73,11 @@ def test_retain_promotes_and_transient_does_not(tmp_path):
             for i in range(6):
                 s.put(key_of(i), chunk(i, CHUNK))
             s.flush()
-            assert s.where(key_of(0)) == "lower"
-            assert_same(s.get(key_of(0)), chunk(0, CHUNK))
-            assert (s.where(key_of(0)) == "host") is promoted
-            assert s.tier("lower").contains(key_of(0))  # a promoted chunk stays below too
+            # which chunks the host gave up depends on write-back timing (a victim being written is kept)
+            i = next(i for i in range(6) if s.where(key_of(i)) == "lower")
+            assert_same(s.get(key_of(i)), chunk(i, CHUNK))
+            assert (s.where(key_of(i)) == "host") is promoted
+            assert s.tier("lower").contains(key_of(i))  # a promoted chunk stays below too
 
 
 def test_prefetch_promotes_in_background(tmp_path):
