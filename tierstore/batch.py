@@ -66,7 +66,7 @@ class BatchedStoreMixin:
     if TYPE_CHECKING:
         def _check_open(self) -> None: ...
         def _put_claimed(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool: ...
-        def _stale_levels(self, key: ChunkKey) -> frozenset[int]: ...
+        def _stale_at(self, keys: Sequence[ChunkKey], level: int) -> list[bool]: ...
         def _puts_begun(self) -> int: ...
         def _promote_read(self, hits: list[tuple[ChunkKey, TensorDict]], level: int, puts_before: int) -> None: ...
 
@@ -95,9 +95,9 @@ class BatchedStoreMixin:
             if not todo:
                 break
             # skip tiers that may hold an older value; checked per level (an eviction writes below first)
-            stale = {i: level in self._stale_levels(keys[i]) for i in todo}
-            skipped = [i for i in todo if stale[i]]
-            todo = [i for i in todo if not stale[i]]
+            stale = self._stale_at([keys[i] for i in todo], level)
+            skipped = [i for i, s in zip(todo, stale, strict=True) if s]
+            todo = [i for i, s in zip(todo, stale, strict=True) if not s]
             sub = [keys[i] for i in todo]
             got: list[Any] = (tier.get_many(sub, device=device) if out is None
                               else tier.get_many_into(sub, [out[i] for i in todo]))

@@ -182,8 +182,8 @@ class TieredStore(BatchedStoreMixin):
                 elif level not in self._wb.stale_levels(key):
                     self._promote(key, data, level)
 
-    def _stale_levels(self, key: ChunkKey) -> frozenset[int]:
-        return self._wb.stale_levels(key)
+    def _stale_at(self, keys: Sequence[ChunkKey], level: int) -> list[bool]:
+        return self._wb.stale_at(keys, level)
 
     def _puts_begun(self) -> int:
         return self._wb.put_count()

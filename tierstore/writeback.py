@@ -153,6 +153,14 @@ class WriteBack:
             rec = self._dirty.get(key)
             return frozenset(rec.pending) if rec is not None else frozenset()
 
+    def stale_at(self, keys: Sequence[ChunkKey], level: int) -> list[bool]:
+        """Per key, whether ``level`` may hold an older value of it (:meth:`stale_levels`, one lock for all)."""
+        with self._cond:
+            if not self._dirty:
+                return [False] * len(keys)
+            dirty = self._dirty
+            return [(rec := dirty.get(k)) is not None and level in rec.pending for k in keys]
+
     def mark_written(self, key: ChunkKey, level: int) -> None:
         """A promotion (caller holds the claim) copied the current value into ``level``."""
         with self._cond:

@@ -57,10 +57,22 @@ Work = tuple[ChunkKey, int, Mapping[str, torch.Tensor]]
 _P = objformat.PREFIX_SIZE
 
 
+#: memoryviews of caller buffers by (address, length): an engine reads into the same KV pages again and again,
+#: and making a view costs more than a 256 KiB read's other bookkeeping. A view is only ever used for a live
+#: tensor at exactly that address and length, so a view outliving its first tensor is never dangling when used.
+_VIEWS: dict[tuple[int, int], memoryview] = {}
+_VIEWS_MAX = 65536
+
+
 def _raw_view(t: torch.Tensor) -> memoryview:
     """The bytes of contiguous CPU ``t`` as a writable memoryview (any dtype, bfloat16 included)."""
-    n = t.numel() * t.element_size()
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+    where = (t.data_ptr(), t.numel() * t.element_size())
+    view = _VIEWS.get(where)
+    if view is None:
+        if len(_VIEWS) >= _VIEWS_MAX:
+            _VIEWS.clear()
+        view = _VIEWS[where] = memoryview((ctypes.c_char * where[1]).from_address(where[0])).cast("B")
+    return view
 
 
 @dataclass
@@ -90,7 +102,7 @@ class Plan:
         segs: list[memoryview] = []
         for name, shape, dtype, gap in self.tensors:
             t = out.get(name)
-            if t is None or t.shape != shape or t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+            if t is None or t.shape != shape or t.dtype != dtype or not t.is_cpu or not t.is_contiguous():
                 return None
             if gap:
                 segs.append(memoryview(bytearray(gap)))
@@ -114,11 +126,18 @@ class BatchedReader:
         threads = min(tier.io_threads, len(work), CORES)
         results: list[TensorDict | InvalidInputError | None] = [None] * len(work)
 
+        plans = self._plans
+
         def run(first: int) -> None:
             for i in range(first, len(work), threads):
                 key, size, out = work[i]
+                plan = plans.get(key)
+                if plan is not None and self._read_planned(plan, out):  # verified: nothing to classify
+                    results[i] = dict(out)
+                    continue
                 try:
-                    results[i] = tier._load_checked(key, size, "cpu", out=out)  # -> read_into
+                    results[i] = tier._load_checked(key, size, "cpu", out=out,
+                                                    reader=lambda k=key, o=out: self._read_carefully(k, o))
                 except InvalidInputError as exc:
                     results[i] = exc
 

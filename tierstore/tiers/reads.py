@@ -156,23 +156,27 @@ class TierReads:
         else is affected). A key may appear more than once (each with its own ``out``).
         """
         self._check_open()
-        keys = list(keys)
-        present = self.contains_many(keys, probe=not self.reads_probe)
-        pinned = [k for k, p in zip(keys, present, strict=True) if p]
-        size_of = {k: s for k, s in zip(pinned, self.pin(pinned), strict=True) if s is not None}
+        keys = [check_key(k) for k in keys]
+        sizes = self.pin(keys)  # index hits pinned in one pass; a key listed twice is pinned twice
         try:
+            absent = [i for i, s in enumerate(sizes) if s is None]
+            if absent and not self.reads_probe:  # objects other writers stored: probe, then pin what joined
+                found = [i for i, f in zip(absent, self.contains_many([keys[i] for i in absent]), strict=True) if f]
+                for i, s in zip(found, self.pin([keys[i] for i in found]), strict=True):
+                    sizes[i] = s
+            size_of = {keys[i]: s for i, s in enumerate(sizes) if s is not None}
             results: list[TensorDict | InvalidInputError | None] = [None] * len(keys)
-            todo = [i for i, k in enumerate(keys) if k in size_of]
-            unseen = [i for i, p in enumerate(present) if not p] if self.reads_probe else []
+            todo = [i for i, s in enumerate(sizes) if s is not None]
+            unseen = absent if self.reads_probe else []
             if unseen:  # reading probes: indexed and unseen keys in one batch on the tier's pool
                 todo += unseen
                 loaded = self._map(lambda i: self._fill_one(keys[i], size_of.get(keys[i]), outs[i], size_of), todo)
             else:
-                loaded = self._load_many_into([(keys[i], size_of[keys[i]], outs[i]) for i in todo])
+                loaded = self._load_many_into([(keys[i], sizes[i], outs[i]) for i in todo])
             for i, r in zip(todo, loaded, strict=True):
                 results[i] = r
-        finally:  # one unpin per pin: a key listed twice was pinned twice
-            self.unpin(k for k in pinned if k in size_of)
+        finally:  # one unpin per pin
+            self.unpin(k for k, s in zip(keys, sizes, strict=True) if s is not None)
         hits = [i for i, r in enumerate(results) if isinstance(r, dict)]
         with self._cond:
             self._counts["hits"] += len(hits)
