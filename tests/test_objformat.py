@@ -24,8 +24,10 @@ DTYPE_LIST = sorted(DTYPES.values(), key=str)
        codec=st.sampled_from(objformat.CODECS), seed=st.integers(0, 1000))
 def test_roundtrip_property(specs, codec, seed):
     tensors = {f"t{i}": sample_tensor(dt, tuple(shape), seed + i) for i, (dt, shape) in enumerate(specs)}
-    data = objformat.encode(KEY, tensors, codec).tobytes()
+    enc = objformat.encode(KEY, tensors, codec)
+    data = enc.tobytes()
     assert_same(objformat.decode(data, KEY), tensors)
+    assert enc.header == objformat.parse_header(data, KEY, object_size=len(data))  # writers plan reads from it
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     assert_same(objformat.decode(buf, KEY), tensors)
 

@@ -107,6 +107,7 @@ class Encoded:
 
     parts: list[Any]
     size: int
+    header: Header  # what parse_header would return for parts[0] (writers plan reads from it, unparsed)
 
     def tobytes(self) -> bytes:
         return b"".join(bytes(p) for p in self.parts)
@@ -196,7 +197,10 @@ def encode(key: ChunkKey, tensors: Mapping[str, torch.Tensor], codec: str = "non
     for p in payload:
         h.update(p)
     prefix = PREFIX.pack(MAGIC, VERSION, len(hbytes), h.digest())
-    return Encoded([prefix + hbytes, *payload], PREFIX_SIZE + len(hbytes) + stored_size)
+    header = Header(key, codec, raw_size, stored_size,
+                    tuple(TensorSpec(sp["name"], t.dtype, tuple(sp["shape"]), sp["offset"], sp["nbytes"], sp["dtype"])
+                          for sp, t in zip(specs, tensors.values(), strict=True)), PREFIX_SIZE + len(hbytes))
+    return Encoded([prefix + hbytes, *payload], header.object_size, header)
 
 
 def header_length(prefix: bytes | bytearray | memoryview) -> int:

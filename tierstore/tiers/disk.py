@@ -270,7 +270,7 @@ class DiskTier(Tier):
         finally:
             os.close(folder)
         if self.codec == "none":  # the first read of what we just wrote needs no parsing either
-            self._batched.remember_written(key, self._object_path(key), payload.parts[0], size, time.time_ns())
+            self._batched.remember_written(key, self._object_path(key), payload, time.time_ns())
 
     def _touch(self, fd: int, mtime_ns: int) -> int:
         """Refresh mtime on a hit so the LRU order rebuilt after a restart follows use, not creation;

@@ -22,6 +22,7 @@ and into no more slices than there are cores (see :data:`CORES`).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 from collections.abc import Mapping
@@ -137,7 +138,7 @@ class BatchedReader:
                     continue
                 try:
                     results[i] = tier._load_checked(key, size, "cpu", out=out,
-                                                    reader=lambda k=key, o=out: self._read_carefully(k, o))
+                                                    reader=functools.partial(self._read_carefully, key, out))
                 except InvalidInputError as exc:
                     results[i] = exc
 
@@ -152,7 +153,7 @@ class BatchedReader:
         scratch = bytearray(len(plan.head))
         beyond = bytearray(1)  # a byte past the planned size: a longer file fills it
         try:
-            fd = os.open(plan.path, objfile.OPEN_FLAGS)  # a FIFO or directory fails the read below, a symlink the open
+            fd = objfile.open_for_read(plan.path)  # a FIFO or directory fails the read below, a symlink the open
         except OSError:
             return False
         try:
@@ -207,10 +208,9 @@ class BatchedReader:
             os.close(fd)
         return dict(out)
 
-    def remember_written(self, key: ChunkKey, path: str, head: bytes, size: int, mtime_ns: int) -> None:
-        """Plan the reads of an object this tier has just written (``head``: its prefix and header)."""
-        hdr = objformat.parse_header(head, key, object_size=size)
-        self._remember(key, Plan.of(path, bytes(head), hdr, mtime_ns))
+    def remember_written(self, key: ChunkKey, path: str, written: objformat.Encoded, mtime_ns: int) -> None:
+        """Plan the reads of an object this tier has just written, from its encoding (nothing re-parsed)."""
+        self._remember(key, Plan.of(path, bytes(written.parts[0]), written.header, mtime_ns))
 
     def _remember(self, key: ChunkKey, plan: Plan) -> None:
         with self._lock:

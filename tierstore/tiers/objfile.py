@@ -23,6 +23,20 @@ from ..tensors import TensorDict
 
 #: how objects are opened: read-only, never following a symlink, never blocking on a FIFO
 OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+#: and without an access-time update (nothing here reads atime; the LRU order is kept in mtime). The first read
+#: of a freshly written object would otherwise dirty its inode: 256 KiB reads ran ~40% slower on ext4 with relatime
+_NOATIME = getattr(os, "O_NOATIME", 0)
+
+
+def open_for_read(path: str) -> int:
+    """``os.open(path)`` with :data:`OPEN_FLAGS`, without touching atime where the file is ours (``O_NOATIME``
+    is refused with ``EPERM`` on other users' files, which are then opened plainly)."""
+    if _NOATIME:
+        try:
+            return os.open(path, OPEN_FLAGS | _NOATIME)
+        except PermissionError:
+            pass
+    return os.open(path, OPEN_FLAGS)
 #: the first read of an object: its prefix and header, and all of a small object
 HEAD_READ = 64 << 10
 
@@ -36,7 +50,7 @@ def open_object(path: str) -> tuple[int, os.stat_result]:
         OSError: any other I/O failure.
     """
     try:
-        fd = os.open(path, OPEN_FLAGS)
+        fd = open_for_read(path)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP):  # a symlink; a socket
             raise CorruptObjectError(f"{path} is not a regular file ({os.strerror(exc.errno)})") from None

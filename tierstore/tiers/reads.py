@@ -172,7 +172,7 @@ class TierReads:
                 todo += unseen
                 loaded = self._map(lambda i: self._fill_one(keys[i], size_of.get(keys[i]), outs[i], size_of), todo)
             else:
-                loaded = self._load_many_into([(keys[i], sizes[i], outs[i]) for i in todo])
+                loaded = self._load_many_into([(keys[i], size_of[keys[i]], outs[i]) for i in todo])
             for i, r in zip(todo, loaded, strict=True):
                 results[i] = r
         finally:  # one unpin per pin
