@@ -138,7 +138,7 @@ def test_cold_get_denied_as_a_missing_key_is_a_quiet_miss(published, shim, caplo
 
 def test_cold_lookup_is_one_head_per_key_in_few_waves(published, shim, monkeypatch):
     """``lookup`` of a prefix only the remote holds: one HEAD per key and nothing else, probed in
-    concurrent windows; with ``max_in_flight`` ≥ 32 a 64-key prefix is at most 3 round trips."""
+    concurrent windows; with the default ``max_in_flight`` (32) a 64-key prefix is at most 3 round trips."""
     url, options = published
     n = 64
     with RemoteTier(url=url, storage_options=options) as writer:
@@ -152,7 +152,7 @@ def test_cold_lookup_is_one_head_per_key_in_few_waves(published, shim, monkeypat
         return probe(self, batch)
 
     monkeypatch.setattr(RemoteTier, "_probe", counted)
-    with cold_store(url, options, max_in_flight=32) as store:
+    with cold_store(url, options) as store:
         shim.reset()
         assert store.lookup(keys + [key_of(1000)]) == n
         assert requests(shim) == {"HEAD": n + 1}

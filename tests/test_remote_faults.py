@@ -174,13 +174,16 @@ def test_head_denied_without_list_permission_is_a_quiet_miss(prefix, shim, caplo
 def test_client_timeouts_default_and_can_be_overridden(s3_server):
     url = f"s3://{s3_server.new_bucket('cfg')}/kv"
     with RemoteTier(url=url, storage_options=s3_server.storage_options, list_on_open=False) as tier:
-        assert tier.fs.config_kwargs == S3_CLIENT_DEFAULTS
+        assert tier.fs.config_kwargs == {**S3_CLIENT_DEFAULTS, "max_pool_connections": 32}  # one per request in flight
         assert tier.timeout == DEFAULT_TIMEOUT
     options = {**s3_server.storage_options, "config_kwargs": {"read_timeout": 30}}
-    with RemoteTier(url=url, storage_options=options, list_on_open=False, timeout=60) as tier:
-        assert tier.fs.config_kwargs == {**S3_CLIENT_DEFAULTS, "read_timeout": 30}
+    with RemoteTier(url=url, storage_options=options, list_on_open=False, timeout=60, max_in_flight=4) as tier:
+        assert tier.fs.config_kwargs == {**S3_CLIENT_DEFAULTS, "read_timeout": 30, "max_pool_connections": 4}
         assert tier.timeout == 60
     assert options["config_kwargs"] == {"read_timeout": 30}  # the caller's mapping is not modified
+    options = {**s3_server.storage_options, "config_kwargs": {"max_pool_connections": 2}}
+    with RemoteTier(url=url, storage_options=options, list_on_open=False) as tier:
+        assert tier.fs.config_kwargs["max_pool_connections"] == 2  # the user's value wins
 
 
 @pytest.mark.slow  # starts two proxies

@@ -113,7 +113,9 @@ class RemoteTier(Tier):
     compression:
         ``None``/``"none"`` or ``"zstd"`` for objects this tier writes; it reads either.
     max_in_flight:
-        Concurrent storage requests of this tier (all callers together).
+        Concurrent storage requests of this tier (all callers together; default 32, so a cold 64-chunk
+        lookup is two round trips). An S3 client gets as many pooled connections unless
+        ``config_kwargs`` says otherwise.
     list_on_open:
         Rebuild the index by listing the prefix at open (bounded by :attr:`list_timeout`). Without it the
         index fills lazily, as lookups find objects in storage.
@@ -137,7 +139,7 @@ class RemoteTier(Tier):
 
     def __init__(self, name: str | None = None, capacity: None = None, url: str | None = None,
                  storage_options: Mapping[str, Any] | None = None, compression: str | None = None,
-                 max_in_flight: int = 8, list_on_open: bool = True, timeout: float = DEFAULT_TIMEOUT,
+                 max_in_flight: int = 32, list_on_open: bool = True, timeout: float = DEFAULT_TIMEOUT,
                  permissions: str = "private"):
         check_tier_options("remote", {"url": url, "capacity": capacity, "compression": compression,
                                       "max_in_flight": max_in_flight, "storage_options": storage_options,
@@ -149,7 +151,7 @@ class RemoteTier(Tier):
         self.codec = compression or "none"
         self.max_in_flight = max_in_flight
         self.timeout = float(timeout)
-        options = with_client_defaults(self.url, storage_options or {})
+        options = with_client_defaults(self.url, storage_options or {}, connections=max_in_flight)
         try:
             self.fs, root = fsspec.core.url_to_fs(url, **options)
         except (ValueError, TypeError, ImportError) as exc:

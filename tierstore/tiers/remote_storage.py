@@ -50,14 +50,15 @@ _sessions: dict[str | None, Any] = {}
 _sessions_lock = threading.Lock()
 
 
-def with_client_defaults(url: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """``options`` plus, for an ``s3://`` URL, :data:`S3_CLIENT_DEFAULTS` (the user's values win, key by
-    key) and this process's shared botocore session (see :func:`shared_session`) unless the options
-    bring a ``session`` or session settings other than ``profile``."""
+def with_client_defaults(url: str, options: Mapping[str, Any], connections: int = 10) -> dict[str, Any]:
+    """``options`` plus, for an ``s3://`` URL, :data:`S3_CLIENT_DEFAULTS` and a connection pool of
+    ``connections`` (the user's values win, key by key) and this process's shared botocore session (see
+    :func:`shared_session`) unless the options bring a ``session`` or session settings other than ``profile``."""
     options = dict(options)
     protocol, _ = fsspec.core.split_protocol(url.split("::")[-1])
     if protocol in ("s3", "s3a"):
-        options["config_kwargs"] = {**S3_CLIENT_DEFAULTS, **(options.get("config_kwargs") or {})}
+        options["config_kwargs"] = {**S3_CLIENT_DEFAULTS, "max_pool_connections": connections,
+                                    **(options.get("config_kwargs") or {})}
         profile = options.get("profile")
         if "session" not in options and _SESSION_OPTIONS & set(options) <= {"profile"} and (
                 profile is None or isinstance(profile, str)):
