@@ -86,7 +86,8 @@ def _cold(c: dict[str, Any]) -> str:
         body.append([label, f"{1e3 * m['s']:.0f}", _requests(m), trips, vs])
     return (f"Cold instance: {c['count']} chunks of {format_size(c['size'])} only on S3, a fresh store "
             f"(empty host tier, remote not listed) with `max_in_flight` {c['in_flight']} (the remote tier's "
-            f"default); medians of {c['repeats']}, requests counted at the shim. Round trips are latencies waited in sequence, "
+            f"default); medians of {c['repeats']}, requests counted at the shim. Round trips are latencies "
+            "waited in sequence, "
             f"counted with every answer {1e3 * c['round_trip_delay_s']:.0f} ms late so that CPU queuing cannot "
             "split a wave. The ceilings are plain s3fs requests at the same concurrency in the same run; "
             "`vs ceiling` > 1 is faster than it.\n\n"
