@@ -115,9 +115,9 @@ def test_peers_ours_only_runs_and_reports_ratios(tmp_path, capsys):
                  "--repeats", "2", "--dir", str(tmp_path), "--json", str(js)]) == 0
     res = json.loads(js.read_text())
     assert len(res["runs"]) == 4 and {r["size"] for r in res["runs"]} == {64 << 10, 256 << 10}
-    assert all(m["store"] > 0 and m["load"] > 0 and m["load_bare"] > 0 for m in res["medians"])
+    assert all(m[op] > 0 for m in res["medians"] for op in ("store", "load", "load_bare"))
     out = capsys.readouterr().out
-    assert "tierstore disk GB/s" in out and "bare read+xxh3 GB/s" in out
+    assert "tierstore disk GB/s" in out and "bare GB/s" in out
     assert list(tmp_path.glob("tierstore-peers-*")) == []  # every run's folder is removed
 
 

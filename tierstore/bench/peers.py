@@ -25,10 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
+from .. import objformat
+from ..iov import PIECE
 from ..keys import ChunkKey
 from ..sizes import format_size, parse_size
 from ..tiers.disk import DiskTier
+from ..tiers.disk_batch import CORES, ONE_READ, _raw_view
+from ..tiers.objfile import open_for_read
 from .ops import get_all_into, put_all
 
 LMCACHE = "lmcache==0.5.6"
@@ -137,47 +142,51 @@ def run_ours(folder: str, keys: int, size: int, rounds: int) -> dict[str, float]
             raise RuntimeError("tierstore disk tier returned wrong bytes")
         disk = store.tier("disk")
         assert isinstance(disk, DiskTier)
-        bare_t = [bare_read([disk._object_path(k) for k in batch], outs) for batch in batches]
+        paths = [[disk._object_path(k) for k in batch] for batch in batches]
+        bare_load_t = [bare_read(p, outs) for p in paths]
     total = keys * size
     return {"store": total / statistics.mean(store_t[1:]) / 1e9, "load": total / statistics.mean(load_t[1:]) / 1e9,
-            "load_bare": total / statistics.mean(bare_t[1:]) / 1e9}
+            "load_bare": total / statistics.mean(bare_load_t[1:]) / 1e9}
 
 
-def bare_read(paths: Sequence[str], outs: Sequence[dict[str, torch.Tensor]]) -> float:
-    """Seconds to read ``paths`` as the disk tier does, minus all its bookkeeping: on the same number of
-    threads, each file ``open`` (``O_NOATIME``) + one ``preadv`` (header to scratch, payload into its
-    ``outs`` buffer) + xxh3 of what was read + ``close``. The limit of reading and checking these objects
-    from Python; LMCache's readers are C++ and verify no checksum."""
-    import xxhash
-
-    from ..iov import PIECE
-    from ..tiers.disk_batch import CORES, ONE_READ, _raw_view
-    from ..tiers.objfile import open_for_read
-
-    views = [_raw_view(o["kv"]) for o in outs]
-    threads = min(CORES, len(paths))
+def _on_threads(n: int, threads: int, one: Callable[[int], None]) -> float:
+    """Seconds to run ``one(i)`` for every ``i < n``, split over ``threads`` threads."""
+    threads = max(1, min(threads, n))
 
     def part(first: int) -> None:
-        for i in range(first, len(paths), threads):
-            fd = open_for_read(paths[i])
-            try:
-                view = views[i]
-                scratch = bytearray(os.fstat(fd).st_size - len(view))
-                step = len(view) if len(view) <= ONE_READ else PIECE  # hashed while in cache, as the tier does
-                os.preadv(fd, [scratch, view[:step]], 0)
-                h = xxhash.xxh3_128(memoryview(scratch)[32:])
-                h.update(view[:step])
-                for at in range(step, len(view), step):
-                    os.preadv(fd, [view[at:at + step]], len(scratch) + at)
-                    h.update(view[at:at + step])
-                h.digest()
-            finally:
-                os.close(fd)
+        for i in range(first, n, threads):
+            one(i)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(part, range(threads)))
     return time.perf_counter() - t0
+
+
+def bare_read(paths: Sequence[str], outs: Sequence[dict[str, torch.Tensor]]) -> float:
+    """Seconds to read ``paths`` as the disk tier does, minus all its bookkeeping: on the same number of
+    threads, each file ``open`` (``O_NOATIME``) + one ``preadv`` (header to scratch, payload into its
+    ``outs`` buffer; larger objects in hashed steps) + xxh3 of what was read + ``close``. The limit of
+    reading and checking these objects from Python; LMCache's readers are C++ and check no checksum."""
+    views = [_raw_view(o["kv"]) for o in outs]
+
+    def one(i: int) -> None:
+        fd = open_for_read(paths[i])
+        try:
+            view = views[i]
+            scratch = bytearray(os.fstat(fd).st_size - len(view))
+            step = len(view) if len(view) <= ONE_READ else PIECE  # hashed while in cache, as the tier does
+            os.preadv(fd, [scratch, view[:step]], 0)
+            h = xxhash.xxh3_128(memoryview(scratch)[objformat.PREFIX_SIZE:])
+            h.update(view[:step])
+            for at in range(step, len(view), step):
+                os.preadv(fd, [view[at:at + step]], len(scratch) + at)
+                h.update(view[at:at + step])
+            h.digest()
+        finally:
+            os.close(fd)
+
+    return _on_threads(len(paths), CORES, one)
 
 
 def round_shape(size: int, total: int) -> tuple[int, int]:
@@ -207,6 +216,7 @@ def measure(sizes: Sequence[int], total: int, repeats: int, adapters: Sequence[s
                 log(f"  [{step}/{steps}] {system:<15} {format_size(size):>7} x {keys} keys, {n_rounds} rounds, "
                     f"repeat {rep + 1}")
                 folder = tempfile.mkdtemp(prefix="tierstore-peers-", dir=workdir)
+                os.sync()  # no run starts with the previous one's dirty pages still being written back
                 try:
                     if system == OURS:
                         r = run_ours(folder, keys, size, n_rounds)
@@ -236,7 +246,7 @@ def ratio_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     for size in result["sizes"]:
         for op in ("load", "store"):
             ours = med[(OURS, size)][op]
-            bare = med[(OURS, size)].get("load_bare") if op == "load" else None
+            bare = med[(OURS, size)].get(f"{op}_bare")
             row: dict[str, Any] = {"size": size, "op": op, "ours": ours, "bare": bare,
                                    "ratio_bare": ours / bare if bare else None}
             for peer in result["systems"]:
@@ -250,7 +260,7 @@ def ratio_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
 def table(result: dict[str, Any]) -> str:
     peers = [s for s in result["systems"] if s != OURS]
     head = ["size", "op", "tierstore disk GB/s", *(f"LMCache {p} GB/s" for p in peers),
-            *(f"vs {p}" for p in peers), "bare read+xxh3 GB/s", "vs bare"]
+            *(f"vs {p}" for p in peers), "bare GB/s", "vs bare"]
     body = [[format_size(r["size"]), r["op"], f"{r['ours']:.2f}", *(f"{r[p]:.2f}" for p in peers),
              *(f"{r[f'ratio_{p}']:.2f}x" for p in peers),
              *((f"{r['bare']:.2f}", f"{r['ratio_bare']:.2f}x") if r["bare"] else ("-", "-"))]

@@ -140,9 +140,9 @@ def _peers(p: dict[str, Any]) -> str:
     return (f"LMCache 0.5.6 `lmcache bench l2` vs the tierstore disk tier (not durable; neither fsyncs), "
             f"{format_size(p['total_bytes'])} per run (rounds of fresh keys, one warm-up), alternating, "
             f"median of {p['repeats']} runs; "
-            "GB/s = bytes per round ÷ mean round time. *bare* reads the same object files again with nothing but "
-            "`open` + one `preadv` + xxh3 + `close` per file on the same threads: the limit of a checksummed read "
-            "from Python (LMCache's readers are C++ and check no checksum).\n\n"
+            "GB/s = bytes per round ÷ mean round time; every run starts after a `sync`. *bare* is the limit of our "
+            "loads: the same object files read again on the same threads with nothing but `open` + one `preadv` + "
+            "xxh3 + `close` per file (LMCache's readers are C++ and check no checksum).\n\n"
             + md_table(["object", "op", "tierstore GB/s", *(f"LMCache {n} GB/s" for n in names),
                         *(f"tierstore ÷ {n}" for n in names), "bare GB/s", "tierstore ÷ bare"], body))
 
