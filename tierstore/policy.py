@@ -7,7 +7,7 @@ that owns a policy decides what may be evicted (pins, dirty chunks) and does the
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -36,6 +36,17 @@ class LRUPolicy(Generic[K]):
         """Insert or replace ``key`` as the most recently used."""
         self.currsize += size - self._sizes.pop(key, 0)
         self._sizes[key] = size
+
+    def sizes_of(self, keys: Sequence[K], touch: bool = False) -> list[int | None]:
+        """Each key's size (``None``: absent) in one pass; ``touch`` makes the present ones most recently used."""
+        get = self._sizes.get
+        sizes = [get(k) for k in keys]
+        if touch:
+            move = self._sizes.move_to_end
+            for k, size in zip(keys, sizes, strict=True):
+                if size is not None:
+                    move(k)
+        return sizes
 
     def touch(self, key: K) -> None:
         if key in self._sizes:

@@ -51,26 +51,29 @@ class Claims:
     # ------------------------------------------------------------------ pins
     def pin(self, keys: Iterable[ChunkKey], touch: bool) -> list[int | None]:
         """Pin each key the index holds; its size, or ``None`` (absent, not pinned). Duplicates pin twice."""
-        sizes: list[int | None] = []
-        with self.cond:
-            for k in keys:
-                if k in self.index:
-                    self.pins[k] += 1
-                    if touch:
-                        self.index.touch(k)
-                    sizes.append(self.index.size(k))
-                else:
-                    sizes.append(None)
+        keys = list(keys)
+        with self.cond:  # few dict operations per key: a batch of 256 hashes each key ~4 times, not ~10
+            sizes = self.index.sizes_of(keys, touch)
+            pins = self.pins
+            count = pins.get
+            for k, size in zip(keys, sizes, strict=True):
+                if size is not None:
+                    pins[k] = count(k, 0) + 1
         return sizes
 
     def unpin(self, keys: Iterable[ChunkKey], last_unpin: Callable[[ChunkKey], None]) -> None:
         """Release one pin per key; ``last_unpin(key)`` runs under the lock when a key's last pin goes."""
         with self.cond:
+            pins, restored = self.pins, self.restored
+            count = pins.get
             for k in keys:
-                self.pins[k] -= 1
-                if self.pins[k] <= 0:
-                    del self.pins[k]
-                    self.restored.discard(k)
+                n = count(k, 0) - 1
+                if n > 0:
+                    pins[k] = n
+                else:
+                    pins.pop(k, None)
+                    if restored:
+                        restored.discard(k)
                     last_unpin(k)
             self.cond.notify_all()
 

@@ -164,24 +164,24 @@ class TierReads:
                 found = [i for i, f in zip(absent, self.contains_many([keys[i] for i in absent]), strict=True) if f]
                 for i, s in zip(found, self.pin([keys[i] for i in found]), strict=True):
                     sizes[i] = s
-            size_of = {keys[i]: s for i, s in enumerate(sizes) if s is not None}
             results: list[TensorDict | InvalidInputError | None] = [None] * len(keys)
             todo = [i for i, s in enumerate(sizes) if s is not None]
             unseen = absent if self.reads_probe else []
+            found_sizes: dict[ChunkKey, int] = {}  # of unseen keys, as their reads find them
             if unseen:  # reading probes: indexed and unseen keys in one batch on the tier's pool
                 todo += unseen
-                loaded = self._map(lambda i: self._fill_one(keys[i], size_of.get(keys[i]), outs[i], size_of), todo)
+                loaded = self._map(lambda i: self._fill_one(keys[i], sizes[i], outs[i], found_sizes), todo)
             else:
-                loaded = self._load_many_into([(keys[i], size_of[keys[i]], outs[i]) for i in todo])
+                loaded = self._load_many_into([(keys[i], sizes[i], outs[i]) for i in todo])  # type: ignore[misc]
             for i, r in zip(todo, loaded, strict=True):
                 results[i] = r
         finally:  # one unpin per pin
-            self.unpin(k for k, s in zip(keys, sizes, strict=True) if s is not None)
+            self.unpin([k for k, s in zip(keys, sizes, strict=True) if s is not None])
         hits = [i for i, r in enumerate(results) if isinstance(r, dict)]
         with self._cond:
             self._counts["hits"] += len(hits)
             self._counts["misses"] += len(results) - len(hits)
-            self._counts["bytes_out"] += sum(size_of.get(keys[i], 0) for i in hits)
+            self._counts["bytes_out"] += sum(sizes[i] or found_sizes.get(keys[i], 0) for i in hits)
         return results
 
     def _load_many_into(self, work: list[tuple[ChunkKey, int, Mapping[str, torch.Tensor]]]
