@@ -143,14 +143,15 @@ def run_ours(folder: str, keys: int, size: int, rounds: int) -> dict[str, float]
         disk = store.tier("disk")
         assert isinstance(disk, DiskTier)
         paths = [[disk._object_path(k) for k in batch] for batch in batches]
-        bare_load_t = [bare_read(p, outs) for p in paths]
+        with ThreadPoolExecutor(CORES) as pool:
+            bare_load_t = [bare_read(pool, p, outs) for p in paths]
     total = keys * size
     return {"store": total / statistics.mean(store_t[1:]) / 1e9, "load": total / statistics.mean(load_t[1:]) / 1e9,
             "load_bare": total / statistics.mean(bare_load_t[1:]) / 1e9}
 
 
-def _on_threads(n: int, threads: int, one: Callable[[int], None]) -> float:
-    """Seconds to run ``one(i)`` for every ``i < n``, split over ``threads`` threads."""
+def _on_threads(pool: ThreadPoolExecutor, n: int, threads: int, one: Callable[[int], None]) -> float:
+    """Seconds to run ``one(i)`` for every ``i < n``, split over ``threads`` of ``pool``'s threads."""
     threads = max(1, min(threads, n))
 
     def part(first: int) -> None:
@@ -158,12 +159,11 @@ def _on_threads(n: int, threads: int, one: Callable[[int], None]) -> float:
             one(i)
 
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(part, range(threads)))
+    list(pool.map(part, range(threads)))
     return time.perf_counter() - t0
 
 
-def bare_read(paths: Sequence[str], outs: Sequence[dict[str, torch.Tensor]]) -> float:
+def bare_read(pool: ThreadPoolExecutor, paths: Sequence[str], outs: Sequence[dict[str, torch.Tensor]]) -> float:
     """Seconds to read ``paths`` as the disk tier does, minus all its bookkeeping: on the same number of
     threads, each file ``open`` (``O_NOATIME``) + one ``preadv`` (header to scratch, payload into its
     ``outs`` buffer; larger objects in hashed steps) + xxh3 of what was read + ``close``. The limit of
@@ -186,7 +186,7 @@ def bare_read(paths: Sequence[str], outs: Sequence[dict[str, torch.Tensor]]) -> 
         finally:
             os.close(fd)
 
-    return _on_threads(len(paths), CORES, one)
+    return _on_threads(pool, len(paths), CORES, one)
 
 
 def round_shape(size: int, total: int) -> tuple[int, int]:
