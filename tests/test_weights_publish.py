@@ -63,6 +63,13 @@ def test_publish_roundtrip_and_sharing(tmp_path):
     assert same(tw.load(str(tmp_path / "pub" / "base"), objects_url=objs), base)
     assert same(tw.load(str(tmp_path / "pub" / "tuned"), objects_url=[objs]), tuned)
 
+    # a published checkpoint is itself a source: its shards are found under src_objects_url
+    with pytest.raises(CheckpointError, match="outside the checkpoint"):
+        tw.publish(str(tmp_path / "pub" / "tuned"), str(tmp_path / "again"))
+    r3 = tw.publish(str(tmp_path / "pub" / "tuned"), str(tmp_path / "again"), src_objects_url=objs)
+    assert r3["tensors"] == len(tuned) and r3["objects_written"] == 8
+    assert same(tw.load(str(tmp_path / "again")), tuned)
+
     # objects shared by the two checkpoints share range-cache chunks too
     with tierstore.open({"tiers": [{"kind": "host", "capacity": "64MiB"}]}) as store:
         tw.load(str(tmp_path / "pub" / "base"), store=store, objects_url=objs)

@@ -20,6 +20,7 @@ import os
 import posixpath
 import re
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -88,7 +89,7 @@ def _object(tensors: list[tuple[str, torch.Tensor]]) -> tuple[str, list[bytes | 
 
 def publish(src: str | os.PathLike[str], dst_url: str, *, storage_options: dict[str, Any] | None = None,
             dst_storage_options: dict[str, Any] | None = None, objects_url: str | None = None,
-            **opts: Any) -> dict[str, Any]:
+            src_objects_url: str | Sequence[str] | None = None, **opts: Any) -> dict[str, Any]:
     """Copy checkpoint ``src`` to ``dst_url`` in the content-addressed layout above.
 
     Args:
@@ -97,6 +98,8 @@ def publish(src: str | os.PathLike[str], dst_url: str, *, storage_options: dict[
         storage_options / dst_storage_options: fsspec options for ``src`` / ``dst_url`` and ``objects_url``.
         objects_url: where objects go (default ``dst_url/objects``); share it between checkpoints to
             store their identical tensor groups once. Must be on the same filesystem as ``dst_url``.
+        src_objects_url: where ``src``'s index may name shards besides its own directory, when ``src`` is
+            itself a published checkpoint (the ``objects_url`` it was published with).
         **opts: loader options for reading ``src`` (``concurrency``, ``block_size``, ``memory_limit``).
 
     Returns:
@@ -110,7 +113,7 @@ def publish(src: str | os.PathLike[str], dst_url: str, *, storage_options: dict[
     objects_dir = objs.path if objs else dst.join("objects")
     rel = (os.path.relpath if dst.local else posixpath.relpath)(objects_dir, dst.path)
 
-    with open_checkpoint(str(src), storage_options) as ckpt:
+    with open_checkpoint(str(src), storage_options, objects_url=src_objects_url) as ckpt:
         members: dict[str, set[str]] = {}
         for name, (_, info) in ckpt.tensors.items():
             members.setdefault(object_group(name, info.nbytes), set()).add(name)
@@ -121,7 +124,7 @@ def publish(src: str | os.PathLike[str], dst_url: str, *, storage_options: dict[
     weight_map: dict[str, str] = {}
     summary: dict[str, Any] = {"tensors": 0, "objects": 0, "objects_written": 0, "objects_reused": 0,
                                "bytes_written": 0}
-    for name, t in iter_tensors(src, storage_options=storage_options, **opts):
+    for name, t in iter_tensors(src, storage_options=storage_options, objects_url=src_objects_url, **opts):
         g = group_of[name]
         waiting.setdefault(g, []).append((name, t))
         if len(waiting[g]) < len(members[g]):
