@@ -64,8 +64,14 @@ def test_bench_all_quick_writes_report_and_plots(tmp_path, capsys):
     kv = next(rows for head, rows in by_head.items() if head[0] == "configuration")
     assert [r[0] for r in kv] == ["none", "host", "host+disk", "host+disk+remote"]
     assert all(number(r[3]) > 0 for r in kv)
+    paged = by_head[("tier", "path", "KV in ms", "layer 0 usable ms", "TTFT ms", "TTFT vs load+scatter")]
+    assert [(r[0], r[1]) for r in paged] == [(t, p) for t in ("host", "disk")
+                                             for p in ("load+scatter", "load_into", "load_into layerwise")]
+    for row, got in zip(paged, results["sections"]["kv"]["paged_load"], strict=True):
+        assert number(row[4]) == pytest.approx(1e3 * got["ttft_s"], abs=0.06)
     targets = by_head[("target (issue 9)", "measured", "ratio", "target", "")]
     assert targets and all(r[4] in ("met", "missed") for r in targets)
+    assert sum(r[0].startswith("KV TTFT") for r in targets) == 4
     cold = results["sections"]["remote"]["cold"]
     n = cold["count"]
     assert sum(r[0].startswith("cold ") for r in targets) == 2

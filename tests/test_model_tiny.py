@@ -57,6 +57,23 @@ def test_split_continuation_is_bit_identical_given_the_same_past(model):
     assert all(torch.equal(x[:, :64], y) for x, y in zip(a.kv, prefix.kv, strict=True))
 
 
+def test_before_layer_runs_before_each_layer_in_order(model):
+    """The hook an engine's layer-wise KV wait sits in: layer i runs only after before_layer(i) returned."""
+    ids = tokens(96, seed=2)
+    prefix = model.prefill(ids[:64])
+    seen, ran = [], []
+    hooks = [layer.register_forward_pre_hook(lambda mod, args, i=i: ran.append((i, list(seen))))
+             for i, layer in enumerate(model.layers)]
+    try:
+        out = model.prefill(ids[64:], prefix.kv, before_layer=seen.append)
+    finally:
+        for h in hooks:
+            h.remove()
+    n = len(model.layers)
+    assert seen == list(range(n)) and ran == [(i, list(range(i + 1))) for i in range(n)]
+    assert torch.equal(out.logits, model.prefill(ids[64:], prefix.kv).logits)
+
+
 def test_split_matches_full_recompute_within_tolerance(model):
     ids = tokens(96, seed=2)
     full = model.prefill(ids)

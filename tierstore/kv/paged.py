@@ -132,6 +132,20 @@ def _geometry(cache: torch.Tensor, layout: PagedLayout, block_size: int | None) 
     return block_size, slots // block_size, layers
 
 
+def block_table(block_ids: BlockIds, device: torch.device) -> torch.Tensor:
+    """``block_ids`` as a 1-D long tensor on ``device`` (a type check; the ids are checked where used)."""
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool or block_ids.dim() != 1:
+            raise InvalidInputError(f"block_ids must be a 1-D integer tensor, got {block_ids.dtype} "
+                                    f"{tuple(block_ids.shape)}")
+        return block_ids.to(device=device, dtype=torch.long)
+    if isinstance(block_ids, Sequence) and not isinstance(block_ids, (str, bytes)):
+        if any(isinstance(b, bool) or not isinstance(b, int) for b in block_ids):
+            raise InvalidTypeError("block_ids must be ints")
+        return torch.tensor(list(block_ids), dtype=torch.long, device=device)
+    raise InvalidTypeError(f"block_ids must be a sequence of ints or a tensor, got {type(block_ids).__name__}")
+
+
 def _positions(block_ids: BlockIds, start: int, end: int, block_size: int, num_blocks: int,
                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Block id and in-block offset of every token in ``[start, end)``."""
@@ -140,17 +154,7 @@ def _positions(block_ids: BlockIds, start: int, end: int, block_size: int, num_b
             raise InvalidTypeError(f"{name} must be an int, got {type(v).__name__}")
     if not 0 <= start <= end:
         raise InvalidInputError(f"need 0 <= start <= end, got start={start}, end={end}")
-    if isinstance(block_ids, torch.Tensor):
-        if block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool or block_ids.dim() != 1:
-            raise InvalidInputError(f"block_ids must be a 1-D integer tensor, got {block_ids.dtype} "
-                                    f"{tuple(block_ids.shape)}")
-        ids = block_ids.to(device=device, dtype=torch.long)
-    elif isinstance(block_ids, Sequence) and not isinstance(block_ids, (str, bytes)):
-        if any(isinstance(b, bool) or not isinstance(b, int) for b in block_ids):
-            raise InvalidTypeError("block_ids must be ints")
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=device)
-    else:
-        raise InvalidTypeError(f"block_ids must be a sequence of ints or a tensor, got {type(block_ids).__name__}")
+    ids = block_table(block_ids, device)
     needed = math.ceil(end / block_size)
     if ids.numel() < needed:
         raise InvalidInputError(f"tokens up to {end} need {needed} blocks of {block_size}, "

@@ -391,15 +391,16 @@ class KVCacheStore:
         return sum(p.stored for p in pieces if p.index not in failed)
 
     def _pieces(self, first: int, end: int, total: int, a: int, b: int, transfer: PagedTransfer) -> list[Piece]:
-        """Chunks ``[first, end)`` moving tokens ``[a, b)``; validates the block table for each."""
+        """Chunks ``[first, end)`` moving tokens ``[a, b)``; validates the block table for all of them."""
         pieces = []
         for c in range(first, end):
             lo = c * self.chunk_tokens
             stored = min(self.chunk_tokens, total - lo)
             p = Piece(c, lo, stored, max(a, lo), min(b, lo + stored))
             if p.a < p.b:
-                transfer.plan(0, p.a, p.b)  # raises on a short or out-of-range block table
                 pieces.append(p)
+        if pieces:  # consecutive: one plan raises on a short, out-of-range or repeating block table
+            transfer.plan(0, pieces[0].a, pieces[-1].b)
         return pieces
 
     def _tasks(self, keys: list[ChunkKey], pieces: list[Piece], transfer: PagedTransfer) -> list[Task]:

@@ -22,7 +22,7 @@ import torch
 from ..errors import InvalidInputError, InvalidTypeError
 from ..keys import ChunkKey
 from ..tensors import wait_for_copies
-from .paged import PagedLayout, _layout, _Plan
+from .paged import PagedLayout, _layout, _Plan, block_table
 
 #: bytes of staging per task (two tasks are in flight); a window holds as many chunks as fit
 STAGING_BYTES = 64 << 20
@@ -115,7 +115,7 @@ class PagedTransfer:
         first = self.pool if self.pool is not None else self.caches[0]
         if first.dtype != dtype:
             raise InvalidInputError(f"the KV cache is {first.dtype}, the namespace says {dtype}")
-        self.block_ids, self.block_size = block_ids, probe.block_size
+        self.block_ids, self.block_size = block_table(block_ids, first.device), probe.block_size  # converted once
         self.device = first.device
         self.dtype = dtype
         self.token_dim = 0 if is_mla else 1
@@ -140,21 +140,44 @@ class PagedTransfer:
     def _window(self, layer: int, pieces: list[Piece]) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The flat row view of ``layer``'s cache (``None`` if its strides allow none) and the rows of
         every piece's tokens, in piece order."""
-        plans = [self.plan(layer, p.a, p.b) for p in pieces]
-        index = plans[0].flat_index if len(plans) == 1 else torch.cat([p.flat_index for p in plans])
-        return _coarsen(plans[0].flat, index, self.block_size)
+        if any(p.b != q.a for p, q in zip(pieces, pieces[1:], strict=False)):
+            plans = [self.plan(layer, p.a, p.b) for p in pieces]
+            return _coarsen(plans[0].flat, torch.cat([p.flat_index for p in plans]), self.block_size)
+        # consecutive pieces (as load and save make them): one plan for their tokens, cut per piece (the rows
+        # of each piece stay together, in its canonical order)
+        whole = self.plan(layer, pieces[0].a, pieces[-1].b)
+        if len(pieces) == 1:
+            return _coarsen(whole.flat, whole.flat_index, self.block_size)
+        grid = whole.flat_index.view(whole.order)
+        index = torch.cat([grid.narrow(self.token_dim, p.a - pieces[0].a, p.b - p.a).reshape(-1) for p in pieces])
+        return _coarsen(whole.flat, index, self.block_size)
 
     def scatter(self, layer: int, pieces: list[Piece], staged: list[torch.Tensor]) -> None:
-        """Write each piece's tokens from its staged canonical chunk tensor into the cache's blocks."""
+        """Write each piece's tokens from its staged canonical chunk tensor into the cache's blocks: each run
+        of whole chunks with one ``index_copy_`` where the rows allow, a partial chunk (a load that starts or
+        ends inside one) on its own."""
+        i = 0
+        while i < len(pieces):
+            j = i
+            while j < len(pieces) and pieces[j].whole:
+                j += 1
+            if j == i or not self._scatter_whole(layer, pieces[i:j], staged[i:j]):
+                j = max(j, i + 1)
+                for p, t in zip(pieces[i:j], staged[i:j], strict=True):
+                    part = t.narrow(self.token_dim, p.a - p.first, p.b - p.a)
+                    self.plan(layer, p.a, p.b).scatter(part.to(self.device, non_blocking=True))
+            i = j
+
+    def _scatter_whole(self, layer: int, pieces: list[Piece], staged: list[torch.Tensor]) -> bool:
+        """Whole chunks whose staged tensors are adjacent, as one ``index_copy_``; ``False`` if not possible."""
+        if not _adjacent(staged):
+            return False
         flat, index = self._window(layer, pieces)
-        if flat is not None and all(p.whole for p in pieces) and _adjacent(staged):
-            rows = _span(staged).view(index.numel(), *flat.shape[1:])
-            flat.index_copy_(0, index, rows.to(self.device, non_blocking=True))
-            return
-        for p, t in zip(pieces, staged, strict=True):
-            plan = self.plan(layer, p.a, p.b)
-            part = t.narrow(self.token_dim, p.a - p.first, p.b - p.a)
-            plan.scatter(part.to(self.device, non_blocking=True))
+        if flat is None:
+            return False
+        rows = _span(staged).view(index.numel(), *flat.shape[1:])
+        flat.index_copy_(0, index, rows.to(self.device, non_blocking=True))
+        return True
 
     def gather(self, layer: int, pieces: list[Piece], staged: list[torch.Tensor]) -> None:
         """Copy each piece's tokens (whole chunks) out of the cache into its staged canonical tensor."""
@@ -263,6 +286,9 @@ def run_load(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
              valid: int, handle: LayerwiseLoad | None = None) -> tuple[int, int, int]:
     """Read ``tasks`` in order (the next one while the current one is scattered) into the cache.
 
+    The next task is submitted once the current one's objects are in, not before: two reads at once would
+    only share the CPU and delay the current one (and with it the layer an engine is waiting for).
+
     ``valid`` is the token count the caller expects; a missing or mismatching object lowers it to the
     start of its chunk and nothing from that chunk on is written. Layer futures of ``handle`` resolve as
     their group's last window lands. Returns ``(valid, objects read, objects missed)``.
@@ -280,9 +306,9 @@ def run_load(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
         pending = submit(0)
         for i, task in enumerate(tasks):
             future, by_layer = pending
+            results = future.result()
             if i + 1 < len(tasks):
                 pending = submit(i + 1)
-            results = future.result()
             for p, r in zip(task.pieces, results, strict=True):
                 if r is None:
                     missed += 1

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -233,12 +233,14 @@ class TinyDecoder(nn.Module):
 
     @torch.inference_mode()
     def prefill(self, token_ids, past: Sequence[torch.Tensor] | None = None, *,
-                last_only: bool = False) -> PrefillOutput:
+                last_only: bool = False, before_layer: Callable[[int], object] | None = None) -> PrefillOutput:
         """Run the new tokens ``token_ids`` after ``past`` (the KV of the preceding tokens, or ``None``).
 
         ``token_ids``: list/tuple/1-D integer tensor of new tokens (at least one). ``past``: one
         ``(2, n_past, kv_heads, head_dim)`` tensor per layer in the model dtype. Returns the logits of the
         new tokens (only the last with ``last_only``) and the full per-layer KV (past + new).
+        ``before_layer(i)`` runs before layer ``i`` attends: an engine's wait for that layer's KV
+        (e.g. :meth:`tierstore.kv.LayerwiseLoad.wait_for_layer`).
         """
         from ..kv.namespace import token_tensor
 
@@ -255,6 +257,8 @@ class TinyDecoder(nn.Module):
         cos, sin = self._rope(n_past, len(ids))
         kv = []
         for i, layer in enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(i)
             x, layer_kv = layer(x, cos, sin, None if past is None else past[i].to(self.device))
             kv.append(layer_kv)
         if last_only:
