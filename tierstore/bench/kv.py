@@ -282,13 +282,16 @@ def paged_rows(model, ns, root: Path, n: int, repeats: int) -> list[dict]:
                 h.result()
                 return ready[0], time.perf_counter() - t0, first_token
 
-            timings = {
-                "load+scatter": statistics.median(_timed(old) for _ in range(repeats)),
-                "load_into": statistics.median(_timed(lambda flat=flat: flat.load_into(toks, caches, "vllm", table,
-                                                                                       n_tokens=n - 1))
-                                               for _ in range(repeats)),
-            }
-            lw = [layerwise() for _ in range(repeats)]
+            def into(flat=flat) -> None:
+                flat.load_into(toks, caches, "vllm", table, n_tokens=n - 1)
+
+            runs: dict[str, list[float]] = {"load+scatter": [], "load_into": []}
+            lw = []
+            for _ in range(repeats):  # the three paths in alternation: the machine's drift hits them alike
+                runs["load+scatter"].append(_timed(old))
+                runs["load_into"].append(_timed(into))
+                lw.append(layerwise())
+            timings = {path: statistics.median(ts) for path, ts in runs.items()}
             timings["load_into layerwise"] = statistics.median(a for _, a, _ in lw)
             first = statistics.median(f for f, _, _ in lw)
             overlapped = statistics.median(t for _, _, t in lw)

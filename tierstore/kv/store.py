@@ -40,6 +40,8 @@ DEFAULT_CHUNK_TOKENS = 256
 _LAYER = "layer.{}"
 _GROUP_DOMAIN = b"tierstore.kv.layers"
 
+#: per-chunk object keys remembered by a KVCacheStore (a few hundred bytes each)
+_GROUP_KEYS_KEPT = 16384
 
 class KVCacheStore:
     """Save and load per-layer KV caches of token sequences, keyed by prefix.
@@ -97,6 +99,7 @@ class KVCacheStore:
         self.layers_per_object = layers_per_object
         self.num_layers = num_layers
         self._staging = Staging()
+        self._group_keys: dict[tuple[ChunkKey, tuple[tuple[int, int], ...]], list[ChunkKey]] = {}  # bounded memo
         self.store = store
         self.namespace = namespace
         assert namespace.chunk_tokens is not None  # set just above
@@ -137,9 +140,18 @@ class KVCacheStore:
         return [(lo, min(lo + g, n)) for lo in range(0, n, g)]
 
     def _object_keys(self, key: ChunkKey, groups: list[tuple[int, int]] | None) -> list[ChunkKey]:
+        """The object keys of one chunk: itself, or one per layer group (remembered: a load and the lookup
+        before it derive the same keys, a few µs of hashing each)."""
         if groups is None:
             return [key]
-        return [ChunkKey.chain(key, _GROUP_DOMAIN, struct.pack("<II", lo, hi)) for lo, hi in groups]
+        memo = (key, tuple(groups))
+        got = self._group_keys.get(memo)
+        if got is None:
+            if len(self._group_keys) >= _GROUP_KEYS_KEPT:
+                self._group_keys.clear()
+            got = self._group_keys[memo] = [ChunkKey.chain(key, _GROUP_DOMAIN, struct.pack("<II", lo, hi))
+                                            for lo, hi in groups]
+        return got
 
     def _held(self, keys: list[ChunkKey]) -> int:
         """Leading chunks of ``keys`` whose every object some tier holds."""
@@ -407,12 +419,13 @@ class KVCacheStore:
         """Per layer group (in layer order), windows of pieces with the object key of each."""
         groups = self._groups(transfer.num_layers)
         spans = groups or [(0, transfer.num_layers)]
+        object_keys = {p.index: self._object_keys(keys[p.index], groups) for p in pieces}  # once per chunk
         tasks = []
         for gi, span in enumerate(spans):
             one = Task(span, pieces[:1], [])
             per_chunk = task_bytes(one, transfer) if pieces else 0
             for window in windows(pieces, per_chunk):
-                tasks.append(Task(span, window, [self._object_keys(keys[p.index], groups)[gi] for p in window]))
+                tasks.append(Task(span, window, [object_keys[p.index][gi] for p in window]))
         return tasks
 
     # ------------------------------------------------------------------ admin
