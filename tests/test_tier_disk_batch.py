@@ -160,3 +160,21 @@ def test_reads_racing_overwrites_see_one_version_whole(tier):
     finally:
         sys.setswitchinterval(previous)
     assert tier.stats()["corrupt"] == 0
+
+
+def test_buffer_views_follow_the_tensor_at_each_address(tier):
+    """Views of caller buffers are cached by (address, length): buffers freed and allocated again at the same
+    addresses, and other tensors over the same bytes, are still read into exactly."""
+    data = [chunk(i, SIZE) for i in range(4)]
+    assert all(tier.put_many([(key_of(i), d) for i, d in enumerate(data)]))
+    keys = [key_of(i) for i in range(4)]
+    for _ in range(6):  # fresh out tensors each round: the allocator reuses addresses
+        outs = outs_for(*data)
+        for got, d in zip(tier.get_many_into(keys, outs), data, strict=True):
+            assert_same(got, d)
+        del outs, got
+    big = torch.empty(SIZE, dtype=torch.uint8)  # views into one buffer, then the same bytes the other way round
+    half = SIZE // 2
+    for k_at, v_at in ((0, half), (half, 0)):
+        out = {"k": big[k_at:k_at + half].view(torch.float32), "v": big[v_at:v_at + half].view(torch.float32)}
+        assert_same(tier.get_many_into([keys[1]], [out])[0], data[1])
