@@ -57,13 +57,15 @@ def test_save_from_then_load_into_is_bit_exact_and_touches_only_its_blocks(store
     assert kv.save_from(tokens, src, layout, table, **kw(layout)) == 0  # already held
     expected = gather_layers(src, layout, table, 0, 4 * C, **kw(layout))
 
-    # into another cache, through a different block table, from token 0 and from an unaligned start
+    # into another cache, through a different block table, from token 0 and from an unaligned start, to the
+    # end or to a token inside the last chunk (whole chunks and partial ones in one window)
     table2 = torch.randperm(blocks, generator=torch.Generator().manual_seed(2))[:-(-n // BS)].tolist()
-    for start in (0, C + 3):
+    for start, end in ((0, None), (C + 3, None), (0, 4 * C - 5), (C + 3, 3 * C + 1)):
         dst = make_caches(layout, blocks, fill=torch.zeros)
-        assert kv.load_into(tokens, dst, layout, table2, start=start, **kw(layout)) == 4 * C
-        got = gather_layers(dst, layout, table2, start, 4 * C, **kw(layout))
-        tail = [e[start:] if layout.is_mla else e[:, start:] for e in expected]
+        stop = 4 * C if end is None else end
+        assert kv.load_into(tokens, dst, layout, table2, start=start, n_tokens=end, **kw(layout)) == stop
+        got = gather_layers(dst, layout, table2, start, stop, **kw(layout))
+        tail = [e[start:stop] if layout.is_mla else e[:, start:stop] for e in expected]
         assert all(torch.equal(g, e) for g, e in zip(got, tail, strict=True))
         # nothing else moved: clearing the loaded tokens leaves an all-zero cache
         zeros = [torch.zeros_like(t) for t in got]
