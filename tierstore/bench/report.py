@@ -19,7 +19,7 @@ TIER_SERIES = [  # (label, key, limit key): each tier operation and the limit it
     ("disk put", "disk_put", "plain_write"),
 ]
 LIMIT_LABELS = {"memcpy": "memcpy (copy_, 1 thread)", "page_cache_read": "page-cache readinto",
-                "plain_write": "plain write, no fsync"}
+                "plain_write": "plain write, no fsync, same folders and threads"}
 
 
 def md_table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
