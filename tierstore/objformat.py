@@ -106,8 +106,11 @@ class Encoded:
     """An encoded object as a list of buffers to write in order (no concatenation needed)."""
 
     parts: list[Any]
-    size: int
     header: Header  # what parse_header would return for parts[0] (writers plan reads from it, unparsed)
+
+    @property
+    def size(self) -> int:
+        return self.header.object_size
 
     def tobytes(self) -> bytes:
         return b"".join(bytes(p) for p in self.parts)
@@ -200,7 +203,7 @@ def encode(key: ChunkKey, tensors: Mapping[str, torch.Tensor], codec: str = "non
     header = Header(key, codec, raw_size, stored_size,
                     tuple(TensorSpec(sp["name"], t.dtype, tuple(sp["shape"]), sp["offset"], sp["nbytes"], sp["dtype"])
                           for sp, t in zip(specs, tensors.values(), strict=True)), PREFIX_SIZE + len(hbytes))
-    return Encoded([prefix + hbytes, *payload], header.object_size, header)
+    return Encoded([prefix + hbytes, *payload], header)
 
 
 def header_length(prefix: bytes | bytearray | memoryview) -> int:

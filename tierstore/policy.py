@@ -48,10 +48,6 @@ class LRUPolicy(Generic[K]):
                     move(k)
         return sizes
 
-    def touch(self, key: K) -> None:
-        if key in self._sizes:
-            self._sizes.move_to_end(key)
-
     def remove(self, key: K) -> int:
         size = self._sizes.pop(key)
         self.currsize -= size

@@ -96,10 +96,6 @@ class PagedTransfer:
         if self.layout.is_mla != is_mla:
             raise InvalidInputError(f"layout {self.layout.value!r} does not match the namespace "
                                     f"({'MLA' if is_mla else 'MHA'})")
-        first_cache = caches if isinstance(caches, torch.Tensor) else next(iter(caches), None) \
-            if isinstance(caches, Sequence) else None
-        if isinstance(first_cache, torch.Tensor):  # converted and type-checked once, not per plan
-            block_ids = block_table(block_ids, first_cache.device)
         self.pool: torch.Tensor | None = None
         self.caches: list[torch.Tensor] = []  # per-layer layouts; a pool layout has ``pool`` instead
         if self.layout.multi_layer:
@@ -119,7 +115,7 @@ class PagedTransfer:
         first = self.pool if self.pool is not None else self.caches[0]
         if first.dtype != dtype:
             raise InvalidInputError(f"the KV cache is {first.dtype}, the namespace says {dtype}")
-        self.block_ids, self.block_size = block_table(block_ids, first.device), probe.block_size  # converted once
+        self.block_ids, self.block_size = block_table(block_ids, first.device), probe.block_size  # once, not per plan
         self.device = first.device
         self.dtype = dtype
         self.token_dim = 0 if is_mla else 1

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import contextmanager
 
@@ -37,7 +36,7 @@ class Claims:
         self.index = index
         self.name = name
         self.closed = False
-        self.pins: Counter[ChunkKey] = Counter()
+        self.pins: dict[ChunkKey, int] = {}
         self.busy: set[ChunkKey] = set()  # exclusively claimed keys
         self.restored: set[ChunkKey] = set()  # pinned keys stored again since (a reader may hold the old one)
         self.evicting: set[ChunkKey] = set()

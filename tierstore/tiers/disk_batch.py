@@ -127,13 +127,10 @@ class BatchedReader:
         threads = min(tier.io_threads, len(work), CORES)
         results: list[TensorDict | InvalidInputError | None] = [None] * len(work)
 
-        plans = self._plans
-
         def run(first: int) -> None:
             for i in range(first, len(work), threads):
                 key, size, out = work[i]
-                plan = plans.get(key)
-                if plan is not None and self._read_planned(plan, out):  # verified: nothing to classify
+                if self._read_planned(key, out):  # verified: nothing to classify
                     results[i] = dict(out)
                     continue
                 try:
@@ -145,8 +142,12 @@ class BatchedReader:
         tier._map(run, range(threads))
         return results
 
-    def _read_planned(self, plan: Plan, out: Mapping[str, torch.Tensor]) -> bool:
-        """Read an object as ``plan`` says into ``out``; ``True`` only when it is verified (see module doc)."""
+    def _read_planned(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> bool:
+        """Read ``key``'s object as its plan says into ``out``; ``True`` only when a plan exists and the read
+        is verified (see module doc)."""
+        plan = self._plans.get(key)  # no lock: one dict lookup
+        if plan is None:
+            return False
         segments = plan.segments(out)
         if segments is None or len(segments) + 2 > IOV_MAX:
             return False
@@ -177,10 +178,7 @@ class BatchedReader:
     def read_into(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
         """One object into ``out``: planned when a plan exists and holds, else the careful read; raises
         like :meth:`DiskTier._load_into`."""
-        plan = self._plans.get(key)
-        if plan is not None and self._read_planned(plan, out):
-            return dict(out)
-        return self._read_carefully(key, out)
+        return dict(out) if self._read_planned(key, out) else self._read_carefully(key, out)
 
     def _read_carefully(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
         if not all(t.device.type == "cpu" and t.is_contiguous() for t in out.values()):
