@@ -139,15 +139,18 @@ class BatchedStoreMixin:
                 found[i] = hit
         return found
 
-    def lookup(self, keys: Sequence[ChunkKey]) -> int:
+    def lookup(self, keys: Sequence[ChunkKey], *, probe: bool = True) -> int:
         """Length of the leading run of ``keys`` held by some tier.
 
         The in-memory indexes are checked first (no I/O); keys past that run are probed on shared tiers
         in concurrent windows (32, 64, ... keys), so a cold prefix costs a few round trips, not one per key.
+        ``probe=False`` stops at the indexes: no I/O at all (what a caller on an engine's forward thread wants).
         """
         keys = _check_keys(keys)
         found = self._held_by_some_tier(keys, probe=False)
         n = found.index(False) if False in found else len(found)
+        if not probe:
+            return n
         window = LOOKUP_WINDOW
         while n < len(keys):
             end = min(len(keys), n + window)
