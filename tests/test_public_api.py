@@ -14,7 +14,16 @@ def test_every_public_name_resolves():
 
 
 def test_import_stays_lazy():
-    code = "import json, sys, tierstore; print(json.dumps([m for m in sys.modules if m.startswith('tierstore.')]))"
+    """Importing tierstore and using ChunkKey loads no torch and no tier code; ``tierstore.open`` loads the store."""
+    code = "\n".join([
+        "import json, sys, tierstore",
+        "tierstore.ChunkKey.from_bytes(b'x').hex()",
+        "before = sorted(sys.modules)",
+        "tierstore.open",
+        "print(json.dumps({'before': before, 'after': sorted(sys.modules)}))",
+    ])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    loaded = set(json.loads(out))
-    assert not loaded & {"tierstore.store", "tierstore.kv", "tierstore.weights", "tierstore.tiers"}, loaded
+    mods = json.loads(out)
+    heavy = {"torch", "tierstore.store", "tierstore.kv", "tierstore.weights", "tierstore.tiers"}
+    assert not heavy & set(mods["before"]), heavy & set(mods["before"])
+    assert "tierstore.store" in mods["after"]

@@ -9,11 +9,12 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Mapping
-from typing import NoReturn
-
-import torch
+from typing import TYPE_CHECKING, NoReturn
 
 from .errors import InvalidInputError, InvalidTypeError
+
+if TYPE_CHECKING:  # torch loads only when tensors are keyed (from_tensors): `import tierstore` stays cheap
+    import torch
 
 DIGEST_SIZE = 32
 # blake2b personalisations (<= 16 bytes): one per constructor, so no two can mint the same key

@@ -23,6 +23,7 @@ import tracemalloc
 from typing import Any
 
 from ..keys import ChunkKey
+from ..tiers.disk import DiskTier
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,14 +41,13 @@ def measure(n_keys: int, prompt_chunks: int = 128, seconds: float = 0.5, workdir
         cfg = {"tiers": [{"kind": "disk", "path": os.path.join(tmp, "disk"), "capacity": n_keys << 20}]}
         with tierstore.open(cfg) as store:
             tier = store.tier("disk")
+            assert isinstance(tier, DiskTier)
             gc.collect()
             tracemalloc.start()
             before = tracemalloc.get_traced_memory()[0]
             keys = [ChunkKey(hashlib.blake2b(i.to_bytes(8, "little"), digest_size=32).digest())
                     for i in range(n_keys)]
-            with tier._cond:  # as DiskTier's index rebuild registers the objects it finds
-                for k in keys:
-                    tier._index_add(k, 1 << 20)
+            tier.index_objects((k, 1 << 20) for k in keys)  # as opening the tier registers what it finds
             gc.collect()
             index_bytes = tracemalloc.get_traced_memory()[0] - before - sys.getsizeof(keys)  # the bench's own list
             tracemalloc.stop()

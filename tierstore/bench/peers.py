@@ -32,7 +32,7 @@ from ..iov import PIECE
 from ..keys import ChunkKey
 from ..sizes import format_size, parse_size
 from ..tiers.disk import DiskTier
-from ..tiers.disk_batch import CORES, ONE_READ, _raw_view
+from ..tiers.disk_batch import CORES, ONE_READ, raw_view
 from ..tiers.objfile import open_for_read
 from .ops import get_all_into, put_all
 
@@ -142,7 +142,7 @@ def run_ours(folder: str, keys: int, size: int, rounds: int) -> dict[str, float]
             raise RuntimeError("tierstore disk tier returned wrong bytes")
         disk = store.tier("disk")
         assert isinstance(disk, DiskTier)
-        paths = [[disk._object_path(k) for k in batch] for batch in batches]
+        paths = [[disk.object_path(k) for k in batch] for batch in batches]
         with ThreadPoolExecutor(CORES) as pool:
             bare_load_t = [bare_read(pool, p, outs) for p in paths]
     total = keys * size
@@ -168,7 +168,7 @@ def bare_read(pool: ThreadPoolExecutor, paths: Sequence[str], outs: Sequence[dic
     threads, each file ``open`` (``O_NOATIME``) + one ``preadv`` (header to scratch, payload into its
     ``outs`` buffer; larger objects in hashed steps) + xxh3 of what was read + ``close``. The limit of
     reading and checking these objects from Python; LMCache's readers are C++ and check no checksum."""
-    views = [_raw_view(o["kv"]) for o in outs]
+    views = [raw_view(o["kv"]) for o in outs]
 
     def one(i: int) -> None:
         fd = open_for_read(paths[i])

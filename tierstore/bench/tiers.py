@@ -193,7 +193,7 @@ def _store_rows(report: Report, tmp: str, items, total: int, r: int, clone, n_lo
     cfg = {"tiers": [{"kind": "host", "capacity": 2 * total + (64 << 20), "pinned": False},
                      {"kind": "disk", "path": os.path.join(tmp, "store-disk"), "capacity": 4 * total}]}
     with tierstore.open(cfg) as store:
-        t_put = median_time(lambda: [store.put(k, v) for k, v in items], r)  # type: ignore[func-returns-value]
+        t_put = median_time(lambda: [store.put(k, v) for k, v in items], r)
         store.flush()
         t_get = median_time(lambda: [store.get(k) for k, _ in items], r)
         clone_t = total / clone.value / 1e9

@@ -38,7 +38,7 @@ import shutil
 import stat
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -192,14 +192,22 @@ class DiskTier(Tier):
             finally:
                 os.close(fd)
         found.sort()
-        with self._cond:
-            for _, _, key, size in found:
-                self._index_add(key, size)
+        self.index_objects((key, size) for _, _, key, size in found)
         if stale or found:
             log.debug("tier %s: indexed %d objects (%d bytes) under %s, removed %d temp files",
                       self.name, len(found), self.used_bytes, self.path, stale)
         if not self.read_only and self.capacity is not None and self.used_bytes > self.capacity:
             self._trim_to_capacity()
+
+    def index_objects(self, items: Iterable[tuple[ChunkKey, int]]) -> None:
+        """Register ``(key, file size)`` pairs as opening the tier registers the object files it finds, in
+        order (the first is the first evicted), without touching storage: no file is read, checked or
+        written, and no capacity is enforced. A key whose file is absent reads as a miss and is then
+        forgotten; a damaged one is handled as on any read. For objects placed under :attr:`path` by
+        other means, and for benchmarks of a large index."""
+        with self._cond:
+            for key, size in items:
+                self._index_add(key, size)
 
     def _remove_legacy_temp(self) -> int:
         """Remove temp files older versions left in ``tmp/`` (only those names), then ``tmp/`` if empty."""
@@ -235,8 +243,12 @@ class DiskTier(Tier):
                 self._log_once("drop", "could not remove %s: %s", k.hex(), exc)
 
     # ------------------------------------------------------------------ data plane
-    def _object_path(self, key: ChunkKey) -> str:
+    def object_path(self, key: ChunkKey) -> str:
+        """The path of ``key``'s object file under :attr:`path`, whether or not the tier holds ``key``
+        (nothing is checked or created). For tools that read or inspect object files directly."""
         return os.path.join(self.path, object_relpath(key))
+
+    _object_path = object_path  # the former private name, still used by tests
 
     def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> tuple[objformat.Encoded, int]:
         enc = objformat.encode(key, tensors, self.codec)
@@ -270,7 +282,7 @@ class DiskTier(Tier):
         finally:
             os.close(folder)
         if self.codec == "none":  # the first read of what we just wrote needs no parsing either
-            self._batched.remember_written(key, self._object_path(key), payload, time.time_ns())
+            self._batched.remember_written(key, self.object_path(key), payload, time.time_ns())
 
     def _touch(self, fd: int, mtime_ns: int) -> int:
         """Refresh mtime on a hit so the LRU order rebuilt after a restart follows use, not creation;
@@ -285,7 +297,7 @@ class DiskTier(Tier):
         return mtime_ns
 
     def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
-        fd, st = objfile.open_object(self._object_path(key))
+        fd, st = objfile.open_object(self.object_path(key))
         try:
             tensors = objfile.read_object(fd, st, key)  # views over one buffer when uncompressed
             self._touch(fd, st.st_mtime_ns)
@@ -310,7 +322,7 @@ class DiskTier(Tier):
 
     def _load_copy(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
         """Decode the whole object, then copy it into ``out`` (whatever its device, layout or codec)."""
-        fd, st = objfile.open_object(self._object_path(key))
+        fd, st = objfile.open_object(self.object_path(key))
         try:
             data = objfile.read_object(fd, st, key)
             self._touch(fd, st.st_mtime_ns)
@@ -340,7 +352,7 @@ class DiskTier(Tier):
         sizes: list[int | None] = []
         for k in keys:
             try:
-                st = os.lstat(self._object_path(k))
+                st = os.lstat(self.object_path(k))
                 sizes.append(st.st_size if stat.S_ISREG(st.st_mode) else None)
             except OSError:
                 sizes.append(None)

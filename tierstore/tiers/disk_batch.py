@@ -65,8 +65,12 @@ _VIEWS: dict[tuple[int, int], memoryview] = {}
 _VIEWS_MAX = 65536
 
 
-def _raw_view(t: torch.Tensor) -> memoryview:
-    """The bytes of contiguous CPU ``t`` as a writable memoryview (any dtype, bfloat16 included)."""
+def raw_view(t: torch.Tensor) -> memoryview:
+    """The bytes of contiguous CPU ``t`` as a writable, flat ``"B"`` memoryview (any dtype, bfloat16 included).
+
+    The view aliases ``t``'s memory without holding a reference to it: use it only while ``t`` is alive.
+    Views are cached by (address, length), so reading into the same buffers again costs one dict lookup.
+    """
     where = (t.data_ptr(), t.numel() * t.element_size())
     view = _VIEWS.get(where)
     if view is None:
@@ -108,7 +112,7 @@ class Plan:
             if gap:
                 segs.append(memoryview(bytearray(gap)))
             if t.numel():
-                segs.append(_raw_view(t))
+                segs.append(raw_view(t))
         if self.tail:
             segs.append(memoryview(bytearray(self.tail)))
         return segs
@@ -183,7 +187,7 @@ class BatchedReader:
     def _read_carefully(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
         if not all(t.device.type == "cpu" and t.is_contiguous() for t in out.values()):
             return self.tier._load_copy(key, out)
-        path = self.tier._object_path(key)
+        path = self.tier.object_path(key)
         fd, st = objfile.open_object(path)  # never a symlink, FIFO or directory
         try:
             head, hdr = objfile.read_header(fd, st, key, first=HEAD_READ)  # sizes checked against the file's
