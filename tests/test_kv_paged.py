@@ -1,5 +1,6 @@
 """Paged gather/scatter against a per-token reference, for every engine layout."""
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -168,6 +169,36 @@ def test_bad_input_is_rejected_clearly():
         gather(pool, "sglang_page_first", [0], 0, 1, block_size=4)
     with pytest.raises(InvalidInputError, match="layer must be"):
         gather(pool, "sglang_page_first", [0], 0, 1, block_size=4, layer=3)
+
+
+BAD_BLOCK_IDS = [
+    [0, 2**63], [0, -(2**63) - 1], [0, 10**30], [0, -(10**30)],  # Python ints no int64 holds
+    [0, np.uint64(2**63)], [0, np.float64(1.0)], [0, np.bool_(True)], [0, "1"], [0, None], [0, [1]],
+    np.array([0, 2**63], dtype=np.uint64), np.array([0, 2**64 - 1], dtype=np.uint64),
+    np.array([0, -1]), np.array([0, 9]), np.array([0.0, 1.0]), np.array([[0, 1]]), np.array([True, False]),
+    torch.tensor([0, 2**63], dtype=torch.uint64), torch.tensor([0, -(2**63)]), torch.tensor([0, 2**62]),
+    [0, 2**63 - 1], [0, -(2**63)], [0, np.int64(-1)],  # int64, but no block of the cache
+]
+
+
+@pytest.mark.parametrize("block_ids", BAD_BLOCK_IDS, ids=lambda b: f"{type(b).__name__}:{b!r}"[:60])
+def test_every_bad_block_id_raises_our_error_before_anything_is_written(block_ids):
+    cache = make_cache(PagedLayout.VLLM, 4, 4)
+    before = cache.clone()
+    with pytest.raises((InvalidInputError, InvalidTypeError)):
+        scatter(cache, "vllm", block_ids, torch.zeros(2, 8, H, D), 0)
+    with pytest.raises((InvalidInputError, InvalidTypeError)):
+        scatter_layers([cache], "vllm", block_ids, [torch.zeros(2, 8, H, D)], 0)
+    with pytest.raises((InvalidInputError, InvalidTypeError)):
+        gather(cache, "vllm", block_ids, 0, 8)
+    assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("block_ids", [np.array([3, 1], dtype=np.int32), np.array([3, 1], dtype=np.uint64),
+                                       [np.int64(3), np.uint8(1)], torch.tensor([3, 1], dtype=torch.uint64)])
+def test_numpy_and_unsigned_block_tables_are_accepted(block_ids):
+    cache = make_cache(PagedLayout.VLLM, 4, 4)
+    assert torch.equal(gather(cache, "vllm", block_ids, 0, 8), gather(cache, "vllm", [3, 1], 0, 8))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

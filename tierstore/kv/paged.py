@@ -38,7 +38,9 @@ from __future__ import annotations
 import copy
 import enum
 import math
+import numbers
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -67,6 +69,8 @@ class PagedLayout(str, enum.Enum):
 #: a request's block table, and one cache per layer or one multi-layer pool
 BlockIds = Sequence[int] | torch.Tensor
 Caches = torch.Tensor | Sequence[torch.Tensor]
+
+_INT64_MAX = (1 << 63) - 1
 
 # rank of the cache tensor and how many leading dims are indexed (the rest is one row: heads×dim or latent)
 _RANKS = {PagedLayout.VLLM: (5, 3), PagedLayout.FLASHINFER: (5, 3), PagedLayout.MLA: (3, 2),
@@ -133,16 +137,36 @@ def _geometry(cache: torch.Tensor, layout: PagedLayout, block_size: int | None) 
 
 
 def block_table(block_ids: BlockIds, device: torch.device) -> torch.Tensor:
-    """``block_ids`` as a 1-D long tensor on ``device`` (a type check; the ids are checked where used)."""
+    """``block_ids`` as a 1-D long tensor on ``device``.
+
+    Takes a list/tuple of ints (Python or numpy integers) or a 1-D integer ``torch.Tensor`` / numpy array.
+    Raises :class:`InvalidTypeError` for non-integer ids and :class:`InvalidInputError` for another shape
+    or an id outside int64 (whether the ids name blocks of the cache is checked where they are used).
+    """
     if isinstance(block_ids, torch.Tensor):
-        if block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool or block_ids.dim() != 1:
-            raise InvalidInputError(f"block_ids must be a 1-D integer tensor, got {block_ids.dtype} "
-                                    f"{tuple(block_ids.shape)}")
-        return block_ids.to(device=device, dtype=torch.long)
+        t = block_ids
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool or t.dim() != 1:
+            raise InvalidInputError(f"block_ids must be a 1-D integer tensor, got {t.dtype} {tuple(t.shape)}")
+        if t.dtype == torch.uint64 and bool((t.view(torch.int64) < 0).any()):  # >= 2**63 would wrap negative
+            raise InvalidInputError("block_ids holds an id >= 2**63")
+        return t.to(device=device, dtype=torch.long)
+    if type(block_ids).__module__ == "numpy" and hasattr(block_ids, "dtype"):
+        arr: Any = block_ids  # a numpy array, recognised without importing numpy
+        if arr.dtype.kind not in "iu":
+            raise InvalidTypeError(f"block_ids must have an integer dtype, got numpy {arr.dtype}")
+        if arr.ndim != 1:
+            raise InvalidInputError(f"block_ids must be 1-D, got shape {tuple(arr.shape)}")
+        if arr.dtype.kind == "u" and arr.size and int(arr.max()) > _INT64_MAX:
+            raise InvalidInputError(f"block_ids holds an id >= 2**63: {int(arr.max())}")
+        return torch.from_numpy(arr.astype("int64")).to(device)  # a copy: also for read-only arrays
     if isinstance(block_ids, Sequence) and not isinstance(block_ids, (str, bytes)):
-        if any(isinstance(b, bool) or not isinstance(b, int) for b in block_ids):
+        if any(isinstance(b, bool) or not isinstance(b, numbers.Integral) for b in block_ids):
             raise InvalidTypeError("block_ids must be ints")
-        return torch.tensor(list(block_ids), dtype=torch.long, device=device)
+        ids = [int(b) for b in block_ids]
+        bad = [b for b in ids if not -_INT64_MAX - 1 <= b <= _INT64_MAX]
+        if bad:
+            raise InvalidInputError(f"block id {bad[0]} is out of range")
+        return torch.tensor(ids, dtype=torch.long, device=device)
     raise InvalidTypeError(f"block_ids must be a sequence of ints or a tensor, got {type(block_ids).__name__}")
 
 
@@ -297,8 +321,8 @@ def gather(cache: torch.Tensor, layout: PagedLayout | str, block_ids: BlockIds, 
 
     Returns ``(2, end - start, heads, dim)`` (MLA: ``(end - start, latent_dim)``), on the cache's device;
     with ``out`` (that shape, contiguous) the rows are written there. ``block_ids`` is the request's block
-    table (list/tuple/tensor of ints). Multi-layer SGLang pools need ``layer=``; their page size is
-    ``block_size=``. Raises :class:`~tierstore.InvalidInputError` on shape, range or table mismatches.
+    table (ints: a list/tuple, tensor or numpy array). Multi-layer SGLang pools need ``layer=``; their page
+    size is ``block_size=``. Raises :class:`~tierstore.InvalidInputError` on shape, range or table mismatches.
     """
     layout = _layout(layout)
     if layout.multi_layer and layer is None:

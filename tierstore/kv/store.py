@@ -18,7 +18,7 @@ import math
 import struct
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,6 +42,10 @@ _GROUP_DOMAIN = b"tierstore.kv.layers"
 
 #: per-chunk object keys remembered by a KVCacheStore (a few hundred bytes each)
 _GROUP_KEYS_KEPT = 16384
+
+#: layer-wise loads of one KVCacheStore running at once (each holds up to two staging buffers); more queue
+_LOADERS = 4
+
 
 class KVCacheStore:
     """Save and load per-layer KV caches of token sequences, keyed by prefix.
@@ -106,6 +110,7 @@ class KVCacheStore:
         self.chunk_tokens: int = namespace.chunk_tokens
         self.partial_chunks = bool(partial_chunks)
         self._lock = threading.Lock()
+        self._loader: ThreadPoolExecutor | None = None  # layer-wise loads; started on first use
         self._counts = dict.fromkeys(("lookups", "lookup_tokens", "hit_tokens", "saved_chunks",
                                       "skipped_chunks", "loaded_chunks", "load_misses", "bad_chunks"), 0)
 
@@ -153,14 +158,15 @@ class KVCacheStore:
                                             for lo, hi in groups]
         return got
 
-    def _held(self, keys: list[ChunkKey]) -> int:
-        """Leading chunks of ``keys`` whose every object some tier holds."""
+    def _held(self, keys: list[ChunkKey], probe: bool = True) -> int:
+        """Leading chunks of ``keys`` whose every object some tier holds; ``probe=False`` asks the
+        in-memory indexes only (no I/O: shared tiers are not probed for keys they do not list)."""
         if not keys:
             return 0
         groups = self._groups(None)
         per = 1 if groups is None else len(groups)
         flat = [k for key in keys for k in self._object_keys(key, groups)]
-        return self.store.lookup(flat) // per
+        return (self.store.lookup(flat) if probe else self.store.lookup(flat, probe=False)) // per
 
     def where(self, token_ids: TokenIds) -> list[str | None]:
         """Per chunk key of ``token_ids``: name of the highest tier holding it, or ``None``."""
@@ -272,10 +278,12 @@ class KVCacheStore:
         self._count(loaded_chunks=len(chunks))
         return self._assemble(chunks, want, device) if want else None
 
-    def _wanted(self, keys: list[ChunkKey], total: int, n_tokens: int | None) -> tuple[int, bool]:
-        """Tokens to load — every leading hit, or exactly ``n_tokens`` (checked) — and whether exact."""
+    def _wanted(self, keys: list[ChunkKey], total: int, n_tokens: int | None,
+                probe: bool = True) -> tuple[int, bool]:
+        """Tokens to load — every leading hit, or exactly ``n_tokens`` (checked) — and whether exact.
+        ``probe=False``: hits by the in-memory indexes only (see :meth:`_held`)."""
         if n_tokens is None:
-            return self._covered(self._held(keys), total), False
+            return self._covered(self._held(keys, probe), total), False
         if not isinstance(n_tokens, int) or isinstance(n_tokens, bool):
             raise InvalidTypeError(f"n_tokens must be an int or None, got {type(n_tokens).__name__}")
         if not 0 <= n_tokens <= total:
@@ -284,7 +292,7 @@ class KVCacheStore:
         if n_tokens > storable:
             raise InvalidInputError(f"n_tokens={n_tokens} exceeds the {storable} tokens held in full chunks "
                                     f"of {self.chunk_tokens} (partial_chunks is off)")
-        have = self._covered(self._held(keys[:math.ceil(n_tokens / self.chunk_tokens)]), total)
+        have = self._covered(self._held(keys[:math.ceil(n_tokens / self.chunk_tokens)], probe), total)
         if have < n_tokens:
             raise MissingKeyError(f"only {have} of the requested {n_tokens} tokens are cached")
         return n_tokens, True
@@ -343,6 +351,11 @@ class KVCacheStore:
         ``wait_for_layer(i)`` blocks until layer ``i`` is in the cache (layers complete in order; with
         ``layers_per_object`` that happens before later layers' bytes are read) and ``result()`` gives
         ``n``. The caches must not be resized or freed until the load is done.
+
+        ``layerwise=True`` does no I/O on the caller's thread (an engine's forward thread): bad arguments
+        raise there, but the hits are what the in-memory indexes know — a chunk only a shared tier holds
+        counts once a probing :meth:`lookup` (or a read) found it — and the reads run on a background
+        thread of this store's (a few loads at once; more wait their turn).
         """
         tokens = token_tensor(token_ids)
         keys = prefix_keys(self.namespace, tokens, partial=self.partial_chunks)
@@ -350,7 +363,7 @@ class KVCacheStore:
                                  self.namespace.is_mla)
         if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= len(tokens):
             raise InvalidInputError(f"start must be an int in [0, {len(tokens)}], got {start!r}")
-        want, _ = self._wanted(keys, len(tokens), n_tokens)
+        want, _ = self._wanted(keys, len(tokens), n_tokens, probe=not layerwise)
         pieces = self._pieces(start // self.chunk_tokens, math.ceil(want / self.chunk_tokens), len(tokens),
                               start, want, transfer)
         tasks = self._tasks(keys, pieces, transfer)
@@ -376,7 +389,11 @@ class KVCacheStore:
             except BaseException as exc:
                 handle._fail(exc)
 
-        threading.Thread(target=background, name="tierstore-kv-load", daemon=True).start()
+        with self._lock:
+            if self._loader is None:
+                self._loader = ThreadPoolExecutor(_LOADERS, thread_name_prefix="tierstore-kv-load")
+            loader = self._loader
+        loader.submit(background)
         return handle
 
     def save_from(self, token_ids: TokenIds, caches: Sequence[torch.Tensor] | torch.Tensor, layout: str | PagedLayout,

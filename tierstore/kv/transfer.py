@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -316,17 +316,20 @@ def run_load(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
 
     ``valid`` is the token count the caller expects; a missing or mismatching object lowers it to the
     start of its chunk and nothing from that chunk on is written. Layer futures of ``handle`` resolve as
-    their group's last window lands. Returns ``(valid, objects read, objects missed)``.
+    their group's last window lands. Returns ``(valid, objects read, objects missed)``. On an error it
+    returns (raises) only once no read it submitted is still running (see :func:`_give_back`).
     """
     pinned = transfer.device.type == "cuda" and torch.cuda.is_available()
     size = max(task_bytes(t, transfer) for t in tasks)
     bufs = [staging.acquire(size, pinned) for _ in range(min(2, len(tasks)))]
     last_of_group = {t.group: i for i, t in enumerate(tasks)}
     read = missed = 0
+    reads: list[Future[list[Any]]] = []
     try:
         def submit(i: int) -> tuple[Future[list[Any]], dict[int, list[torch.Tensor]]]:
             outs, by_layer = stage(bufs[i % len(bufs)], tasks[i], transfer, layer_name)
-            return store.get_many_async(tasks[i].keys, out=outs), by_layer
+            reads.append(store.get_many_async(tasks[i].keys, out=outs))
+            return reads[-1], by_layer
 
         pending = submit(0)
         for i, task in enumerate(tasks):
@@ -349,8 +352,7 @@ def run_load(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
                 for j in range(*task.group):
                     handle.layer(j).set_result(valid)
     finally:
-        for b in bufs:
-            staging.release(b)
+        _give_back(staging, bufs, transfer, reads)
     return valid, read, missed
 
 
@@ -360,13 +362,34 @@ def run_save(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
     size = max(task_bytes(t, transfer) for t in tasks)
     buf = staging.acquire(size, False)
     ok: list[bool] = []
+    stored = True  # False while a put_many runs: one that raised may leave per-key work reading ``buf``
     try:
         for task in tasks:
             outs, by_layer = stage(buf, task, transfer, layer_name)
             for j, staged in by_layer.items():
                 transfer.gather(j, task.pieces, staged)
             transfer.synchronize()
+            stored = False
             ok += store.put_many(list(zip(task.keys, outs, strict=True)))  # copies/writes before returning
+            stored = True
     finally:
-        staging.release(buf)
+        _give_back(staging, [buf] if stored else [], transfer, [])
     return ok
+
+
+def _give_back(staging: Staging, bufs: list[torch.Tensor], transfer: PagedTransfer,
+               reads: list[Future[list[Any]]]) -> None:
+    """Return a transfer's ``bufs`` to the shared ``staging`` only once nothing can write into or copy out
+    of them any more: every read submitted into them has finished (waited for here, result or error
+    ignored) and the transfer's CUDA copies are done. Otherwise another transfer could acquire a buffer
+    a read of this one still fills and scatter this request's KV into its own blocks. Buffers a failed
+    read or synchronize leaves in doubt are dropped, not reused (a batch that raised may leave per-key
+    work running in a tier's pool)."""
+    wait(reads)
+    try:
+        transfer.synchronize()
+    except Exception:
+        return  # the error that matters is the one propagating, if any
+    if all(f.cancelled() or f.exception() is None for f in reads):
+        for b in bufs:
+            staging.release(b)
