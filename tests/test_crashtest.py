@@ -50,6 +50,25 @@ def test_killed_write_back_writers_lose_nothing_acknowledged(tmp_path, config):
 
 
 @pytest.mark.slow
+def test_killed_writers_under_the_drop_policy_keep_what_it_promises(tmp_path):
+    """A small disk over a remote that refuses 30% of writes: full tiers drop dirty chunks. Whatever a flush
+    did not report dropped is acknowledged and must be on the remote, exactly."""
+    proc, result = crashtest(tmp_path, "--kills", "10", "--configs", "drop:disk+remote/write_back")
+    assert_nothing_lost(proc, result, 10)
+    assert result["configs"]["drop:disk+remote/write_back"]["dropped"] > 0  # the policy really dropped
+
+
+@pytest.mark.slow
+def test_eviction_that_drops_dirty_chunks_is_caught(tmp_path):
+    """Probe 10.7: tiers evicting dirty chunks without writing them below passed the run (failed flushes were
+    only counted). Now a flush that fails where every tier works fails the run."""
+    proc, result = crashtest(tmp_path, "--kills", "6", "--configs", "disk+remote/write_back",
+                             "--sabotage", "drop-dirty")
+    assert proc.returncode == 1 and not result["ok"] and "FAIL" in proc.stdout
+    assert result["totals"]["bad_flushes"] + result["totals"]["lost"] > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sabotage", ["ack-before-put", "corrupt-value"])
 def test_a_broken_writer_is_caught(tmp_path, sabotage):
     # the honest run of this setup passes above; these writers acknowledge a put before it is made, or

@@ -29,19 +29,26 @@ HOST = {"kind": "host", "capacity": "256KiB", "pinned": False}
 @dataclass(frozen=True)
 class Setup:
     """A tier layout under test. ``required`` tiers never evict here, so they must hold every acknowledged
-    key; ``write_once`` layouts (with a remote tier, which keeps a key's first value) re-put equal values."""
+    key. ``on_pressure`` is the store's pressure policy; with ``flaky_remote`` the writer's remote tier
+    refuses a share of its writes (so the drop policy really drops). A flush that fails is a finding,
+    except in a setup whose remote refuses writes on purpose."""
 
     tiers: Callable[[str], list[dict[str, Any]]]
     required: tuple[str, ...]
-    write_once: bool
+    on_pressure: str = "keep"
+    flaky_remote: float = 0.0
 
 
 SETUPS: dict[str, Setup] = {
-    "host+disk": Setup(lambda d: [HOST, {"kind": "disk", "path": f"{d}/disk"}], ("disk",), False),
+    "host+disk": Setup(lambda d: [HOST, {"kind": "disk", "path": f"{d}/disk"}], ("disk",)),
     "host+disk+remote": Setup(lambda d: [HOST, {"kind": "disk", "path": f"{d}/disk"},
-                                         {"kind": "remote", "url": f"file://{d}/remote"}], ("disk", "remote"), True),
+                                         {"kind": "remote", "url": f"file://{d}/remote"}], ("disk", "remote")),
     "disk+remote": Setup(lambda d: [{"kind": "disk", "path": f"{d}/disk", "capacity": "512KiB"},
-                                    {"kind": "remote", "url": f"file://{d}/remote"}], ("remote",), True),
+                                    {"kind": "remote", "url": f"file://{d}/remote"}], ("remote",)),
+    # the drop policy: a small disk over a remote that refuses 30% of writes, so full tiers drop dirty chunks
+    "drop:disk+remote": Setup(lambda d: [{"kind": "disk", "path": f"{d}/disk", "capacity": "256KiB"},
+                                         {"kind": "remote", "url": f"file://{d}/remote"}], ("remote",),
+                              on_pressure="drop", flaky_remote=0.3),
 }
 POLICIES = ("write_back", "write_through")
 COMBOS = tuple(f"{s}/{p}" for s in SETUPS for p in POLICIES)
@@ -68,6 +75,7 @@ class ComboReport:
     puts: int = 0
     acked_puts: int = 0
     flush_failures: int = 0
+    dropped: int = 0  #: puts a flush reported dropped by the drop policy (not acknowledged)
     torn_records: int = 0
     errors: list[str] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)  #: the first few, with where they were found
@@ -152,7 +160,8 @@ class CrashTest:
                 t.update(codec=self.rng.choice(["none", "zstd"]), io_threads=self.rng.choice([1, 4]))
             elif t["kind"] == "remote":
                 t.update(compression=self.rng.choice(["none", "zstd"]), max_in_flight=self.rng.choice([1, 8]))
-        return {"tiers": tiers, "write_policy": combo.policy, "max_in_flight": self.rng.choice([1, 2, 8])}
+        return {"tiers": tiers, "write_policy": combo.policy, "max_in_flight": self.rng.choice([1, 2, 8]),
+                "on_pressure": combo.setup.on_pressure}
 
     def _fork(self, combo: _Combo, check_only: bool = False) -> None:
         combo.journal.refresh()
@@ -161,7 +170,7 @@ class CrashTest:
             os.unlink(combo.observed)
         spec = WorkerSpec(config=self._config(combo), journal=combo.journal.path, observed=combo.observed,
                           keys=self.keys, threads=self.threads, seed=self.rng.randrange(1 << 31),
-                          start_seq=combo.journal.last_seq + 1, write_once=combo.setup.write_once,
+                          start_seq=combo.journal.last_seq + 1, flaky_remote=combo.setup.flaky_remote,
                           check_only=check_only, switch_interval=self.rng.choice([None, 1e-6]),
                           sabotage=self.sabotage)
         self._pid = fork_worker(spec, combo.log)
@@ -262,11 +271,14 @@ class CrashTest:
             r.puts = sum(len(h) for h in j.puts.values())
             r.acked_puts = len(j.acked)
             r.flush_failures, r.torn_records, r.live_wrong = j.flush_failures, j.torn, len(j.live_wrong)
+            r.dropped = j.dropped
             configs[combo.name] = asdict(r)
         counters = [k for k, v in asdict(ComboReport()).items() if isinstance(v, int)]
         totals = {k: sum(c[k] for c in configs.values()) for k in counters}
         totals["errors"] = sum(len(c["errors"]) for c in configs.values())
-        ok = not (totals["lost"] or totals["wrong"] or totals["live_wrong"] or totals["errors"])
+        # a failed flush where every tier works is a finding too: write-back lost track of a chunk
+        totals["bad_flushes"] = sum(c.report.flush_failures for c in self.combos if not c.setup.flaky_remote)
+        ok = not any(totals[k] for k in ("lost", "wrong", "live_wrong", "errors", "bad_flushes"))
         return {"kills": self.kills, "elapsed_s": round(elapsed, 2), "seed": self.seed, "root": self.root,
                 "interrupted": interrupted, "ok": ok, "totals": totals, "configs": configs}
 
@@ -299,7 +311,8 @@ def _tail(path: str, lines: int = 5) -> str:
 _COLUMNS = (("kills", "kills"), ("mid-flush", "kills_mid_flush"), ("at-open", "kills_at_open"), ("puts", "puts"),
             ("acked", "acked_puts"), ("keys checked", "acked_checked"), ("lost", "lost"), ("wrong", "wrong"),
             ("lost keys", "lost_keys"), ("wrong keys", "wrong_keys"),
-            ("live-wrong", "live_wrong"), ("flush-failed", "flush_failures"), ("errors", "errors"))
+            ("live-wrong", "live_wrong"), ("flush-failed", "flush_failures"), ("dropped", "dropped"),
+            ("errors", "errors"))
 
 
 def format_table(result: dict[str, Any]) -> str:

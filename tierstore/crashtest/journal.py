@@ -13,6 +13,8 @@ store directory:
     called after them returned without raising (write_back); appended and fsynced;
 ``{"op": "flush_failed", "t": 0, "error": "..."}``
     ``flush()`` raised: the puts it would have acknowledged never are;
+``{"op": "dropped", "t": 0, "seqs": [S, ...]}``
+    the flush reported these puts dropped by the drop policy: they are not acknowledged;
 ``{"op": "wrong", "key": KEY, "digest": D, "expected": D2}``
     a live ``get`` returned other bytes than the writer's last put of that key;
 ``{"op": "error", "error": "..."}``
@@ -78,6 +80,7 @@ class Journal:
         self.last_seq = 0
         self.torn = 0  #: unparsable lines (records cut by a kill)
         self.flush_failures = 0
+        self.dropped = 0
         self.live_wrong: list[dict[str, Any]] = []
         self.errors: list[str] = []
         self.open_flushes: set[int] = set()  #: writer threads inside flush() as of the last record read
@@ -113,6 +116,8 @@ class Journal:
         elif op == "flush_failed":
             self.flush_failures += 1
             self.open_flushes.discard(r["t"])
+        elif op == "dropped":
+            self.dropped += len(r["seqs"])
         elif op == "wrong":
             self.live_wrong.append(r)
         elif op == "error":

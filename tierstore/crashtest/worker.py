@@ -33,8 +33,9 @@ from .journal import JournalWriter, Observed
 
 #: tier kinds whose contents survive the process; host and device tiers lose un-flushed data by design
 DURABLE_KINDS = ("disk", "remote")
-#: deliberately broken writers, to show the checker catches them
-SABOTAGE = ("ack-before-put", "corrupt-value")
+#: deliberately broken writers, to show the checker catches them (``drop-dirty``: tiers evict dirty chunks
+#: without writing them below, as if the store ignored its own write-back)
+SABOTAGE = ("ack-before-put", "corrupt-value", "drop-dirty")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -49,7 +50,7 @@ class WorkerSpec:
     threads: int
     seed: int
     start_seq: int  #: first sequence number of this incarnation's puts
-    write_once: bool  #: every put of a key carries the same value (stores with a write-once tier)
+    flaky_remote: float = 0.0  #: share of the remote tier's writes that fail (the drop policy's pressure)
     max_batch: int = 24  #: write_back: a thread flushes after 1..max_batch of its puts
     check_only: bool = False
     #: ``sys.setswitchinterval`` for the writer: tiny values make thread switches (and races) far more frequent
@@ -114,6 +115,11 @@ def run_worker(spec: WorkerSpec) -> None:
     if spec.switch_interval is not None:
         sys.setswitchinterval(spec.switch_interval)
     store = open_store(spec.config)
+    if spec.sabotage == "drop-dirty":
+        for tier in store.tiers:
+            tier.before_evict = None  # evict without asking write-back: dirty chunks vanish
+    if spec.flaky_remote:
+        _refuse_some_writes(store.tier("remote"), spec.flaky_remote, random.Random(spec.seed))
     keys = [crash_key(i) for i in range(spec.keys)]
     tmp = f"{spec.observed}.tmp"
     with open(tmp, "w") as f:
@@ -123,6 +129,19 @@ def run_worker(spec: WorkerSpec) -> None:
         store.close()
         return
     _Writer(store, spec, keys).run()
+
+
+def _refuse_some_writes(tier: Any, share: float, rng: random.Random) -> None:
+    """Make ``tier`` refuse about ``share`` of the chunks written to it (as a remote under an outage does)."""
+    put_many = tier.put_many
+
+    def flaky(items: Any) -> list[bool]:
+        items = list(items)
+        take = [rng.random() >= share for _ in items]
+        stored = iter(put_many([item for item, t in zip(items, take, strict=True) if t]))
+        return [next(stored) if t else False for t in take]
+
+    tier.put_many = flaky
 
 
 class _Writer:
@@ -154,7 +173,7 @@ class _Writer:
         rng = random.Random(self.spec.seed * 1009 + tid)
         own = range(tid, self.spec.keys, self.spec.threads)
         last: dict[int, str] = {}  # key index -> digest this thread last put
-        unacked: list[int] = []
+        unacked: list[tuple[int, str]] = []
         batch = rng.randint(1, self.spec.max_batch)
         ack_first = self.spec.sabotage == "ack-before-put"  # broken: acknowledge, then put, never flush
         while True:
@@ -165,21 +184,26 @@ class _Writer:
             if rng.random() < 0.1:  # another thread's key: a promotion that may race that thread's put
                 self.store.get(self.keys[rng.randrange(self.spec.keys)])
                 continue
-            seq, last[index] = self._put(tid, index, ack_first)
+            seq, digest = self._put(tid, index, ack_first)
             if ack_first:
                 continue
+            if digest is None:  # refused (the put said so): the key keeps an earlier value or none
+                last.pop(index, None)
+                continue
+            last[index] = digest
             if not self._write_back:
                 self.journal.append({"op": "ack", "t": tid, "seqs": [seq]}, sync=True)
                 continue
-            unacked.append(seq)
+            unacked.append((seq, self.keys[index].hex()))
             if len(unacked) >= batch:
                 self._flush(tid, unacked)
                 unacked, batch = [], rng.randint(1, self.spec.max_batch)
 
-    def _put(self, tid: int, index: int, ack_first: bool) -> tuple[int, str]:
+    def _put(self, tid: int, index: int, ack_first: bool) -> tuple[int, str | None]:
+        """Put a new value of key ``index``: its sequence number and digest (``None``: no tier took it)."""
         with self._lock:
             seq, self._next_seq = self._next_seq, self._next_seq + 1
-        tensors = make_chunk(index if self.spec.write_once else self.spec.keys + seq)
+        tensors = make_chunk(self.spec.keys + seq)
         digest = content_digest(tensors)
         if self.spec.sabotage == "corrupt-value":
             byte_alias(tensors["k"])[0] ^= 1
@@ -187,7 +211,8 @@ class _Writer:
         self.journal.append({"op": "put", "seq": seq, "key": key.hex(), "digest": digest})
         if ack_first:
             self.journal.append({"op": "ack", "t": tid, "seqs": [seq]}, sync=True)
-        self.store.put(key, tensors)
+        if not self.store.put(key, tensors) and not ack_first:
+            return seq, None
         return seq, digest
 
     def _get(self, index: int, expected: str | None) -> None:
@@ -196,11 +221,14 @@ class _Writer:
         if data is not None and expected is not None and (got := content_digest(data)) != expected:
             self.journal.append({"op": "wrong", "key": self.keys[index].hex(), "digest": got, "expected": expected})
 
-    def _flush(self, tid: int, seqs: list[int]) -> None:
+    def _flush(self, tid: int, puts: list[tuple[int, str]]) -> None:
         self.journal.append({"op": "flush", "t": tid})
         try:
-            self.store.flush()
+            report = self.store.flush()
         except Exception as exc:  # e.g. WriteBackError: these puts are not acknowledged
             self.journal.append({"op": "flush_failed", "t": tid, "error": f"{type(exc).__name__}: {exc}"})
             return
-        self.journal.append({"op": "ack", "t": tid, "seqs": seqs}, sync=True)
+        dropped = {k.hex() for k in report.dropped}
+        if dropped:
+            self.journal.append({"op": "dropped", "t": tid, "seqs": [s for s, k in puts if k in dropped]})
+        self.journal.append({"op": "ack", "t": tid, "seqs": [s for s, k in puts if k not in dropped]}, sync=True)
