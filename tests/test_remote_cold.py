@@ -115,7 +115,8 @@ def test_cold_batch_keeps_per_key_results(published, s3_server, shim):
 
         wrong = {"x": torch.empty(3)}
         fits = {n: torch.empty_like(t) for n, t in chunk(7).items()}
-        res = remote.get_many_into([key_of(6), key_of(7), key_of(100)], [wrong, fits, fits])
+        other = {n: torch.empty_like(t) for n, t in chunk(7).items()}  # every out owns its memory
+        res = remote.get_many_into([key_of(6), key_of(7), key_of(100)], [wrong, fits, other])
         assert isinstance(res[0], tierstore.InvalidInputError)
         assert_same(res[1], chunk(7))
         assert res[2] is None

@@ -36,7 +36,14 @@ class PrefetchPolicy(str, enum.Enum):
     TRANSIENT = "transient"
 
 
-_STORE_KEYS = {"tiers", "write_policy", "prefetch_policy", "max_in_flight", "close_timeout"}
+class Pressure(str, enum.Enum):
+    """What a full tier does with a dirty chunk no tier below can take now (``on_pressure``)."""
+
+    DROP = "drop"  #: evict it and count it (a cache: KV can be recomputed, weights fetched again)
+    KEEP = "keep"  #: keep it; the put that needed the room skips the tier
+
+
+_STORE_KEYS = {"tiers", "write_policy", "prefetch_policy", "max_in_flight", "close_timeout", "on_pressure"}
 #: how many directories (``disk``, ``disk.1`` …) the default disk tier may take: one per process on a host
 DEFAULT_DISK_INSTANCES = 8
 
@@ -55,6 +62,7 @@ class StoreConfig:
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.RETAIN
     max_in_flight: int = 8
     close_timeout: float = 10.0  # seconds close() (and the flush at exit) waits for write-back
+    on_pressure: Pressure = Pressure.DROP
 
 
 def default_config(root: str = DEFAULT_ROOT) -> dict[str, Any]:
@@ -130,6 +138,7 @@ def parse_config(config: Mapping[str, Any] | str | os.PathLike[str] | None = Non
         prefetch_policy=_enum(PrefetchPolicy, raw.get("prefetch_policy", "retain"), "prefetch_policy"),
         max_in_flight=_positive_int(raw.get("max_in_flight", 8), "max_in_flight"),
         close_timeout=_seconds(raw.get("close_timeout", 10.0), "close_timeout"),
+        on_pressure=_enum(Pressure, raw.get("on_pressure", "drop"), "on_pressure"),
     )
 
 

@@ -62,11 +62,14 @@ class TierTimeoutError(TierstoreError, TimeoutError):
 class WriteBackError(TierstoreError, OSError):
     """Write-back could not bring some chunks to some tiers.
 
-    ``failed`` maps each such :class:`~tierstore.ChunkKey` to the names of the tiers it did not reach.
+    ``failed`` maps each such :class:`~tierstore.ChunkKey` to the names of the tiers it did not reach;
+    ``dropped`` the chunks the ``drop`` pressure policy gave up since the last flush (not failures).
     """
 
-    def __init__(self, failed: Mapping[ChunkKey, tuple[str, ...]]) -> None:
+    def __init__(self, failed: Mapping[ChunkKey, tuple[str, ...]],
+                 dropped: Mapping[ChunkKey, tuple[str, ...]] | None = None) -> None:
         self.failed: dict[ChunkKey, tuple[str, ...]] = dict(failed)
+        self.dropped: dict[ChunkKey, tuple[str, ...]] = dict(dropped or {})
         shown = ", ".join(f"{k.hex()[:16]}->{'+'.join(v)}" for k, v in list(self.failed.items())[:5])
         more = f" and {len(self.failed) - 5} more" if len(self.failed) > 5 else ""
         super().__init__(f"write-back failed for {len(self.failed)} chunks: {shown}{more}")

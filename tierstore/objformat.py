@@ -112,6 +112,18 @@ class Encoded:
     def size(self) -> int:
         return self.header.object_size
 
+    @classmethod
+    def of_object(cls, buf: torch.Tensor, hdr: Header) -> Encoded:
+        """A whole, verified object in one flat uint8 CPU tensor, as parts (prefix and header, then payload)
+        that keep ``buf`` alive."""
+        mv = buf.numpy().data if buf.numel() else memoryview(b"")
+        return cls([mv[:hdr.payload_offset], mv[hdr.payload_offset:]], hdr)
+
+    @property
+    def checksum(self) -> bytes:
+        """The object's xxh3-128 checksum field (bytes 16-32 of the object)."""
+        return bytes(memoryview(self.parts[0]).cast("B")[16:32])
+
     def tobytes(self) -> bytes:
         return b"".join(bytes(p) for p in self.parts)
 
@@ -204,6 +216,18 @@ def encode(key: ChunkKey, tensors: Mapping[str, torch.Tensor], codec: str = "non
                     tuple(TensorSpec(sp["name"], t.dtype, tuple(sp["shape"]), sp["offset"], sp["nbytes"], sp["dtype"])
                           for sp, t in zip(specs, tensors.values(), strict=True)), PREFIX_SIZE + len(hbytes))
     return Encoded([prefix + hbytes, *payload], header)
+
+
+def as_encoded(key: ChunkKey, chunk: Mapping[str, torch.Tensor] | Encoded, codec: str) -> Encoded:
+    """``chunk`` encoded under ``key`` with ``codec``: an object already encoded so is used as it is (no
+    second checksum pass), one with another codec is decoded and encoded again."""
+    if isinstance(chunk, Encoded):
+        if chunk.header.key != key:
+            raise InvalidInputError(f"object holds key {chunk.header.key.hex()}, not {key.hex()}")
+        if chunk.header.codec == codec:
+            return chunk
+        chunk = decode(b"".join(bytes(p) for p in chunk.parts), expected_key=key)
+    return encode(key, chunk, codec)
 
 
 def header_length(prefix: bytes | bytearray | memoryview) -> int:
@@ -350,6 +374,18 @@ def decompress(stored: Any, hdr: Header) -> torch.Tensor:
     if got != hdr.raw_size or extra:
         raise CorruptObjectError(f"zstd payload decompresses to other than the {hdr.raw_size} bytes declared")
     return out
+
+
+def verified(buf: torch.Tensor | bytes | bytearray, expected_key: ChunkKey) -> Encoded:
+    """A whole object checked (header, size, checksum) but not decoded, as an :class:`Encoded`; raises
+    :class:`CorruptObjectError` if it is damaged."""
+    if not isinstance(buf, torch.Tensor):
+        data = bytearray(buf)
+        buf = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    mv = buf.numpy().data if buf.numel() else memoryview(b"")
+    hdr = parse_header(mv, expected_key, object_size=len(mv))
+    verify(mv, hdr)
+    return Encoded.of_object(buf, hdr)
 
 
 def decode(buf: torch.Tensor | bytes | bytearray | memoryview, expected_key: ChunkKey | None = None) -> TensorDict:

@@ -1,16 +1,18 @@
-"""The tiered store: ordered tiers, write-back, retain-prefetch, and the public ``tierstore.open``.
+"""The tiered store: ordered tiers, write-back, promotion, and the public ``tierstore.open``.
 
-Control plane here, data plane in the tiers, write-back bookkeeping in :mod:`tierstore.writeback`:
+The batched methods are the implementation; the single-key ones wrap them. Every public call runs under
+one lifecycle guard (:mod:`tierstore.lifecycle`). Write-back bookkeeping lives in :mod:`tierstore.writeback`,
+promotion in :mod:`tierstore.promotion`:
 
 * **put**: ``write_back`` lands a chunk in the highest tier that takes it and marks it dirty for the
   tiers below, which writer threads fill in batches; ``write_through`` writes every tier before returning.
 * **dirty eviction**: each tier asks :meth:`WriteBack.before_evict` before it drops a victim; a dirty one
-  is written below first, or kept.
-* **promotion**: a ``get`` (``retain``) or ``prefetch`` copies a chunk into the tiers above the one
-  that served it. Puts and promotions of one key take turns (a per-key claim), so a promotion never
-  installs a value older than the latest put.
-* **close**: flushes with a deadline and never raises for write-back failures; a store still open at
-  interpreter exit is closed then (bounded by the same deadline).
+  is written below first, then kept or dropped as ``on_pressure`` says.
+* **reads**: each key from the highest tier holding its current value; under ``retain`` what came from
+  below is admitted to the top tier once it is in the caller's hands, and the tiers in between are filled
+  by write-back.
+* **close**: refuses new calls, waits for running ones, flushes with a deadline and never raises for
+  write-back failures; a store still open at interpreter exit is closed then (bounded by the same deadline).
 """
 
 from __future__ import annotations
@@ -19,188 +21,331 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .batch import BatchedStoreMixin
-from .config import PrefetchPolicy, StoreConfig, WritePolicy, parse_config
-from .errors import ClosedError, TierTimeoutError, WriteBackError
+from .config import PrefetchPolicy, Pressure, StoreConfig, WritePolicy, parse_config
+from .errors import ClosedError, InvalidInputError, InvalidTypeError, TierTimeoutError, WriteBackError
 from .keys import ChunkKey, check_key
+from .lifecycle import Lifecycle, track, untrack
 from .objformat import validate_chunk
-from .tensors import TensorDict
+from .promotion import Promoter
+from .tensors import TensorDict, check_outs
 from .tiers import Tier, tier_class
-from .writeback import STAT_KEYS, WriteBack
+from .writeback import STAT_KEYS, FlushReport, WriteBack
 
 log = logging.getLogger("tierstore")
 
 #: seconds ``close()`` (and the flush at interpreter exit) waits for write-back by default
 CLOSE_TIMEOUT = 10.0
+#: first window of keys past the local run that ``lookup`` probes on shared tiers at once (doubles per round)
+LOOKUP_WINDOW = 32
+#: threads of the executor behind the ``*_async`` methods (each call fans out further on the tiers' pools)
+ASYNC_WORKERS = 4
+
+Item = tuple[ChunkKey, Mapping[str, torch.Tensor]]
+Outs = Sequence[Mapping[str, torch.Tensor]]
 
 
-class TieredStore(BatchedStoreMixin):
+@dataclass(frozen=True)
+class Readiness:
+    """What :meth:`TieredStore.readiness` found: the leading ``ready`` keys are in local tiers; the
+    ``pending`` keys after them are being promoted now (ask again soon)."""
+
+    ready: int
+    pending: int
+
+
+@dataclass
+class Pin:
+    """Keys held against eviction by :meth:`TieredStore.pin`; give it back with :meth:`TieredStore.release`.
+
+    ``ready`` is the length of the leading run of ``keys`` pinned in some tier."""
+
+    keys: tuple[ChunkKey, ...]
+    ready: int
+    _held: list[tuple[Tier, list[ChunkKey]]] = field(default_factory=list, repr=False)
+
+
+class TieredStore:
     """A content-addressed chunk store over ordered tiers (fastest first).
 
     Build one with :func:`tierstore.open`. All methods are thread-safe; no lock is held across I/O.
-    Read-only tiers serve reads and are never written. Batched and asynchronous forms (``get_many``,
-    ``put_many``, ``contains_many``, ``lookup``, ``*_async``) come from
-    :class:`~tierstore.batch.BatchedStoreMixin`.
+    Read-only tiers serve reads and are never written. Batches never raise for one key: a miss is
+    ``None``/``False``; only a malformed call or a closed store raises.
     """
 
     def __init__(self, tiers: Sequence[Tier], write_policy: WritePolicy = WritePolicy.WRITE_BACK,
                  prefetch_policy: PrefetchPolicy = PrefetchPolicy.RETAIN, max_in_flight: int = 8,
-                 close_timeout: float = CLOSE_TIMEOUT):
-        self.tiers: list[Tier] = list(tiers)
+                 close_timeout: float = CLOSE_TIMEOUT, on_pressure: Pressure = Pressure.DROP):
+        self.tiers: tuple[Tier, ...] = tuple(tiers)
         self.write_policy = WritePolicy(write_policy)
         self.prefetch_policy = PrefetchPolicy(prefetch_policy)
+        self.on_pressure = Pressure(on_pressure)
         self.max_in_flight = max_in_flight
         self.close_timeout = close_timeout
         self._by_name = {t.name: t for t in self.tiers}
-        self._lock = threading.Condition()
-        self._cond = self._lock  # the name the batched mixin uses
-        self._counts = {"puts": 0, "gets": 0, "hits": 0, "misses": 0, "promotions": 0, "prefetch_errors": 0}
-        self._active = 0  # calls in progress (close waits for them)
-        self._closing = False
+        self._lock = threading.Lock()
+        self._counts = {"puts": 0, "gets": 0, "hits": 0, "misses": 0}
+        self._life = Lifecycle()
         self._closed = threading.Event()
-        self._wb = WriteBack(self.tiers, max_in_flight)
+        self._wb = WriteBack(self.tiers, max_in_flight, self.on_pressure)
         for t in self.tiers:
             t.before_evict = self._wb.before_evict
-        self._prefetcher = ThreadPoolExecutor(max_in_flight, thread_name_prefix="tierstore-prefetch")
-        _track(self)
+        self._promoter = Promoter(self.tiers, self._wb, max_in_flight, self._life.call)
+        self._async_pool = ThreadPoolExecutor(ASYNC_WORKERS, thread_name_prefix="tierstore-batch")
+        track(self)
 
     # ------------------------------------------------------------------ writes
-    def put(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Store a chunk. Returns once the top tier holds it (``write_back``) or every tier does
-        (``write_through``). A chunk larger than a tier skips that tier.
+    def put_many(self, items: Iterable[Item]) -> list[bool]:
+        """Store each ``(key, tensors)``; per item ``True`` once the top tier that takes it holds it
+        (``write_back``, then written below in the background) or some tier does (``write_through``).
 
-        Under ``write_back`` the chunk is then written to the tiers below in the background; it is never
-        dropped from a tier before a tier below holds it. :meth:`flush` waits for that and reports failures.
+        ``False`` where no tier accepted the chunk or the item is malformed (logged); never raises for one
+        item. A chunk larger than a tier skips that tier.
         """
+        if isinstance(items, (Mapping, str, bytes)) or not isinstance(items, Iterable):
+            raise InvalidTypeError("put_many takes an iterable of (ChunkKey, Mapping[str, Tensor]) pairs")
+        with self._life.call(acknowledges=True):
+            items = list(items)
+            todo: list[int] = []
+            for i, item in enumerate(items):
+                try:
+                    if not isinstance(item, tuple) or len(item) != 2:
+                        raise InvalidTypeError(f"item is {type(item).__name__}, not a (key, tensors) pair")
+                    check_key(item[0])
+                    validate_chunk(item[1])  # exactly what put() refuses
+                except (TypeError, ValueError) as exc:
+                    log.warning("put_many: item %d rejected: %s", i, exc)
+                    continue
+                todo.append(i)
+            self._count(puts=len(todo))
+            # one item at a time per key (dirty before held, one write of a key at a time), on the top
+            # tier's parallelism
+            stored = self.tiers[0]._map(lambda i: self._put_claimed(*items[i]), todo)
+            ok = [False] * len(items)
+            for i, s in zip(todo, stored, strict=True):
+                ok[i] = s
+            refused = len(todo) - sum(stored)
+            if refused:
+                log.warning("put_many: no tier accepted %d of %d chunks", refused, len(todo))
+            return ok
+
+    def put(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Store one chunk; whether some tier took it (see :meth:`put_many`). Bad input raises
+        (:class:`~tierstore.InvalidTypeError` / :class:`~tierstore.InvalidInputError`) before any tier."""
         check_key(key)
-        validate_chunk(tensors)  # before any tier: a chunk the object format cannot hold is refused whole
-        with self._operation():
-            self._count("puts")
-            landed = self._put_claimed(key, tensors)
-        if not landed:
-            log.warning("put %s: no tier accepted the chunk", key.hex())
+        validate_chunk(tensors)
+        return self.put_many([(key, tensors)])[0]
 
     def _put_claimed(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
         """Store one validated chunk under its key's claim; whether some tier took it."""
         with self._wb.claim(key):
             if self.write_policy is WritePolicy.WRITE_THROUGH:
-                return self._put_through(key, tensors)
-            return self._put_back(key, tensors)
+                try:
+                    return any([t.put(key, tensors) for t in self.tiers])  # a read-only tier skips it (counted)
+                finally:
+                    self._wb.put_through(key)
+            self._wb.begin_put(key)  # dirty before any tier holds it
+            landed = False
+            try:
+                for level, tier in enumerate(self.tiers):
+                    if tier.read_only:
+                        continue
+                    self._wb.landing(key, level)
+                    if tier.put(key, tensors):  # a tier that refuses no longer holds an older value either
+                        landed = True
+                        break
+            finally:
+                self._wb.end_put(key, landed)
+            return landed
 
-    def _put_back(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
-        self._wb.begin_put(key)  # dirty before any tier holds it
-        landed = False
-        try:
-            for level, tier in enumerate(self.tiers):
-                if tier.read_only:
-                    continue
-                self._wb.landing(key, level)
-                if tier.put(key, tensors):  # a tier that refuses no longer holds an older value either
-                    landed = True
-                    break
-        finally:
-            self._wb.end_put(key, landed)
-        return landed
+    def delete(self, keys: ChunkKey | Sequence[ChunkKey]) -> int:
+        """Remove ``keys`` from every tier this store writes (pending write-back included); returns how
+        many were held somewhere. A shared tier that cannot be reached keeps its copy."""
+        keys = _check_keys([keys] if isinstance(keys, ChunkKey) else keys)
+        with self._life.call():
+            n = 0
+            for k in dict.fromkeys(keys):
+                with self._wb.claim(k):
+                    n += any([t.delete(k) for t in self.tiers if not t.read_only])
+                    self._wb.forget(k)  # after the tiers: a read that began meanwhile admits nothing
+            return n
 
-    def _put_through(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
-        return any([t.put(key, tensors) for t in self.tiers])  # a read-only tier skips it (and counts that)
-
-    def flush(self, timeout: float | None = None) -> None:
+    def flush(self, timeout: float | None = None) -> FlushReport:
         """Wait until write-back has brought every chunk put so far to every tier below it.
 
         A write that fails is retried with back-off while the chunk is held; ``flush`` first grants
         failing writes a fresh round of retries. A chunk counts as safely written below once a ``flush``
-        that began after its ``put`` returns without raising.
+        that began after its ``put`` returns without raising and without naming it in ``dropped``.
 
+        Returns:
+            a :class:`~tierstore.writeback.FlushReport`: the chunks the ``drop`` pressure policy gave up
+            (named by every flush until the key is put again).
         Raises:
             WriteBackError: some chunks could not be written; ``failed`` maps each key to the names of
-                the tiers it did not reach (they are still retried, and reported again by the next flush).
+                the tiers it did not reach (still retried while held), ``dropped`` is as in the report.
             TierTimeoutError: ``timeout`` seconds passed with writes still in progress.
         """
-        self._wb.flush(timeout)
+        with self._life.call():
+            return self._wb.flush(timeout)
 
     # ------------------------------------------------------------------ reads
-    def get(self, key: ChunkKey, device: str | torch.device = "cpu",
-            out: Mapping[str, torch.Tensor] | None = None) -> TensorDict | None:
-        """The chunk's tensors from the highest tier holding it, or ``None`` (a miss, never wrong data).
+    def get_many(self, keys: Sequence[ChunkKey], *, out: Outs | None = None,
+                 device: str | torch.device = "cpu") -> list[TensorDict | None]:
+        """Each key's tensors from the highest tier holding it, or ``None`` (a miss, never wrong data).
 
-        With ``out``, the tensors are copied into those caller-owned buffers (names, shapes and dtypes
-        must match) and ``out`` is returned. Under ``retain`` the chunk is admitted to every tier above
-        the one that served it before this returns.
+        With ``out`` (one caller-owned mapping per key, names/shapes/dtypes as stored), ``out[i]`` is
+        filled and returned for a hit; an ``out[i]`` that does not match its chunk yields ``None`` and a
+        warning. ``out`` tensors that overlap one another or carry the conjugate/negative bit raise
+        :class:`~tierstore.InvalidInputError` before any I/O. Under ``retain`` the hits from lower tiers
+        are admitted to the top tier before this returns (the tiers in between follow in the background).
+        Duplicate keys each get their own result.
         """
+        results = self._read_many(keys, out, device)
+        for i, r in enumerate(results):
+            if isinstance(r, InvalidInputError):
+                log.warning("get_many: out[%d] does not fit its chunk: %s", i, r)
+                results[i] = None
+        return results  # type: ignore[return-value]  # errors replaced just above
+
+    def get(self, key: ChunkKey, *, out: Mapping[str, torch.Tensor] | None = None,
+            device: str | torch.device = "cpu") -> TensorDict | None:
+        """One chunk (see :meth:`get_many`); an ``out`` that does not match it raises
+        :class:`~tierstore.InvalidInputError`."""
         check_key(key)
-        with self._operation():
-            self._count("gets")
-            data, level = self._read(key, device, out, self.tiers[:1])
-            if data is None and len(self.tiers) > 1:
-                if self.prefetch_policy is PrefetchPolicy.RETAIN:
-                    with self._wb.claim(key):  # read and promote with no put of this key in between
-                        data, level = self._read(key, device, out, self.tiers)
-                        if data is not None and level > 0:
-                            self._promote(key, data, level)
-                else:
-                    data, level = self._read(key, device, out, self.tiers)
-            self._count("hits" if data is not None else "misses")
-            return data
+        (r,) = self._read_many([key], None if out is None else [out], device)
+        if isinstance(r, InvalidInputError):
+            raise r
+        return r
 
-    def _read(self, key: ChunkKey, device: str | torch.device, out: Mapping[str, torch.Tensor] | None,
-              tiers: Sequence[Tier]) -> tuple[TensorDict | None, int]:
-        """``(value, level)`` from the first of ``tiers`` holding the current value, or ``(None, -1)``.
+    def _read_many(self, keys: Sequence[ChunkKey], out: Outs | None, device: str | torch.device
+                   ) -> list[TensorDict | InvalidInputError | None]:
+        keys = _check_keys(keys)
+        if out is not None:
+            if isinstance(out, Mapping) or not isinstance(out, Sequence):
+                raise InvalidTypeError("out must be a sequence with one Mapping[str, Tensor] per key")
+            if len(out) != len(keys):
+                raise InvalidInputError(f"out has {len(out)} entries for {len(keys)} keys")
+            check_outs(out)
+        with self._life.call():
+            retain = self.prefetch_policy is PrefetchPolicy.RETAIN and len(self.tiers) > 1
+            token = self._wb.read_begin() if retain else 0
+            try:
+                results, admit = self._read_levels(keys, out, device, retain)
+                if admit:
+                    self._promoter.admit(admit, token)
+            finally:
+                if retain:
+                    self._wb.read_end(token)
+        hits = sum(isinstance(r, dict) for r in results)
+        self._count(gets=len(keys), hits=hits, misses=len(keys) - hits)
+        return results
 
-        Staleness is checked just before each level is read: an eviction writes a tier below before it
-        drops its copy, so a miss above is followed by an up-to-date view of the tier below.
-        """
-        for level, tier in enumerate(tiers):
-            if level in self._wb.stale_levels(key):
-                continue
-            data = tier.get(key, device=device, out=out)
-            if data is not None:
-                return data, level
-        return None, -1
+    def _read_levels(self, keys: list[ChunkKey], out: Outs | None, device: str | torch.device, retain: bool
+                     ) -> tuple[list[TensorDict | InvalidInputError | None], dict[ChunkKey, tuple[int, TensorDict]]]:
+        """Read each key from the first tier holding its current value; also the hits below the top."""
+        results: list[TensorDict | InvalidInputError | None] = [None] * len(keys)
+        admit: dict[ChunkKey, tuple[int, TensorDict]] = {}
+        todo = list(range(len(keys)))
+        for level, tier in enumerate(self.tiers):
+            if not todo:
+                break
+            # skip tiers that may hold an older value; checked per level (an eviction writes below first)
+            stale = self._wb.stale_at([keys[i] for i in todo], level)
+            rest = [i for i, s in zip(todo, stale, strict=True) if s]
+            todo = [i for i, s in zip(todo, stale, strict=True) if not s]
+            sub = [keys[i] for i in todo]
+            got: Sequence[Any] = (tier.get_many(sub, device=device) if out is None
+                                  else tier.fill_many(sub, [out[i] for i in todo]))
+            for i, r in zip(todo, got, strict=True):
+                if r is None:
+                    rest.append(i)
+                    continue
+                results[i] = r
+                if level and retain and isinstance(r, dict):
+                    admit.setdefault(keys[i], (level, r))
+            todo = rest
+        return results, admit
 
-    def _promote(self, key: ChunkKey, data: Mapping[str, torch.Tensor], level: int) -> None:
-        """Copy the current value (caller holds the key's claim) into the writable tiers above ``level``."""
-        for upper, tier in enumerate(self.tiers[:level]):
-            if not tier.read_only and tier.put(key, data):
-                self._wb.mark_written(key, upper)
-        self._count("promotions")
-
-    def _promote_read(self, hits: list[tuple[ChunkKey, TensorDict]], level: int, puts_before: int) -> None:
-        """Promote values a batched read found at ``level`` (read under no claim). If any put began since
-        the read, a value may be older than its key's latest: those keys are promoted from a fresh read."""
-        for key, data in dict(hits).items():
-            with self._wb.claim(key):
-                if self._wb.puts_since(puts_before):
-                    self._promote_current(key)
-                elif level not in self._wb.stale_levels(key):
-                    self._promote(key, data, level)
-
-    def _stale_at(self, keys: Sequence[ChunkKey], level: int) -> list[bool]:
-        return self._wb.stale_at(keys, level)
-
-    def _puts_begun(self) -> int:
-        return self._wb.put_count()
-
-    def _holders(self, key: ChunkKey) -> Iterator[Tier]:
-        return (t for level, t in enumerate(self.tiers)
-                if level not in self._wb.stale_levels(key) and t.contains(key))
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Whether some tier holds each key; shared tiers are probed concurrently for keys the local
+        indexes lack."""
+        keys = _check_keys(keys)
+        with self._life.call():
+            return self._held(keys, probe=True)
 
     def contains(self, key: ChunkKey) -> bool:
-        check_key(key)
-        return next(self._holders(key), None) is not None
+        return self.contains_many([check_key(key)])[0]
+
+    def _held(self, keys: list[ChunkKey], probe: bool, tiers: Sequence[Tier] | None = None) -> list[bool]:
+        """Per key, whether one of ``tiers`` (default: all) holds its current value; each tier is asked only
+        for the keys not found above it. ``probe=False`` checks the in-memory indexes only."""
+        found = [False] * len(keys)
+        for level, tier in enumerate(self.tiers):
+            if tiers is not None and tier not in tiers:
+                continue
+            rest = [i for i, f in enumerate(found) if not f]
+            if not rest:
+                break
+            stale = self._wb.stale_at([keys[i] for i in rest], level)
+            rest = [i for i, s in zip(rest, stale, strict=True) if not s]
+            for i, hit in zip(rest, tier.contains_many([keys[i] for i in rest], probe=probe), strict=True):
+                found[i] = hit
+        return found
+
+    def lookup(self, keys: Sequence[ChunkKey], *, probe: bool = True) -> int:
+        """Length of the leading run of ``keys`` held by some tier.
+
+        The in-memory indexes are checked first (no I/O); keys past that run are probed on shared tiers
+        in concurrent windows (32, 64, ... keys), so a cold prefix costs a few round trips, not one per key.
+        ``probe=False`` stops at the indexes: no I/O at all (what a caller on an engine's forward thread wants).
+        """
+        keys = _check_keys(keys)
+        with self._life.call():
+            found = self._held(keys, probe=False)
+            n = _leading(found)
+            window = LOOKUP_WINDOW
+            while probe and n < len(keys):
+                end = min(len(keys), n + window)
+                missing = [i for i in range(n, end) if not found[i]]
+                for i, hit in zip(missing, self._held([keys[i] for i in missing], probe=True), strict=True):
+                    found[i] = hit
+                while n < end and found[n]:
+                    n += 1
+                if n < end:
+                    break
+                window *= 2
+            return n
+
+    def readiness(self, keys: Sequence[ChunkKey], *, promote: bool = True) -> Readiness:
+        """How much of ``keys`` can be loaded now, without any I/O on the caller's thread.
+
+        ``ready``: the leading run held in local (not shared) tiers, from their indexes. ``pending``: the
+        run after it that is being promoted now. With ``promote``, a background job probes the shared tiers
+        for the keys after ``ready`` and promotes the run they hold; those keys are pending meanwhile.
+        """
+        keys = _check_keys(keys)
+        with self._life.call():
+            local = [t for t in self.tiers if not t.shared]
+            ready = _leading(self._held(keys, probe=False, tiers=local))
+            rest = keys[ready:]
+            if promote and rest and len(local) < len(self.tiers):
+                self._promoter.promote_shared(rest, self.lookup)
+            return Readiness(ready, self._promoter.pending(rest) if rest else 0)
 
     def where(self, key: ChunkKey) -> str | None:
-        """Name of the highest tier holding ``key``, or ``None``."""
+        """Name of the highest tier holding ``key``'s current value, or ``None``."""
         check_key(key)
-        tier = next(self._holders(key), None)
-        return None if tier is None else tier.name
+        with self._life.call():
+            for level, tier in enumerate(self.tiers):
+                if not self._wb.stale_at([key], level)[0] and tier.contains(key):
+                    return tier.name
+            return None
 
     def prefetch(self, keys: Iterable[ChunkKey]) -> Future[int]:
         """Promote ``keys`` toward the top tier in the background, at most ``max_in_flight`` at a time.
@@ -210,57 +355,63 @@ class TieredStore(BatchedStoreMixin):
         logged and counted in ``stats()["prefetch_errors"]``).
         """
         keys = [check_key(k) for k in keys]
-        done: Future[int] = Future()
-        with self._operation():
-            if not keys:
-                done.set_result(0)
-                return done
-            remaining, held, errors, lock = [len(keys)], [0], [], threading.Lock()
+        with self._life.call():
+            return self._promoter.prefetch(keys)
 
-            def finished(f: Future[bool]) -> None:
-                exc = ClosedError("store closed before the prefetch ran") if f.cancelled() else f.exception()
-                if exc is not None:
-                    self._count("prefetch_errors")
-                    log.log(logging.DEBUG if isinstance(exc, ClosedError) else logging.WARNING,
-                            "prefetch failed: %s: %s", type(exc).__name__, exc)
-                with lock:
-                    if exc is not None:
-                        errors.append(exc)
-                    else:
-                        held[0] += bool(f.result())
-                    remaining[0] -= 1
-                    last = remaining[0] == 0
-                if last:
-                    if errors:
-                        done.set_exception(errors[0])
-                    else:
-                        done.set_result(held[0])
+    # ------------------------------------------------------------------ pins
+    def pin(self, keys: Sequence[ChunkKey]) -> Pin:
+        """Hold each key in the highest tier whose index has its current value against eviction (no I/O),
+        until :meth:`release` (engine-style prepare/complete around a load). ``Pin.ready`` is the leading
+        run pinned."""
+        keys = _check_keys(keys)
+        with self._life.call():
+            todo = list(dict.fromkeys(keys))
+            pinned: set[ChunkKey] = set()
+            held: list[tuple[Tier, list[ChunkKey]]] = []
+            for level, tier in enumerate(self.tiers):
+                if not todo:
+                    break
+                fresh = [k for k, s in zip(todo, self._wb.stale_at(todo, level), strict=True) if not s]
+                got = [k for k, size in zip(fresh, tier.pin(fresh), strict=True) if size is not None]
+                if got:
+                    held.append((tier, got))
+                    pinned.update(got)
+                    todo = [k for k in todo if k not in pinned]
+            return Pin(tuple(keys), _leading([k in pinned for k in keys]), held)
 
-            try:
-                for k in keys:
-                    self._prefetcher.submit(self._promote_one, k).add_done_callback(finished)
-            except RuntimeError:  # the pool was shut down by a racing close()
-                raise ClosedError("store is closed") from None
-        return done
+    def release(self, pin: Pin) -> None:
+        """Give back what :meth:`pin` held (a second release does nothing)."""
+        held, pin._held = pin._held, []
+        for tier, keys in held:
+            tier.unpin(keys)
 
-    def _promote_one(self, key: ChunkKey) -> bool:
-        with self._operation(), self._wb.claim(key):
-            return self._promote_current(key)
+    # ------------------------------------------------------------------ async forms
+    def get_many_async(self, keys: Sequence[ChunkKey], *, out: Outs | None = None,
+                       device: str | torch.device = "cpu") -> Future[list[TensorDict | None]]:
+        """:meth:`get_many` in the background; ``out`` buffers must stay alive until the future is done."""
+        keys = list(keys)
+        return self._submit(lambda: self.get_many(keys, out=out, device=device))
 
-    def _promote_current(self, key: ChunkKey) -> bool:
-        """Copy the current value into the tiers above its highest holder (caller holds the claim)."""
-        stale = self._wb.stale_levels(key)
-        for level, tier in enumerate(self.tiers):
-            if level in stale or not tier.contains(key):
-                continue
-            if level == 0:
-                return True
-            data = tier.copy_out(key)  # no pin held below while the tiers above evict into it
-            if data is None:
-                continue
-            self._promote(key, data, level)
-            return self.tiers[0].contains(key)
-        return False
+    def put_many_async(self, items: Iterable[Item]) -> Future[list[bool]]:
+        """:meth:`put_many` in the background; the tensors must not change until the future is done."""
+        items = list(items)
+        return self._submit(lambda: self.put_many(items))
+
+    def contains_many_async(self, keys: Sequence[ChunkKey]) -> Future[list[bool]]:
+        keys = list(keys)
+        return self._submit(lambda: self.contains_many(keys))
+
+    def _submit(self, fn: Any) -> Future[Any]:
+        """Run ``fn`` on the async executor; it counts as a running call from now until its future is done
+        (so ``close()`` waits for it, and one submitted after ``close()`` began is refused)."""
+        self._life.enter()
+        try:
+            future = self._async_pool.submit(fn)
+        except RuntimeError:  # the pool was shut down by a racing close()
+            self._life.leave()
+            raise ClosedError("store is closed") from None
+        future.add_done_callback(lambda _: self._life.leave())
+        return future
 
     # ------------------------------------------------------------------ admin
     def stats(self) -> dict[str, Any]:
@@ -268,65 +419,47 @@ class TieredStore(BatchedStoreMixin):
         dirty, per_level = self._wb.stats()
         tiers = {t.name: {**t.stats(), **{k: per_level[i][k] for k in STAT_KEYS}} for i, t in enumerate(self.tiers)}
         with self._lock:
-            counts = dict(self._counts)
-        return {"tiers": tiers, "pending_writeback": dirty, **counts,
-                "write_policy": self.write_policy.value, "prefetch_policy": self.prefetch_policy.value}
+            counts = {**self._counts, **self._promoter.counts}
+        return {"tiers": tiers, "pending_writeback": dirty, **counts, "write_policy": self.write_policy.value,
+                "prefetch_policy": self.prefetch_policy.value, "on_pressure": self.on_pressure.value}
 
     def tier(self, name: str) -> Tier:
         return self._by_name[name]
 
-    def _count(self, name: str) -> None:
+    def _count(self, **deltas: int) -> None:
         with self._lock:
-            self._counts[name] += 1
-
-    def _check_open(self) -> None:
-        if self._closing:
-            raise ClosedError("store is closed")
-
-    @contextmanager
-    def _operation(self) -> Iterator[None]:
-        """Run a public call: refused once ``close()`` began, waited for by it."""
-        with self._lock:
-            if self._closing:
-                raise ClosedError("store is closed")
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._active -= 1
-                self._lock.notify_all()
+            for k, v in deltas.items():
+                self._counts[k] += v
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush write-back for up to ``timeout`` seconds (default ``close_timeout``), then stop and close.
+        """Refuse new calls, wait for running ones, flush for up to ``timeout`` seconds in all (default
+        ``close_timeout``), then stop and close the tiers.
 
-        New calls are refused from the start; calls already running get the deadline to finish. Never
-        raises for write-back failures or the deadline: it logs one warning naming what it abandoned.
-        Idempotent and thread-safe; a second caller waits for the first.
+        Never raises for write-back failures or the deadline: it logs one warning naming what it
+        abandoned (a write still running past the deadline raises :class:`~tierstore.ClosedError` to its
+        caller instead of acknowledging). Idempotent and thread-safe; a second caller waits for the first.
         """
         timeout = self.close_timeout if timeout is None else timeout
-        with self._lock:
-            first, self._closing = not self._closing, True
-            if first:
-                deadline = time.monotonic() + timeout
-                self._lock.wait_for(lambda: self._active == 0, timeout)
-        if not first:
+        deadline = time.monotonic() + timeout
+        if not self._life.begin_close(timeout):
             self._closed.wait(timeout)
             return
         try:
+            self._promoter.stop()
             self._flush_for_close(deadline)
             self._wb.stop(max(0.1, deadline - time.monotonic()))
-            self._prefetcher.shutdown(wait=False, cancel_futures=True)
-            self._close_async()
+            self._async_pool.shutdown(wait=False, cancel_futures=True)
             for t in self.tiers:
                 t.close(timeout=max(0.1, deadline - time.monotonic()))
         finally:
-            _untrack(self)
+            untrack(self)
             self._closed.set()
 
     def _flush_for_close(self, deadline: float) -> None:
         try:
-            self._wb.flush(max(0.0, deadline - time.monotonic()))
+            report = self._wb.flush(max(0.0, deadline - time.monotonic()))
+            if report.dropped:
+                log.info("close: %d chunks were dropped under pressure since the last flush", len(report.dropped))
         except WriteBackError as exc:
             log.warning("close: abandoning write-back of %d chunks: %s", len(exc.failed), exc)
         except TierTimeoutError as exc:
@@ -342,36 +475,18 @@ class TieredStore(BatchedStoreMixin):
         return f"<TieredStore {' > '.join(t.name for t in self.tiers)} {self.write_policy.value}>"
 
 
-# ---------------------------------------------------------------------- closing at interpreter exit
-_open_stores: set[TieredStore] = set()  # strong refs: a store nobody closed still gets flushed at exit
-_open_lock = threading.Lock()
+def _check_keys(keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+    if isinstance(keys, (ChunkKey, str, bytes)) or not isinstance(keys, Iterable):
+        raise InvalidTypeError("expected a sequence of ChunkKey")
+    return [check_key(k) for k in keys]
 
 
-def _track(store: TieredStore) -> None:
-    with _open_lock:
-        _open_stores.add(store)
-
-
-def _untrack(store: TieredStore) -> None:
-    with _open_lock:
-        _open_stores.discard(store)
-
-
-def _close_open_stores() -> None:
-    with _open_lock:
-        stores = list(_open_stores)
-    for s in stores:
-        s.close()
-
-
-# Run before the interpreter joins non-daemon threads and shuts thread pools down (the tiers' I/O pools
-# are needed to flush); plain atexit handlers run only after that.
-_register = getattr(threading, "_register_atexit", None)
-if _register is not None:
-    _register(_close_open_stores)
-else:  # pragma: no cover - CPython < 3.9
-    import atexit
-    atexit.register(_close_open_stores)
+def _leading(found: Sequence[bool]) -> int:
+    """Length of the leading run of ``True``."""
+    for i, f in enumerate(found):
+        if not f:
+            return i
+    return len(found)
 
 
 def build_tiers(config: StoreConfig) -> list[Tier]:
@@ -394,4 +509,4 @@ def open(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Ti
     """
     cfg = parse_config(config)
     return TieredStore(build_tiers(cfg), cfg.write_policy, cfg.prefetch_policy, cfg.max_in_flight,
-                       cfg.close_timeout)
+                       cfg.close_timeout, cfg.on_pressure)

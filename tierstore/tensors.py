@@ -118,6 +118,41 @@ def wait_for_copies(*tensors: torch.Tensor) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
+def check_outs(outs: Sequence[Mapping[str, torch.Tensor]]) -> None:
+    """Refuse ``out`` buffers a read could not fill exactly: a tensor with the conjugate or negative bit
+    (raw bytes read into it would not be its values), or tensors that share memory with one another, in
+    one mapping or across the batch (the later read would overwrite the earlier). Tensors are compared by
+    the span of bytes they reach, so interleaved views of one buffer are refused too.
+
+    Raises:
+        InvalidTypeError: an entry is not a ``Mapping[str, Tensor]``.
+        InvalidInputError: naming the first offending tensor.
+    """
+    spans: list[tuple[int, int, int, int, str]] = []  # (device type, device index, start, end, name)
+    for i, out in enumerate(outs):
+        if not isinstance(out, Mapping):
+            raise InvalidTypeError(f"out[{i}] is {type(out).__name__}, not a Mapping[str, Tensor]")
+        for name, t in out.items():
+            if not isinstance(t, torch.Tensor):
+                raise InvalidTypeError(f"out[{i}][{name!r}] is {type(t).__name__}, not a torch.Tensor")
+            if t.is_conj() or t.is_neg():
+                raise InvalidInputError(f"out[{i}][{name!r}] has the conjugate or negative bit set: "
+                                        "pass a plain tensor (resolve_conj() / resolve_neg())")
+            if t.numel() == 0:
+                continue
+            start = t.data_ptr()
+            reach = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True))
+            spans.append((_DEVICE_TYPES.get(t.device.type, -1), t.device.index or 0, start,
+                          start + (reach + 1) * t.element_size(), f"out[{i}][{name!r}]"))
+    spans.sort()
+    for a, b in zip(spans, spans[1:], strict=False):
+        if a[:2] == b[:2] and b[2] < a[3]:
+            raise InvalidInputError(f"{a[4]} and {b[4]} share memory: every out tensor must have its own")
+
+
+_DEVICE_TYPES = {"cpu": 0, "cuda": 1}
+
+
 def fill_out(out: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor]) -> TensorDict:
     """Copy ``src`` into caller-owned ``out`` after checking names, shapes and dtypes match exactly."""
     if set(out) != set(src):

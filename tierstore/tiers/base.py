@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from .. import objformat
 from ..errors import InvalidInputError
 from ..keys import ChunkKey, check_key
 from ..objformat import validate_chunk
@@ -57,7 +58,7 @@ class Tier(TierReads, ABC):
     """
 
     kind: ClassVar[str] = ""
-    #: whether a put of an existing key replaces its value (write-once remote tiers keep the first)
+    #: whether a put of an existing key replaces its value (a tier that keeps the first must say so)
     overwrites: ClassVar[bool] = True
     #: seconds a put waits for room (pins released, others' evictions and writes finished) before it skips
     pin_wait: float = 2.0
@@ -82,10 +83,13 @@ class Tier(TierReads, ABC):
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._logged: set[str] = set()
         self._space = SpaceLimit()
+        self._discards = 0  # deletes finished so far: a reader indexes what it found only if none ran meanwhile
 
     # ------------------------------------------------------------------ primitives for subclasses
-    def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> tuple[Any, int]:
-        """Return ``(payload, size)``: what ``_store`` writes and the bytes it will occupy."""
+    def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor] | objformat.Encoded) -> tuple[Any, int]:
+        """Return ``(payload, size)``: what ``_store`` writes and the bytes it will occupy (an encoded
+        object comes only to tiers that :attr:`stores_objects`)."""
+        assert not isinstance(tensors, objformat.Encoded)
         return tensors, nbytes(tensors)
 
     @abstractmethod
@@ -208,16 +212,20 @@ class Tier(TierReads, ABC):
     def put(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
         return self.put_many([(key, tensors)])[0]
 
-    def _put_one(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
-        if not self.overwrites and self.contains(key):
-            return True
+    def put_objects(self, items: Sequence[tuple[ChunkKey, objformat.Encoded]]) -> list[bool]:
+        """Store verified objects another tier read with :meth:`copy_encoded`, as they are (tiers that
+        :attr:`stores_objects`, with the objects' codec); ``False`` as for :meth:`put_many`."""
+        self._check_open()
+        if not self.stores_objects:
+            raise InvalidInputError(f"tier {self.name!r} does not store encoded objects")
+        return self._map(lambda item: self._put_one(*item), list(items))
+
+    def _put_one(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor] | objformat.Encoded) -> bool:
         payload, size = self._prepare(key, tensors)
         with self._claims.exclusive(key):
-            if not self.overwrites and self.contains_many([key], probe=False)[0]:
-                return True  # a concurrent put of the same key won
             if self._store_reserved(key, payload, size):
                 return True
-            if self.overwrites:
+            if not self.shared:  # a shared tier keeps what others may read; the store skips it as stale
                 self._discard(key)
             return False
 
@@ -280,11 +288,15 @@ class Tier(TierReads, ABC):
             present = key in self._lru
             if present:
                 self._lru.remove(key)
-        if present or drop_absent:
-            try:
-                self._drop(key)
-            except OSError as exc:
-                self._log_once("drop", "could not remove %s: %s", key.hex(), exc)
+        try:
+            if present or drop_absent:
+                try:
+                    self._drop(key)
+                except OSError as exc:
+                    self._log_once("drop", "could not remove %s: %s", key.hex(), exc)
+        finally:
+            with self._cond:
+                self._discards += 1
         return present
 
     def _evict(self, victims: list[tuple[ChunkKey, int]]) -> set[ChunkKey]:
@@ -319,12 +331,13 @@ class Tier(TierReads, ABC):
         return kept
 
     def delete_many(self, keys: Sequence[ChunkKey]) -> int:
-        """Remove keys; returns how many were present (a repeated key counts once)."""
+        """Remove keys; returns how many the index held (a repeated key counts once). On a shared tier,
+        whose index knows only what this process saw, storage is asked to remove every key."""
         self._check_open()
         n = 0
         for k in dict.fromkeys(check_key(k) for k in keys):
             with self._claims.exclusive(k):
-                n += self._discard(k)
+                n += self._discard(k, drop_absent=self.shared)
         return n
 
     def delete(self, key: ChunkKey) -> bool:

@@ -103,6 +103,7 @@ class DiskTier(Tier):
     """
 
     kind = "disk"
+    stores_objects = True
 
     def __init__(self, name: str | None = None, capacity: int | None = None, path: str | os.PathLike[str] | None = None,
                  durable: bool = False, read_only: bool = False, codec: str = "none", io_threads: int = 4,
@@ -250,8 +251,9 @@ class DiskTier(Tier):
 
     _object_path = object_path  # the former private name, still used by tests
 
-    def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> tuple[objformat.Encoded, int]:
-        enc = objformat.encode(key, tensors, self.codec)
+    def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor] | objformat.Encoded
+                 ) -> tuple[objformat.Encoded, int]:
+        enc = objformat.as_encoded(key, tensors, self.codec)
         return enc, enc.size
 
     def _store(self, key: ChunkKey, payload: objformat.Encoded, size: int) -> None:
@@ -307,6 +309,13 @@ class DiskTier(Tier):
         if device.type != "cpu":
             tensors = {n: t.to(device) for n, t in tensors.items()}
         return tensors
+
+    def _load_encoded(self, key: ChunkKey, size: int) -> objformat.Encoded | None:
+        fd, st = objfile.open_object(self.object_path(key))
+        try:
+            return objfile.read_encoded(fd, st, key)
+        finally:
+            os.close(fd)
 
     def _load_into(self, key: ChunkKey, size: int, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
         """Read the payload straight into caller-owned ``out`` (contiguous CPU tensors): no allocation.

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import torch
 
 from ..keys import ChunkKey
-from ..objformat import ALIGN
+from ..objformat import ALIGN, Encoded
 from ..pool import SlotPool
 from ..tensors import nbytes
 from .memory import MemoryTier
@@ -54,7 +54,9 @@ class HostTier(MemoryTier):
         self._runs: dict[ChunkKey, tuple[int, int]] = {}
         self._retired: dict[ChunkKey, list[tuple[int, int]]] = {}  # replaced or dropped while pinned
 
-    def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> tuple[Mapping[str, torch.Tensor], int]:
+    def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor] | Encoded
+                 ) -> tuple[Mapping[str, torch.Tensor], int]:
+        assert not isinstance(tensors, Encoded)  # only tiers that store objects get them
         if self.pool is None:
             return tensors, nbytes(tensors)
         return tensors, self.pool.size_for(_layout(tensors)[1])

@@ -13,6 +13,7 @@ import errno
 import os
 import stat
 
+import torch
 import xxhash
 
 from .. import objformat
@@ -89,6 +90,22 @@ def read_object(fd: int, st: os.stat_result, key: ChunkKey) -> TensorDict:
         UnsupportedObjectError: intact, but this reader cannot represent it.
         MemoryError: the object does not fit in memory now.
     """
+    buf, hdr = read_verified(fd, st, key)
+    hdr.require_supported()
+    payload = buf[hdr.payload_offset:]
+    if hdr.codec == "zstd":
+        payload = objformat.decompress(buf.numpy().data[hdr.payload_offset:], hdr)
+    return objformat.tensors_from_payload(payload, hdr)
+
+
+def read_encoded(fd: int, st: os.stat_result, key: ChunkKey) -> objformat.Encoded:
+    """The whole open object, verified but not decoded (what another tier that stores objects writes as is)."""
+    return objformat.Encoded.of_object(*read_verified(fd, st, key))
+
+
+def read_verified(fd: int, st: os.stat_result, key: ChunkKey) -> tuple[torch.Tensor, objformat.Header]:
+    """Read the whole open object into one fresh uint8 buffer, checking header, size and checksum on the way:
+    ``(buffer, header)``. Raises as :func:`read_object` (not :class:`UnsupportedObjectError`: nothing is decoded)."""
     head, hdr = read_header(fd, st, key)
     buf = objformat.alloc_bytes(st.st_size)
     mv = buf.numpy().data if st.st_size else memoryview(bytearray(0))
@@ -100,9 +117,5 @@ def read_object(fd: int, st: os.stat_result, key: ChunkKey) -> TensorDict:
         raise CorruptObjectError(f"short read: {got} of {st.st_size} bytes")
     if h.digest() != head[16:32]:
         raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
-    hdr.require_supported()
-    payload = buf[hdr.payload_offset:]
-    if hdr.codec == "zstd":
-        payload = objformat.decompress(mv[hdr.payload_offset:], hdr)
-    return objformat.tensors_from_payload(payload, hdr)
+    return buf, hdr
 

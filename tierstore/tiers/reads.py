@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from .. import objformat
 from ..errors import CorruptObjectError, InvalidInputError, UnsupportedObjectError
 from ..keys import ChunkKey, check_key
 from ..policy import LRUPolicy
-from ..tensors import TensorDict, fill_out
+from ..tensors import TensorDict, check_outs, fill_out
 from .claims import Claims
 
 #: outcomes of reading one object (see ``TierReads._read_checked``)
@@ -29,6 +30,9 @@ class TierReads:
     """Reads of one tier; mixed into :class:`~tierstore.tiers.base.Tier`, which defines what is declared here."""
 
     shared: ClassVar[bool]
+    #: whether the tier keeps encoded chunk objects (:mod:`tierstore.objformat`): another such tier with the same
+    #: codec receives them as they are (:meth:`copy_encoded` / ``put_objects``: no decode, no re-encode)
+    stores_objects: ClassVar[bool] = False
     #: whether reading an object the index lacks tells whether it exists (a remote GET: "not found" is the
     #: miss); batched reads then skip the separate existence probe (a HEAD per key) for such keys
     reads_probe: ClassVar[bool] = False
@@ -36,6 +40,7 @@ class TierReads:
     _lru: LRUPolicy[ChunkKey]
     _claims: Claims
     _counts: dict[str, int]
+    _discards: int
 
     if TYPE_CHECKING:  # provided by Tier
         @abstractmethod
@@ -91,6 +96,25 @@ class TierReads:
         finally:
             self.unpin([key])
 
+    def copy_encoded(self, key: ChunkKey) -> objformat.Encoded | None:
+        """The stored object itself, verified but not decoded, or ``None`` (tiers that :attr:`stores_objects`:
+        write-back hands it to another such tier as it is); holds no pin once it returns. An internal
+        access like :meth:`copy_out`."""
+        (size,) = self.pin([key], touch=False)
+        if size is None:
+            return None
+        try:
+            enc: objformat.Encoded | None = self._read_checked(key, size, "cpu",
+                                                                reader=lambda: self._load_encoded(key, size))[0]
+            return enc
+        finally:
+            self.unpin([key])
+
+    def _load_encoded(self, key: ChunkKey, size: int) -> objformat.Encoded | None:
+        """The stored object, verified, not decoded; ``None`` if it vanished. Raises like :meth:`_load`
+        (tiers that :attr:`stores_objects` implement it)."""
+        raise NotImplementedError
+
     def contains_many(self, keys: Sequence[ChunkKey], probe: bool = True) -> list[bool]:
         """Whether each key is held. ``probe=False`` checks the in-memory index only (no I/O)."""
         keys = [check_key(k) for k in keys]
@@ -98,11 +122,12 @@ class TierReads:
             found = [k in self._lru for k in keys]
         missing = list(dict.fromkeys(k for k, f in zip(keys, found, strict=True) if not f))
         if missing and probe:
+            discards = self._discards
             probed = dict(zip(missing, self._probe(missing), strict=True))
             with self._cond:
                 for k, size in probed.items():
-                    if size is not None and k not in self._lru:
-                        self._index_add(k, size)
+                    if size is not None:
+                        self._index_found(k, size, discards)
             found = [f or probed.get(k) is not None for k, f in zip(keys, found, strict=True)]
         return found
 
@@ -153,8 +178,16 @@ class TierReads:
 
         Returns per key ``outs[i]`` as a dict (a hit), ``None`` (a miss) or the
         :class:`InvalidInputError` raised because ``outs[i]`` does not match the stored chunk (nothing
-        else is affected). A key may appear more than once (each with its own ``out``).
+        else is affected). A key may appear more than once (each with its own ``out``). ``outs`` tensors
+        that overlap or carry the conjugate/negative bit raise :class:`InvalidInputError` before any read.
         """
+        check_outs(outs)
+        return self.fill_many(keys, outs)
+
+    def fill_many(self, keys: Sequence[ChunkKey], outs: Sequence[Mapping[str, torch.Tensor]]
+                  ) -> list[TensorDict | InvalidInputError | None]:
+        """:meth:`get_many_into` for a caller that checked ``outs`` with
+        :func:`~tierstore.tensors.check_outs` already (the tiered store, once for the whole batch)."""
         self._check_open()
         keys = [check_key(k) for k in keys]
         sizes = self.pin(keys)  # index hits pinned in one pass; a key listed twice is pinned twice
@@ -225,24 +258,32 @@ class TierReads:
             data, size = got
             return data if out is None else fill_out(out, data)
 
+        discards = self._discards
         data = self._load_checked(key, 0, device, out=out, reader=reader)
         if data is not None:
             with self._cond:
-                if key not in self._lru:
-                    self._index_add(key, size)
+                self._index_found(key, size, discards)
         return data, size
+
+    def _index_found(self, key: ChunkKey, size: int, discards: int) -> None:
+        """Index an object a probe or read found in storage (lock held), unless a delete ran since the
+        probe began (``discards`` was :attr:`_discards` then) or one of the key is running now: the
+        object it found may be the one deleted, which must not come back into the index."""
+        if key not in self._lru and discards == self._discards and key not in self._claims.busy:
+            self._index_add(key, size)
 
     def _load_checked(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False,
                       out: Mapping[str, torch.Tensor] | None = None,
                       reader: Callable[[], TensorDict | None] | None = None) -> TensorDict | None:
         """Read a chunk (through ``reader`` when given: a key the index lacks); anything wrong with the
         stored object is a counted miss, never an exception."""
-        return self._read_checked(key, size, device, borrow, out, reader=reader)[0]
+        data: TensorDict | None = self._read_checked(key, size, device, borrow, out, reader=reader)[0]
+        return data
 
     def _read_checked(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False,
                       out: Mapping[str, torch.Tensor] | None = None, repair: bool = False,
-                      reader: Callable[[], TensorDict | None] | None = None) -> tuple[TensorDict | None, str]:
-        """``(tensors or None, outcome)``: read a chunk and classify what went wrong.
+                      reader: Callable[[], Any] | None = None) -> tuple[Any, str]:
+        """``(tensors or None, outcome)``: read a chunk (or what ``reader`` returns) and classify what went wrong.
 
         * damaged (:class:`CorruptObjectError`): counted ``corrupt``, forgotten; removed from storage on
           a private tier, on a :attr:`shared` one only with ``repair``;
@@ -336,6 +377,7 @@ class TierReads:
 
         Memory tiers copy straight from their own tensors: no allocation on this path.
         """
+        check_outs([out])
         self._check_open()
         present = self.contains_many([key], probe=not self.reads_probe)[0]
         size = self.pin([key])[0] if present else None

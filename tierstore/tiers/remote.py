@@ -6,14 +6,14 @@ Each chunk is one self-describing, checksummed object (:mod:`tierstore.objformat
 
 Rules this tier keeps:
 
-* **Write-once, atomic publish.** Objects are never replaced (``overwrites = False``): on S3 one PUT with
-  ``If-None-Match: *``; on a local/shared mount a unique temp file in the same folder hard-linked into
-  place (falls back to ``os.replace`` where links are unsupported); elsewhere one ``pipe_file`` with
-  ``mode="create"``. A reader never sees part of an object, and two processes publishing the same key at
-  once is harmless — the second finds the object there and counts it as a success. A put of a key this
-  process has not seen looks it up first (one HEAD): on a shared prefix another engine has often
-  published it already, and a HEAD costs less than encoding and uploading it again; the conditional
-  publish, not the HEAD, is what keeps the first object.
+* **Atomic publish, never an older value.** A put first reads the stored object's checksum (one
+  ranged read of its first 32 bytes): the same value is there already (on a shared prefix another engine
+  has often published it) and nothing is uploaded. Otherwise a new object is published create-only — on
+  S3 one PUT with ``If-None-Match: *``; on a local/shared mount a unique temp file in the same folder
+  hard-linked into place (``os.replace`` where links are unsupported); elsewhere one ``pipe_file`` with
+  ``mode="create"`` — and an object holding another value is replaced in one atomic step (a plain PUT;
+  temp file + ``os.replace``). A reader never sees part of an object, and two processes publishing the
+  same value at once is harmless.
 * **Sharing.** The index is rebuilt by listing at open (``list_on_open``); keys missing from the index are
   looked up in storage every time — negative results are never cached, since another process may publish
   a key at any moment. A lookup costs one HEAD per such key (concurrently); a read needs no HEAD at all:
@@ -56,13 +56,13 @@ from fsspec.implementations.local import LocalFileSystem
 
 from .. import objformat
 from ..config import check_tier_options
-from ..errors import ClosedError, ConfigError, InvalidInputError
+from ..errors import ClosedError, ConfigError, CorruptObjectError, InvalidInputError
 from ..keys import ChunkKey
 from ..tensors import TensorDict
 from . import objfile
 from .base import Tier
 from .layout import PERMISSIONS, TMP_SUFFIX, key_from_name, object_relpath
-from .remote_storage import DEFAULT_TIMEOUT, GuardedStorage, read_s3_object, with_client_defaults
+from .remote_storage import DEFAULT_TIMEOUT, GuardedStorage, read_s3_object, read_s3_range, with_client_defaults
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -130,8 +130,8 @@ class RemoteTier(Tier):
     """
 
     kind = "remote"
-    overwrites = False
     reads_probe = True
+    stores_objects = True
     #: seconds the listing at open may take (at least ``timeout``); a prefix too large to list in that
     #: time starts with an empty index that fills as lookups find objects (or use ``list_on_open=False``)
     list_timeout: float = 30.0
@@ -319,24 +319,54 @@ class RemoteTier(Tier):
         return self._map(one, keys)
 
     # ------------------------------------------------------------------ data plane
-    def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> tuple[Any, int]:
-        enc = objformat.encode(key, tensors, self.codec)
+    def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor] | objformat.Encoded
+                 ) -> tuple[objformat.Encoded, int]:
+        enc = objformat.as_encoded(key, tensors, self.codec)
         return enc, enc.size
 
     def _store(self, key: ChunkKey, payload: objformat.Encoded, size: int) -> None:
         path = self._path(key)
         try:
-            if self._local:
-                self._publish_local(path, payload)
-            else:
-                self._publish(path, _join(payload))
-        except FileExistsError:
-            pass  # write-once: another writer published this key first
+            if self._stored_checksum(path) == payload.checksum:
+                return  # this value is there already (published by another writer, or by us before)
+            try:
+                if self._local:
+                    self._publish_local(path, payload)
+                else:
+                    self._publish(path, _join(payload))
+            except FileExistsError:  # another value appeared meanwhile: ours is the newer put
+                if self._stored_checksum(path) != payload.checksum:
+                    self._replace(path, payload)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 # the space is shared with other writers: skip the put, keep our capacity (no disk-style shrink)
                 raise OSError(f"no space left under {self.url}: {exc}") from exc
             raise
+
+    def _stored_checksum(self, path: str) -> bytes | None:
+        """The checksum field of the object at ``path`` (its bytes 16-32), from one small ranged read;
+        ``None`` if there is none (or no valid prefix). Raises ``OSError`` on I/O failure."""
+        try:
+            if self._local:
+                fd, _ = objfile.open_object(path)
+                try:
+                    head = os.pread(fd, objformat.PREFIX_SIZE, 0)
+                finally:
+                    os.close(fd)
+            elif self._s3:
+                head = self.storage.run("get", lambda: read_s3_range(self.fs, path, 0, objformat.PREFIX_SIZE))
+            else:
+                head = self._io("cat_file", path, start=0, end=objformat.PREFIX_SIZE)
+        except (FileNotFoundError, CorruptObjectError):
+            return None
+        return bytes(head[16:32]) if len(head) == objformat.PREFIX_SIZE else None
+
+    def _replace(self, path: str, enc: objformat.Encoded) -> None:
+        """Put ``enc`` at ``path`` in place of what is there, in one atomic step."""
+        if self._local:
+            self._publish_local(path, enc, replace=True)
+        else:
+            self._io("pipe_file", path, _join(enc))
 
     def _publish(self, path: str, data: bytes | bytearray) -> None:
         if self._create_mode:
@@ -355,8 +385,9 @@ class RemoteTier(Tier):
             raise FileExistsError(path)
         self._io("pipe_file", path, data)
 
-    def _publish_local(self, path: str, enc: objformat.Encoded) -> None:
-        """Write a unique temp file next to ``path``, then link it into place (fails if it exists)."""
+    def _publish_local(self, path: str, enc: objformat.Encoded, replace: bool = False) -> None:
+        """Write a unique temp file next to ``path``, then link it into place (fails if it exists), or with
+        ``replace`` rename it over what is there."""
         tmp = f"{path}.{uuid.uuid4().hex}{TMP_SUFFIX}"
         try:
             f = open(tmp, "xb", opener=self._create_file)  # noqa: SIM115 - closed by the `with f:` below
@@ -367,6 +398,9 @@ class RemoteTier(Tier):
             with f:
                 for part in enc.parts:
                     f.write(part)
+            if replace:
+                os.replace(tmp, path)
+                return
             try:
                 os.link(tmp, path)
             except FileExistsError:
@@ -430,6 +464,16 @@ class RemoteTier(Tier):
 
     def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
         return self._read_object(key, device)[0]
+
+    def _load_encoded(self, key: ChunkKey, size: int) -> objformat.Encoded | None:
+        path = self._path(key)
+        if not self._local:
+            return objformat.verified(self._read(path), key)
+        fd, st = objfile.open_object(path)
+        try:
+            return objfile.read_encoded(fd, st, key)
+        finally:
+            os.close(fd)
 
     def _fetch(self, key: ChunkKey, device: str | torch.device) -> tuple[TensorDict, int] | None:
         try:

@@ -112,6 +112,19 @@ async def read_s3_object(fs: Any, path: str) -> torch.Tensor:
         body.close()
 
 
+async def read_s3_range(fs: Any, path: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of the object at ``path`` of an s3fs filesystem, from one ranged GET (no HEAD);
+    a missing key raises ``FileNotFoundError``."""
+    bucket, key, _ = fs.split_path(path)
+    response = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
+    body = response["Body"]
+    try:
+        data: bytes = await body.read()
+        return data
+    finally:
+        body.close()
+
+
 def _server_error(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is an HTTP 5xx answer: the service is failing, not the request."""
     seen: BaseException | None = exc
