@@ -69,9 +69,12 @@ def test_bench_all_quick_writes_report_and_plots(tmp_path, capsys):
                                              for p in ("load+scatter", "load_into", "load_into layerwise")]
     for row, got in zip(paged, results["sections"]["kv"]["paged_load"], strict=True):
         assert number(row[4]) == pytest.approx(1e3 * got["ttft_s"], abs=0.06)
-    targets = by_head[("target (issue 9)", "measured", "ratio", "target", "")]
+    targets = by_head[("target (issues 9, 17)", "measured", "ratio", "target", "")]
     assert targets and all(r[4] in ("met", "missed") for r in targets)
     assert sum(r[0].startswith("KV TTFT") for r in targets) == 4
+    assert sum(r[0].startswith("get_many of") for r in targets) == 2  # promotion: retain, and a concurrent put
+    wb = results["sections"]["promotion"]["writeback"]
+    assert wb["object_bytes"] > 0 and wb["uploaded_bytes"] == wb["object_bytes"]
     cold = results["sections"]["remote"]["cold"]
     n = cold["count"]
     assert sum(r[0].startswith("cold ") for r in targets) == 2

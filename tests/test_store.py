@@ -150,7 +150,7 @@ def test_flush_timeout(tmp_path):
         lower = s.tier("lower")
         release = threading.Event()
         original = lower.put_many
-        lower.put_many = lambda items: (release.wait(10), original(items))[1]  # only the writer calls it
+        lower.put_many = lambda items, **kw: (release.wait(10), original(items, **kw))[1]  # only the writer calls it
         s.put(key_of(1), chunk(1, CHUNK))
         with pytest.raises(TierTimeoutError):
             s.flush(timeout=0.2)

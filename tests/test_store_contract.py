@@ -55,14 +55,14 @@ def test_close_waits_for_a_running_put_many(tmp_path):
     store = tierstore.open(host_disk(tmp_path))
     disk = store.tier("disk")
     host = store.tier("host")
-    original, entered = host.put, threading.Event()
+    original, entered = host.put_many, threading.Event()
 
-    def slow_put(key, tensors):
+    def slow_put(items, **kw):
         entered.set()
         time.sleep(0.05)
-        return original(key, tensors)
+        return original(items, **kw)
 
-    host.put = slow_put
+    host.put_many = slow_put
     result: dict[str, object] = {}
     items = [(key_of(i), chunk(i)) for i in range(8)]
     worker = threading.Thread(target=lambda: result.update(ok=store.put_many(items)))
@@ -98,7 +98,7 @@ def failing_remote(tmp_path, **extra):
     store = tierstore.open({"tiers": [{"kind": "host", "capacity": 4 * 8192, "pinned": False},
                                       {"kind": "remote", "url": f"file://{tmp_path}/remote"}], **extra})
     remote = store.tier("remote")
-    remote.put_many = lambda items: [False] * len(list(items))
+    remote.put_many = lambda items, **kw: [False] * len(list(items))
     return store, remote
 
 
@@ -166,9 +166,9 @@ def test_retain_reads_each_remote_chunk_once_and_fills_the_disk_off_the_callers_
             time.sleep(0.002)  # widen the window for the concurrent put
             return original_read(key, device)
 
-        def recorded(items):
+        def recorded(items, **kw):
             disk_writers.add(threading.current_thread().name)
-            return original_put(items)
+            return original_put(items, **kw)
 
         remote._read_object, disk.put_many = counted, recorded
         stop = threading.Event()
@@ -433,3 +433,28 @@ def test_write_back_from_disk_to_remote_moves_the_object_as_it_is(tmp_path, monk
             assert (tmp_path / "remote" / rel).read_bytes() == (tmp_path / "disk" / rel).read_bytes()
         assert store.stats()["tiers"]["remote"]["bytes_in"] == sum(
             (tmp_path / "disk" / object_relpath(key_of(i))).stat().st_size for i in range(8))
+
+
+def test_write_through_never_serves_the_older_value_a_refusing_tier_kept(tmp_path):
+    """A write_through put that one tier refuses leaves that tier pending (skipped by reads, retried by
+    write-back) instead of serving the older value it still holds once the others evict the key."""
+    config = {"tiers": [{"kind": "host", "capacity": 2 * 8192, "pinned": False},
+                        {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": 2 * 8192},
+                        {"kind": "remote", "url": f"file://{tmp_path}/remote"}], "write_policy": "write_through"}
+    k = key_of(1)
+    with tierstore.open(config) as store:
+        assert store.put(k, chunk(1, CHUNK))
+        remote = store.tier("remote")
+        remote.put_many = lambda items, **kw: [False] * len(list(items))  # an outage: the remote keeps v1
+        assert store.put(k, chunk(2, CHUNK))  # host and disk took it
+        for i in range(10, 16):  # push k out of host and disk, as far as they may
+            store.put(key_of(i), chunk(i, CHUNK))
+        assert_same(store.get(k), chunk(2, CHUNK))
+        remote.put_many = type(remote).put_many.__get__(remote)  # back: write-back retries the remote
+        store.flush(timeout=30)
+        for i in range(20, 26):
+            store.put(key_of(i), chunk(i, CHUNK))
+        store.flush(timeout=30)
+        assert_same(store.get(k), chunk(2, CHUNK))
+    with tierstore.open({"tiers": [config["tiers"][2]]}) as fresh:
+        assert_same(fresh.get(k), chunk(2, CHUNK))

@@ -51,11 +51,11 @@ def writer_stalled(tier: Tier) -> Iterator[tuple[threading.Event, threading.Even
     arrived, release = threading.Event(), threading.Event()
     original = tier.put_many
 
-    def put_many(items):
+    def put_many(items, **kw):
         if in_writer():
             arrived.set()
             release.wait(10)
-        return original(items)
+        return original(items, **kw)
 
     tier.put_many = put_many
     try:
@@ -82,8 +82,8 @@ def test_a_chunk_is_dirty_from_the_instant_a_tier_holds_it(tmp_path):
         host = s.tier("host")
         original = host.put_many
 
-        def put_then_evict(items):
-            stored = original(items)
+        def put_then_evict(items, **kw):
+            stored = original(items, **kw)
             if items[0][0] == key_of(1):
                 host.put(key_of(2), chunk(2, CHUNK))  # another put evicts key 1 in the window
             return stored
@@ -136,7 +136,7 @@ def test_eviction_never_skips_a_pending_middle_tier(tmp_path, eviction_write):
         else:
             behind = writer_paused(s)  # every writer falls behind; the disk refuses eviction writes
             original = disk.put_many
-            disk.put_many = lambda items: original(items) if in_writer() else [False] * len(items)
+            disk.put_many = lambda items, **kw: original(items, **kw) if in_writer() else [False] * len(items)
         with behind:
             for i in range(n):
                 s.put(key_of(i), chunk(i, CHUNK))
@@ -152,13 +152,13 @@ def test_failed_write_back_is_retried_and_the_dirty_chunk_kept_meanwhile(tmp_pat
         lower = s.tier("lower")
         original, calls = lower.put_many, [0]
 
-        def flaky(items):
+        def flaky(items, **kw):
             calls[0] += 1
             if calls[0] == 1:
                 raise OSError(errno.EIO, "injected transient failure")
             if calls[0] == 2:
                 return [False] * len(items)
-            return original(items)
+            return original(items, **kw)
 
         lower.put_many = flaky
         with writer_paused(s):  # only evictions write for now: their first two writes fail
@@ -178,7 +178,7 @@ def test_flush_names_what_could_not_be_written_and_keeps_it_held(tmp_path, caplo
     s.close_timeout = 2
     lower = s.tier("lower")
     original = lower.put_many
-    lower.put_many = lambda items: [False] * len(items)
+    lower.put_many = lambda items, **kw: [False] * len(items)
     for i in range(3):
         s.put(key_of(i), chunk(i, CHUNK))
     with pytest.raises(errors.WriteBackError) as info:
@@ -198,7 +198,7 @@ def test_flush_names_what_could_not_be_written_and_keeps_it_held(tmp_path, caplo
     assert s.put(key_of(3), chunk(3, CHUNK))  # the tier is back: a put lands, and the retries flush grants succeed
     s.flush(timeout=30)
     assert all(s.where(key_of(i)) is not None and lower.contains(key_of(i)) for i in range(4))
-    lower.put_many = lambda items: [False] * len(items)
+    lower.put_many = lambda items, **kw: [False] * len(items)
     s.put(key_of(4), chunk(4, CHUNK))
     with caplog.at_level(logging.WARNING, logger="tierstore"):
         s.close()  # never raises for write-back failures: one warning names what it abandoned
@@ -213,8 +213,8 @@ def test_close_waits_for_a_put_in_flight(tmp_path):
     host = s.tier("host")
     original, landed = host.put_many, threading.Event()
 
-    def slow(items):
-        stored = original(items)
+    def slow(items, **kw):
+        stored = original(items, **kw)
         landed.set()
         time.sleep(0.3)  # close() begins while this put is between the host tier and its return
         return stored
@@ -277,7 +277,7 @@ def test_a_store_never_closed_is_flushed_at_interpreter_exit(tmp_path):
         s = tierstore.open({config!r})
         disk = s.tier("disk")
         original = disk.put_many
-        disk.put_many = lambda items: (time.sleep(0.05), original(items))[1]  # a slow lower tier
+        disk.put_many = lambda items, **kw: (time.sleep(0.05), original(items, **kw))[1]  # a slow lower tier
         for i in range(40):
             s.put(key_of(i), chunk(i, {CHUNK}))
         print("exiting without close", flush=True)

@@ -144,22 +144,33 @@ class TieredStore:
 
     def _put_claimed(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
         """Store one validated chunk under its key's claim; whether some tier took it."""
+        through = self.write_policy is WritePolicy.WRITE_THROUGH
         with self._wb.claim(key):
-            if self.write_policy is WritePolicy.WRITE_THROUGH:
-                try:
-                    return any([t.put(key, tensors) for t in self.tiers])  # a read-only tier skips it (counted)
-                finally:
-                    self._wb.put_through(key)
             self._wb.begin_put(key)  # dirty before any tier holds it
-            landed = False
+            landed, stale = False, []
             try:
                 for level, tier in enumerate(self.tiers):
                     if tier.read_only:
+                        if through:  # asked like every tier: it skips the chunk and counts that
+                            tier.put_many([(key, tensors)])
                         continue
-                    self._wb.landing(key, level)
-                    if tier.put(key, tensors):  # a tier that refuses no longer holds an older value either
-                        landed = True
+                    if not through:
+                        self._wb.landing(key, level)
+                    # a tier that refuses keeps its value for now: if no tier takes the chunk, that stays the
+                    # key's value; if one does, what a refusing tier holds is older and must not be read
+                    ok = tier.put_many([(key, tensors)], keep_on_failure=True)[0]
+                    landed |= ok
+                    if through:  # every tier now; one below the top that refuses is retried by write-back
+                        self._wb.wrote(key, level, ok)  # meanwhile (and skipped by reads)
+                        if not ok and level == 0:
+                            stale.append(tier)
+                    elif ok:
                         break
+                    else:
+                        stale.append(tier)
+                if landed:
+                    for tier in stale:
+                        tier.delete(key)
             finally:
                 self._wb.end_put(key, landed)
             return landed

@@ -128,7 +128,8 @@ def check_outs(outs: Sequence[Mapping[str, torch.Tensor]]) -> None:
         InvalidTypeError: an entry is not a ``Mapping[str, Tensor]``.
         InvalidInputError: naming the first offending tensor.
     """
-    spans: list[tuple[int, int, int, int, str]] = []  # (device type, device index, start, end, name)
+    spans: list[tuple[bool, int, int, int, str]] = []  # (on a GPU, first byte, end, batch index, name)
+    append = spans.append
     for i, out in enumerate(outs):
         if not isinstance(out, Mapping):
             raise InvalidTypeError(f"out[{i}] is {type(out).__name__}, not a Mapping[str, Tensor]")
@@ -138,19 +139,19 @@ def check_outs(outs: Sequence[Mapping[str, torch.Tensor]]) -> None:
             if t.is_conj() or t.is_neg():
                 raise InvalidInputError(f"out[{i}][{name!r}] has the conjugate or negative bit set: "
                                         "pass a plain tensor (resolve_conj() / resolve_neg())")
-            if t.numel() == 0:
-                continue
-            start = t.data_ptr()
-            reach = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride(), strict=True))
-            spans.append((_DEVICE_TYPES.get(t.device.type, -1), t.device.index or 0, start,
-                          start + (reach + 1) * t.element_size(), f"out[{i}][{name!r}]"))
+            n = t.nbytes
+            if n:
+                start = t.data_ptr()
+                if not t.is_contiguous():
+                    n = (sum((d - 1) * abs(s) for d, s in zip(t.shape, t.stride(), strict=True)) + 1) * t.element_size()
+                append((not t.is_cpu, start, start + n, i, name))
+    if len(spans) < 2:
+        return
     spans.sort()
     for a, b in zip(spans, spans[1:], strict=False):
-        if a[:2] == b[:2] and b[2] < a[3]:
-            raise InvalidInputError(f"{a[4]} and {b[4]} share memory: every out tensor must have its own")
-
-
-_DEVICE_TYPES = {"cpu": 0, "cuda": 1}
+        if b[1] < a[2] and a[0] == b[0]:
+            raise InvalidInputError(f"out[{a[3]}][{a[4]!r}] and out[{b[3]}][{b[4]!r}] share memory: every out "
+                                    "tensor must have its own")
 
 
 def fill_out(out: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor]) -> TensorDict:

@@ -118,6 +118,7 @@ class WriteBack:
         self._cond = threading.Condition()
         self._gen = 0  # bumped when a put begins and when a put or delete ends
         self._dirty: dict[ChunkKey, _Dirty] = {}
+        self._superseded: dict[ChunkKey, _Dirty] = {}  # the pending record of a put's predecessor, while it runs
         # levels given up (no tier could be read for them) and dropped by the drop policy: every flush names
         # them until the key is put again or deleted (the newest LOSSES_KEPT keys of each)
         self._given_up: OrderedDict[ChunkKey, set[int]] = OrderedDict()
@@ -170,6 +171,9 @@ class WriteBack:
         """A put of ``key`` starts (caller holds its claim): dirty for every writable tier below the top."""
         with self._cond:
             self._gen += 1
+            previous = self._dirty.get(key)
+            if previous is not None:  # back in place if this put lands nowhere (its value is still pending)
+                self._superseded[key] = previous
             self._dirty[key] = _Dirty(self._gen, dict.fromkeys((j for j in self._writable if j > 0), 0))
             self._given_up.pop(key, None)
             self._dropped.pop(key, None)
@@ -201,10 +205,12 @@ class WriteBack:
         with self._cond:
             return self._changed.get(key, -1) > token
 
-    def put_through(self, key: ChunkKey) -> None:
-        """A ``write_through`` put of ``key`` (which keeps nothing pending) ended."""
+    def wrote(self, key: ChunkKey, level: int, ok: bool) -> None:
+        """A ``write_through`` put (caller holds the claim) wrote ``level``: done, or retried like a write-back."""
         with self._cond:
-            self._mark_changed(key)
+            rec = self._dirty.get(key)
+        if rec is not None:
+            self._settle(key, level, rec.gen, ok)
 
     def _mark_changed(self, key: ChunkKey) -> None:
         """A put or delete of ``key`` ended (lock held): reads running now must not admit what they read."""
@@ -249,14 +255,16 @@ class WriteBack:
             rec.pending = {j: 0 for j in rec.pending if j > level}
 
     def end_put(self, key: ChunkKey, landed: bool) -> None:
-        """The put is over; queue the pending levels (or forget the key if no tier took it: the put itself
-        reported that, so flush does not)."""
+        """The put is over; queue the pending levels. If no tier took it (the put itself reported that, so
+        flush does not), the key keeps its previous value, and what of that value was pending still is."""
         with self._cond:
-            rec = self._dirty[key]
+            previous = self._superseded.pop(key, None)
             self._mark_changed(key)
-            if not landed or not rec.pending:
-                del self._dirty[key]
-            else:
+            rec = self._dirty.pop(key, None)  # None: a write_through put wrote every level already
+            if not landed:  # the key keeps its previous value: what of it was pending still is
+                rec = previous
+            if rec is not None and rec.pending:
+                self._dirty[key] = rec
                 for j in rec.pending:
                     self._ready[j][key] = None
             self._cond.notify_all()

@@ -5,7 +5,8 @@ Sections: tier throughput per object size beside its physical limit (memcpy, pag
 write); the remote tier through the S3 shim beside its concurrent ceiling, and a cold instance's lookup and load;
 KV TTFT per store configuration (``bench kv``); the control plane (``lookup`` per key and index memory per
 key from 10k to 1M keys); weight loading (``bench weights``, local, small); LMCache's ``bench l2`` beside
-the disk tier (``bench peers``) when its venv exists or with ``--peers``. ``--quick`` runs tiny sizes and
+the disk tier (``bench peers``) when its venv exists or with ``--peers``; what promotion and write-back
+cost a reader (``bench promotion``). ``--quick`` runs tiny sizes and
 no peers in well under a minute, for a smoke test.
 """
 
@@ -94,6 +95,13 @@ def run(args: argparse.Namespace) -> int:
         step("remote: S3 shim (20 ms first byte, 90 MB/s per connection) vs its concurrent ceiling")
         sections["remote"] = sweep.remote(4, 256 << 10, 4, repeats=1, cold_count=8, cold_size=64 << 10,
                                           cold_in_flight=4) if quick else sweep.remote(32, 4 << 20, 8, repeats=3)
+
+        step("promotion: a remote read under retain vs transient, with a concurrent put; write-back bytes")
+        from ..testing.s3 import local_s3
+        from . import promotion
+        with local_s3() as s3:
+            sections["promotion"] = promotion.measure(s3, 8 if quick else 32, (64 << 10) if quick else (1 << 20),
+                                                      repeats=1 if quick else 5, workdir=tmp)
 
         step("kv: multi-round-chat TTFT per store configuration")
         kv_json = os.path.join(tmp, "kv.json")

@@ -54,8 +54,8 @@ def _reset_connection(request: Any) -> None:
 def serve(upstream: str, port: int, latency: float, bandwidth: float, lifetime: float) -> None:
     from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
-    stats: dict[str, Any] = {"requests": 0, "by_method": {}, "gets": {}, "bytes_out": 0, "faults": 0,
-                             "round_trips": 0}
+    stats: dict[str, Any] = {"requests": 0, "by_method": {}, "gets": {}, "bytes_out": 0, "bytes_in": 0,
+                             "faults": 0, "round_trips": 0}
     done_depth = 0  # the deepest chain of requests answered so far (see round_trips in S3Shim.stats)
     fault: dict[str, Any] = {"mode": "pass", "status": 503, "delay": 0.0, "methods": None}
     stopped = asyncio.Event()
@@ -96,6 +96,7 @@ def serve(upstream: str, port: int, latency: float, bandwidth: float, lifetime: 
         if request.headers.get("Expect", "").lower() == "100-continue":  # botocore PUTs ask for it
             await request.writer.write(b"HTTP/%d.%d 100 Continue\r\n\r\n" % request.version)
         body = await request.content.read()  # no 1 MiB client_max_size: objects are bigger
+        stats["bytes_in"] += len(body)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         assert session is not None  # opened by main() before the server starts
         async with session.request(request.method, upstream + request.path_qs, headers=headers,
@@ -131,7 +132,7 @@ def serve(upstream: str, port: int, latency: float, bandwidth: float, lifetime: 
             command = json.loads(line)
             op = command.pop("op")
             if op == "reset":
-                stats.update(requests=0, by_method={}, gets={}, bytes_out=0, faults=0, round_trips=0)
+                stats.update(requests=0, by_method={}, gets={}, bytes_out=0, bytes_in=0, faults=0, round_trips=0)
                 done_depth = 0
             elif op == "fault":
                 if command["mode"] == "refuse" and fault["mode"] != "refuse":
@@ -199,7 +200,8 @@ class S3Shim:
                       methods=None if methods is None else [m.upper() for m in methods])
 
     def stats(self) -> dict[str, Any]:
-        """Requests seen so far: ``requests``, ``by_method``, ``gets`` (per path), ``bytes_out``, ``faults``,
+        """Requests seen so far: ``requests``, ``by_method``, ``gets`` (per path), ``bytes_out`` (answers),
+        ``bytes_in`` (request bodies: what PUTs uploaded), ``faults``,
         and ``round_trips``: the longest chain of requests each begun after the one before it was answered
         (requests sent together count once; 64 sent 32 at a time count twice), the number of latencies
         the client waited in sequence."""

@@ -51,7 +51,8 @@ SETUPS: dict[str, Setup] = {
                               on_pressure="drop", flaky_remote=0.3),
 }
 POLICIES = ("write_back", "write_through")
-COMBOS = tuple(f"{s}/{p}" for s in SETUPS for p in POLICIES)
+#: the drop setup under write_back only: a write_through put is acknowledged when it returns, drops or not
+COMBOS = tuple(f"{s}/{p}" for s in SETUPS for p in POLICIES if not (SETUPS[s].flaky_remote and p == "write_through"))
 #: seconds a writer may take to open the store and report before the run counts it as an error
 OPEN_TIMEOUT = 120.0
 #: the run stops after this many writer failures (a writer that cannot open its store fails every time)

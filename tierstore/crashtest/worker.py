@@ -132,16 +132,20 @@ def run_worker(spec: WorkerSpec) -> None:
 
 
 def _refuse_some_writes(tier: Any, share: float, rng: random.Random) -> None:
-    """Make ``tier`` refuse about ``share`` of the chunks written to it (as a remote under an outage does)."""
-    put_many = tier.put_many
+    """Make ``tier`` refuse about ``share`` of the chunks written to it (as a remote under an outage does),
+    tensors and encoded objects alike."""
+    for name in ("put_many", "put_objects"):
+        setattr(tier, name, _flaky(getattr(tier, name), share, rng))
 
-    def flaky(items: Any) -> list[bool]:
+
+def _flaky(write: Any, share: float, rng: random.Random) -> Any:
+    def flaky(items: Any, **kw: Any) -> list[bool]:
         items = list(items)
         take = [rng.random() >= share for _ in items]
-        stored = iter(put_many([item for item, t in zip(items, take, strict=True) if t]))
+        stored = iter(write([item for item, t in zip(items, take, strict=True) if t], **kw) if any(take) else [])
         return [next(stored) if t else False for t in take]
 
-    tier.put_many = flaky
+    return flaky
 
 
 class _Writer:

@@ -196,18 +196,21 @@ class Tier(TierReads, ABC):
             return key in self._lru and key not in self._claims.evicting
 
     # ------------------------------------------------------------------ writes
-    def put_many(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]) -> list[bool]:
+    def put_many(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]], *,
+                 keep_on_failure: bool = False) -> list[bool]:
         """Store each ``(key, tensors)``; ``False`` where it was skipped (too big, no room, I/O error).
 
         Bad input (wrong key type, non-tensor values) raises before anything is written. After ``False``
-        an overwriting tier no longer holds the key at all (never its older value).
+        a private tier no longer holds the key at all (never its older value), unless ``keep_on_failure``
+        (the tiered store, which then decides itself what must go: a put that lands nowhere keeps the
+        previous value).
         """
         self._check_open()
         items = list(items)
         for key, tensors in items:
             check_key(key)
             validate_chunk(tensors)
-        return self._map(lambda item: self._put_one(*item), items)
+        return self._map(lambda item: self._put_one(item[0], item[1], keep_on_failure), items)
 
     def put(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
         return self.put_many([(key, tensors)])[0]
@@ -220,12 +223,13 @@ class Tier(TierReads, ABC):
             raise InvalidInputError(f"tier {self.name!r} does not store encoded objects")
         return self._map(lambda item: self._put_one(*item), list(items))
 
-    def _put_one(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor] | objformat.Encoded) -> bool:
+    def _put_one(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor] | objformat.Encoded,
+                 keep_on_failure: bool = False) -> bool:
         payload, size = self._prepare(key, tensors)
         with self._claims.exclusive(key):
             if self._store_reserved(key, payload, size):
                 return True
-            if not self.shared:  # a shared tier keeps what others may read; the store skips it as stale
+            if not (self.shared or keep_on_failure):  # a shared tier keeps what others may read
                 self._discard(key)
             return False
 

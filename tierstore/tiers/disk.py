@@ -30,6 +30,7 @@ skips puts.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -374,7 +375,9 @@ class DiskTier(Tier):
             return None
 
     def _map(self, fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
-        """Batched I/O on a small pool (inline for one item, for ``io_threads=1`` and inside a worker)."""
+        """Batched I/O on a small pool, the first item on the caller's thread (all inline for one item, for
+        ``io_threads=1`` and inside a worker). Returns, or raises the first error, only once every item is
+        done: none is left using the caller's buffers."""
         items = list(items)
         if len(items) <= 1 or self.io_threads == 1 or getattr(self._worker, "active", False):
             return [fn(x) for x in items]
@@ -384,10 +387,14 @@ class DiskTier(Tier):
                 self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"tierstore-{self.name}",
                                                 initializer=self._mark_worker)
             try:
-                futures = [self._pool.submit(fn, x) for x in items]
+                futures = [self._pool.submit(fn, x) for x in items[1:]]
             except RuntimeError:  # shut down by a racing close()
                 raise ClosedError(f"tier {self.name!r} is closed") from None
-        return [f.result() for f in futures]
+        try:
+            first = fn(items[0])
+        finally:
+            concurrent.futures.wait(futures)
+        return [first, *(f.result() for f in futures)]
 
     def _load_many_into(self, work: list[tuple[ChunkKey, int, Mapping[str, torch.Tensor]]]
                         ) -> list[TensorDict | InvalidInputError | None]:
@@ -412,9 +419,10 @@ class DiskTier(Tier):
                 os.close(fd)
 
     # ------------------------------------------------------------------ a read-only view never writes
-    def put_many(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]) -> list[bool]:
+    def put_many(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]], *,
+                 keep_on_failure: bool = False) -> list[bool]:
         if not self.read_only:
-            return super().put_many(items)
+            return super().put_many(items, keep_on_failure=keep_on_failure)
         items = list(items)
         for key, tensors in items:  # bad input still raises, as for every tier
             check_key(key)
