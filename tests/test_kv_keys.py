@@ -111,7 +111,8 @@ def test_keys_are_identical_in_other_processes_without_pythonhashseed(seed):
     ([1, -2], InvalidInputError), (torch.tensor([1.0]), InvalidTypeError),
     (torch.tensor([True]), InvalidTypeError), (torch.zeros(2, 2, dtype=torch.long), InvalidInputError),
     (np.array([0.5]), InvalidTypeError), ("abc", InvalidTypeError), (None, InvalidTypeError),
-    (np.array([2**63], dtype=np.uint64), InvalidInputError),
+    (np.array([2**63], dtype=np.uint64), InvalidInputError), ([2**63], InvalidInputError),
+    ([1, 2**70], InvalidInputError), ([-(2**64)], InvalidInputError),
 ])
 def test_bad_token_ids_are_rejected(bad, exc):
     with pytest.raises(exc):

@@ -146,7 +146,10 @@ def token_tensor(token_ids: TokenIds) -> torch.Tensor:
         for tok in token_ids:
             if isinstance(tok, bool) or not isinstance(tok, numbers.Integral):
                 raise InvalidTypeError(f"token ids must be integers, got {type(tok).__name__} {tok!r}")
-        t = torch.tensor([int(tok) for tok in token_ids], dtype=torch.int64)
+        ids = [int(tok) for tok in token_ids]
+        if ids and not (min(ids) >= 0 and max(ids) < 1 << 63):  # (torch would raise its own overflow error)
+            raise InvalidInputError(f"token ids must lie in [0, 2**63), got [{min(ids)}, {max(ids)}]")
+        t = torch.tensor(ids, dtype=torch.int64)
     elif type(token_ids).__module__ == "numpy" and hasattr(token_ids, "dtype"):
         arr: Any = token_ids  # a numpy array, recognised without importing numpy
         if arr.dtype.kind not in "iu":
