@@ -194,7 +194,6 @@ class RemoteTier(Tier):
             for future in futures:
                 future.cancel()
             raise ClosedError(f"tier {self.name!r} is closed") from None
-        concurrent.futures.wait(futures)  # every item done before any error is raised: none uses the caller's buffers
         try:
             return [f.result() for f in futures]
         except concurrent.futures.CancelledError:  # queued work dropped by a racing close()
