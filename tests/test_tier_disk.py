@@ -533,7 +533,7 @@ def test_reads_leave_atime_alone(tmp_path):
     with DiskTier(path=tmp_path / "d") as t:
         keys, data = [key_of(i) for i in range(3)], [chunk(i, 8192) for i in range(3)]
         t.put_many(list(zip(keys, data, strict=True)))
-        paths = [t._object_path(k) for k in keys]
+        paths = [t.object_path(k) for k in keys]
         old = []
         for p in paths:
             st = os.stat(p)
@@ -558,7 +558,7 @@ def test_objects_of_another_user_are_still_read(tmp_path):
         os.chmod(folder, 0o755)
         with DiskTier(path=os.path.join(folder, "d"), permissions="group") as t:
             t.put(key_of(1), chunk(1, 8192))
-            path = t._object_path(key_of(1))
+            path = t.object_path(key_of(1))
         for p in (os.path.join(folder, "d"), os.path.dirname(path)):
             os.chmod(p, 0o755)
         os.chmod(path, 0o644)

@@ -64,7 +64,7 @@ def test_reads_are_planned_from_the_write_and_after_a_restart_from_the_first_ver
 
 def test_an_object_replaced_behind_the_tiers_back_is_read_again_not_misjudged(tier):
     tier.put(key_of(1), chunk(1, SIZE))  # planned from the write
-    path = tier._object_path(key_of(1))
+    path = tier.object_path(key_of(1))
     with open(path + ".new", "wb") as f:  # same names and shapes and size: only the bytes differ
         f.write(objformat.encode(key_of(1), chunk(2, SIZE)).tobytes())
     os.replace(path + ".new", path)
@@ -87,7 +87,7 @@ def test_a_damaged_object_is_a_counted_miss_and_the_rest_of_the_batch_is_served(
     data = [chunk(i, SIZE) for i in range(3)]
     tier.put_many([(key_of(i), d) for i, d in enumerate(data)])
     tier.get_many_into([key_of(i) for i in range(3)], outs_for(*data))  # headers remembered
-    path = tier._object_path(key_of(1))
+    path = tier.object_path(key_of(1))
     if damage == "flip":
         with open(path, "r+b") as f:
             f.seek(os.path.getsize(path) - 100)

@@ -144,10 +144,7 @@ class Promoter:
             try:
                 with self._guard():
                     run = lookup(keys)
-                    with self._lock:  # what the probe did not find is not on its way
-                        for k in keys[run:]:
-                            if self._in_flight.get(k) is future:
-                                del self._in_flight[k]
+                    self._landed(keys[run:], future)  # what the probe did not find is not on its way
                     got = 0
                     for k in keys[:run]:  # on this job's thread: a job never waits for another job
                         with self._wb.claim(k):
@@ -156,19 +153,20 @@ class Promoter:
             except BaseException as exc:
                 future.set_exception(exc)
             finally:
-                with self._lock:
-                    for k in keys:
-                        if self._in_flight.get(k) is future:
-                            del self._in_flight[k]
+                self._landed(keys, future)
 
         try:
             self._pool.submit(job)
         except RuntimeError:
-            with self._lock:
-                for k in keys:
-                    if self._in_flight.get(k) is future:
-                        del self._in_flight[k]
+            self._landed(keys, future)
             raise ClosedError("store is closed") from None
+
+    def _landed(self, keys: Sequence[ChunkKey], job: Future[int]) -> None:
+        """``keys`` are no longer on their way up by ``job`` (another job may have them since)."""
+        with self._lock:
+            for k in keys:
+                if self._in_flight.get(k) is job:
+                    del self._in_flight[k]
 
     def pending(self, keys: Sequence[ChunkKey]) -> int:
         """Length of the leading run of ``keys`` being promoted now."""

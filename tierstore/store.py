@@ -110,37 +110,41 @@ class TieredStore:
         """
         if isinstance(items, (Mapping, str, bytes)) or not isinstance(items, Iterable):
             raise InvalidTypeError("put_many takes an iterable of (ChunkKey, Mapping[str, Tensor]) pairs")
-        with self._life.call(acknowledges=True):
-            items = list(items)
-            todo: list[int] = []
-            for i, item in enumerate(items):
-                try:
-                    if not isinstance(item, tuple) or len(item) != 2:
-                        raise InvalidTypeError(f"item is {type(item).__name__}, not a (key, tensors) pair")
-                    check_key(item[0])
-                    validate_chunk(item[1])  # exactly what put() refuses
-                except (TypeError, ValueError) as exc:
-                    log.warning("put_many: item %d rejected: %s", i, exc)
-                    continue
-                todo.append(i)
-            self._count(puts=len(todo))
-            # one item at a time per key (dirty before held, one write of a key at a time), on the top
-            # tier's parallelism
-            stored = self.tiers[0]._map(lambda i: self._put_claimed(*items[i]), todo)
-            ok = [False] * len(items)
-            for i, s in zip(todo, stored, strict=True):
-                ok[i] = s
-            refused = len(todo) - sum(stored)
-            if refused:
-                log.warning("put_many: no tier accepted %d of %d chunks", refused, len(todo))
-            return ok
+        items = list(items)
+        valid: list[int] = []
+        for i, item in enumerate(items):
+            try:
+                if not isinstance(item, tuple) or len(item) != 2:
+                    raise InvalidTypeError(f"item is {type(item).__name__}, not a (key, tensors) pair")
+                check_key(item[0])
+                validate_chunk(item[1])  # exactly what put() refuses
+            except (TypeError, ValueError) as exc:
+                log.warning("put_many: item %d rejected: %s", i, exc)
+                continue
+            valid.append(i)
+        return self._put_valid(items, valid)
 
     def put(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
         """Store one chunk; whether some tier took it (see :meth:`put_many`). Bad input raises
         (:class:`~tierstore.InvalidTypeError` / :class:`~tierstore.InvalidInputError`) before any tier."""
         check_key(key)
         validate_chunk(tensors)
-        return self.put_many([(key, tensors)])[0]
+        return self._put_valid([(key, tensors)], [0])[0]
+
+    def _put_valid(self, items: list[Item], valid: list[int]) -> list[bool]:
+        """Store ``items[i]`` for each validated ``i``; per item whether some tier took it."""
+        with self._life.call(acknowledges=True):
+            self._count(puts=len(valid))
+            # one item at a time per key (dirty before held, one write of a key at a time), on the top
+            # tier's parallelism
+            stored = self.tiers[0]._map(lambda i: self._put_claimed(*items[i]), valid)
+            ok = [False] * len(items)
+            for i, s in zip(valid, stored, strict=True):
+                ok[i] = s
+            refused = len(valid) - sum(stored)
+            if refused:
+                log.warning("put_many: no tier accepted %d of %d chunks", refused, len(valid))
+            return ok
 
     def _put_claimed(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
         """Store one validated chunk under its key's claim; whether some tier took it."""

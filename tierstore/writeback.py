@@ -471,15 +471,10 @@ class WriteBack:
             rec = self._dirty.get(key)
             return rec is None or not any(j > level for j in rec.pending)
 
-    def _is_clean_below(self, key: ChunkKey, level: int) -> bool:
-        with self._cond:
-            rec = self._dirty.get(key)
-            # clean below, or this copy is an older value anyway
-            return rec is None or level in rec.pending or not any(j > level for j in rec.pending)
 
     def _save_victim(self, tier: Tier, key: ChunkKey, level: int) -> bool:
-        if self._is_clean_below(key, level):
-            return True
+        if self._nothing_pending_below(key, level) or self.stale_at([key], level)[0]:
+            return True  # clean below, or this copy is an older value anyway
         with self._cond:
             rec = self._dirty[key]
             gen = rec.gen
@@ -527,10 +522,9 @@ class WriteBack:
                 rec.pending.pop(j, None)
                 self._retry_at[j].pop(key, None)
                 self._counts[j]["writeback_dropped"] += 1
+                _remember(self._dropped, key, j)
             if not rec.pending:
                 del self._dirty[key]
-            for j in levels:
-                _remember(self._dropped, key, j)
             self._cond.notify_all()
         log.debug("write-back of %s dropped under pressure (on_pressure: drop)", key.hex())
 

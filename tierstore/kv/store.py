@@ -166,7 +166,7 @@ class KVCacheStore:
         groups = self._groups(None)
         per = 1 if groups is None else len(groups)
         flat = [k for key in keys for k in self._object_keys(key, groups)]
-        return (self.store.lookup(flat) if probe else self.store.lookup(flat, probe=False)) // per
+        return self.store.lookup(flat, probe=probe) // per
 
     def where(self, token_ids: TokenIds) -> list[str | None]:
         """Per chunk key of ``token_ids``: name of the highest tier holding it, or ``None``."""

@@ -250,7 +250,6 @@ class DiskTier(Tier):
         (nothing is checked or created). For tools that read or inspect object files directly."""
         return os.path.join(self.path, object_relpath(key))
 
-    _object_path = object_path  # the former private name, still used by tests
 
     def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor] | objformat.Encoded
                  ) -> tuple[objformat.Encoded, int]:
