@@ -44,20 +44,27 @@ $(SSTAMP): pyproject.toml adapters/sglang/pyproject.toml
 # the engine adapters' packages (adapters/<engine>/tierstore_<engine>/), once they exist
 MYPY_TARGETS := tierstore $(patsubst %/__init__.py,%,$(wildcard adapters/*/tierstore_*/__init__.py))
 
-.PHONY: venv engines-venv sglang-venv demo test test-fast test-engines test-sglang lint lint-ruff lint-mypy bench clean
+.PHONY: venv engines-venv sglang-venv prometheus demo test test-fast test-engines test-sglang lint lint-ruff lint-mypy bench clean
 venv: $(STAMP)
 engines-venv: $(ESTAMP)
 sglang-venv: $(SSTAMP)
+
+# Debian's prometheus (the server and promtool) for the metrics tests, which a missing one fails under make
+prometheus:
+	@command -v prometheus >/dev/null && command -v promtool >/dev/null || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); export DEBIAN_FRONTEND=noninteractive; \
+		$$SUDO apt-get install -y -q prometheus >/dev/null 2>&1 || \
+		{ $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q prometheus >/dev/null; }; }
 
 demo: $(STAMP)
 	$(BIN)/tierstore demo
 
 # everything, as CI runs it
-test: $(STAMP)
-	AWS_DEFAULT_REGION=us-east-1 $(BIN)/python -m pytest -q -p no:cacheprovider
+test: $(STAMP) prometheus
+	TIERSTORE_REQUIRE_PROMETHEUS=1 AWS_DEFAULT_REGION=us-east-1 $(BIN)/python -m pytest -q -p no:cacheprovider
 
-test-engines: $(ESTAMP)
-	TIERSTORE_ENGINE_TESTS=1 AWS_DEFAULT_REGION=us-east-1 $(EBIN)/python -m pytest -q -p no:cacheprovider \
+test-engines: $(ESTAMP) prometheus
+	TIERSTORE_REQUIRE_PROMETHEUS=1 TIERSTORE_ENGINE_TESTS=1 AWS_DEFAULT_REGION=us-east-1 $(EBIN)/python -m pytest -q -p no:cacheprovider \
 		-o testpaths=tests/engines tests/engines
 
 test-sglang: $(SSTAMP)

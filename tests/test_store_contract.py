@@ -458,3 +458,25 @@ def test_write_through_never_serves_the_older_value_a_refusing_tier_kept(tmp_pat
         assert_same(store.get(k), chunk(2, CHUNK))
     with tierstore.open({"tiers": [config["tiers"][2]]}) as fresh:
         assert_same(fresh.get(k), chunk(2, CHUNK))
+
+
+def test_locate_names_the_tier_holding_each_key_of_the_leading_run(tmp_path):
+    """``locate`` (what the token hit rate per tier counts): the highest tier holding each leading key's
+    current value; ``local`` skips shared tiers without I/O; a tier pending an overwrite is skipped."""
+    cfg = host_disk(tmp_path, prefetch_policy="transient")
+    cfg["tiers"].append({"kind": "remote", "url": f"file://{tmp_path}/remote"})
+    with tierstore.open(cfg) as store:
+        keys = [key_of(i) for i in range(5)]
+        for k in keys[:4]:
+            assert store.put(k, chunk(0, CHUNK))
+        store.flush()  # every tier holds keys 0-3
+        store.tier("host").delete_many(keys[:2])
+        assert store.locate(keys) == ["disk", "disk", "host", "host"]
+        assert store.lookup(keys) == 4
+        store.tier("disk").delete(keys[0])
+        assert store.locate(keys) == ["remote", "disk", "host", "host"]
+        assert store.locate(keys, local=True) == []  # key 0 is only in the shared tier
+        assert store.locate(keys[1:], local=True) == ["disk", "host", "host"]
+        assert store.locate([]) == []
+        with pytest.raises(errors.InvalidTypeError):
+            store.locate(keys[0])

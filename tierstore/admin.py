@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -53,7 +54,11 @@ def add_gc_arguments(p: argparse.ArgumentParser) -> None:
                         "(the age bound of a shared prefix without a bucket lifecycle rule)")
 
 
-add_stats_arguments = add_arguments
+def add_stats_arguments(p: argparse.ArgumentParser) -> None:
+    add_arguments(p)
+    p.add_argument("--prometheus", nargs="?", const="-", default=None, metavar="FILE",
+                   help="print the Prometheus text format instead of the table, or write it atomically to FILE "
+                        "(a node exporter's textfile collector, e.g. /var/lib/node_exporter/tierstore.prom)")
 
 
 @contextmanager
@@ -101,6 +106,15 @@ def _refuse(exc: LockedError, verb: str) -> int:
 def run_stats(args: argparse.Namespace) -> int:
     with open_persistent_tiers(args.config, writable=False) as tiers:
         st = {"tiers": {t.name: t.stats() for t in tiers}}
+    if args.prometheus is not None:
+        from .metrics import StoreCollector, exposition, write_textfile
+
+        collector = StoreCollector(lambda: st)
+        if args.prometheus == "-":
+            sys.stdout.write(exposition(collector).decode())
+        else:
+            write_textfile(args.prometheus, collector)
+        return 0
     lines = [f"{'tier':<10} {'kind':<7} {'objects':>8} {'used':>12} {'capacity':>12}  location"]
     for name, t in st["tiers"].items():
         cap = "unbounded" if t["capacity_bytes"] is None else format_size(t["capacity_bytes"])

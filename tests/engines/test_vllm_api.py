@@ -37,6 +37,11 @@ EXPECTED = {
     "get_block_ids_with_load_errors": "(self) -> set[int]",
     "shutdown": "(self)",
     "requires_piecewise_for_cudagraph": "(extra_config: dict[str, typing.Any]) -> bool",
+    "get_kv_connector_stats": "(self) -> 'KVConnectorStats | None'",
+    "build_kv_connector_stats": "(data: dict[str, typing.Any] | None = None) -> 'KVConnectorStats | None'",
+    "build_prom_metrics": "(vllm_config: 'VllmConfig', metric_types: dict[type['PromMetric'], type['PromMetricT']], "
+                          "labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> "
+                          "'KVConnectorPromMetrics | None'",
 }
 
 

@@ -103,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
             sections["promotion"] = promotion.measure(s3, 8 if quick else 32, (64 << 10) if quick else (1 << 20),
                                                       repeats=1 if quick else 5, workdir=tmp)
 
+        step("metrics: the put/get path with Prometheus metrics on vs off")
+        from . import metrics
+        sections["metrics"] = metrics.measure(64, 4096, 21 if quick else 101)
+
         step("kv: multi-round-chat TTFT per store configuration")
         kv_json = os.path.join(tmp, "kv.json")
         kv_argv = ["--json", kv_json, "--workdir", tmp]

@@ -9,8 +9,8 @@
 
 from .namespace import KV_FORMAT_VERSION, KVNamespace, prefix_keys, token_tensor
 from .paged import PagedLayout, gather, gather_layers, scatter, scatter_layers
-from .store import KVCacheStore
+from .store import KVCacheStore, count_token_hits
 from .transfer import LayerwiseLoad
 
 __all__ = ["KVNamespace", "KVCacheStore", "LayerwiseLoad", "KV_FORMAT_VERSION", "PagedLayout", "gather", "scatter",
-           "gather_layers", "scatter_layers", "prefix_keys", "token_tensor"]
+           "gather_layers", "scatter_layers", "prefix_keys", "token_tensor", "count_token_hits"]

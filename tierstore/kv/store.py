@@ -31,6 +31,7 @@ from .transfer import LayerwiseLoad, PagedTransfer, Piece, Staging, Task, run_lo
 
 if TYPE_CHECKING:
     from ..store import TieredStore
+    from ..telemetry import Counters
     from ..tensors import TensorDict
     from .namespace import TokenIds
 
@@ -45,6 +46,19 @@ _GROUP_KEYS_KEPT = 16384
 
 #: layer-wise loads of one KVCacheStore running at once (each holds up to two staging buffers); more queue
 _LOADERS = 4
+
+
+def count_token_hits(counters: Counters, asked: int, tiers: Sequence[str], chunk_tokens: int,
+                     hit: int | None = None) -> None:
+    """Count one lookup in a store's ``counters``: ``asked`` tokens (``kv_lookup_tokens``) and, per tier, the
+    tokens found (``kv_hit_tokens``) — ``chunk_tokens`` per leading chunk held by ``tiers[i]``, the first
+    ``hit`` tokens in all (default: every chunk in full). The token hit rate per tier."""
+    hit = len(tiers) * chunk_tokens if hit is None else hit
+    counters.add("kv_lookup_tokens", asked)
+    for i, tier in enumerate(tiers):
+        n = min(chunk_tokens, hit - i * chunk_tokens)
+        if n > 0:
+            counters.add("kv_hit_tokens", n, tier)
 
 
 class KVCacheStore:
@@ -125,13 +139,25 @@ class KVCacheStore:
         """Tokens covered by the first ``n_chunks`` chunks of an ``n_tokens``-long sequence."""
         return min(n_chunks * self.chunk_tokens, n_tokens)
 
-    def lookup(self, token_ids: TokenIds) -> int:
-        """Number of leading tokens whose KV the store holds (index checks only, nothing is read)."""
+    def lookup(self, token_ids: TokenIds, *, probe: bool = True, local: bool = False) -> int:
+        """Number of leading tokens whose KV the store holds (nothing is read; ``probe``/``local`` as for
+        :meth:`TieredStore.locate <tierstore.TieredStore.locate>`).
+
+        Counted in the store's ``counters``: ``kv_lookup_tokens`` (tokens asked about) and, per tier,
+        ``kv_hit_tokens`` (tokens found, under the tier that holds them) — the token hit rate per tier.
+        """
         tokens = token_tensor(token_ids)
         keys = prefix_keys(self.namespace, tokens, partial=self.partial_chunks)
-        hit = self._covered(self._held(keys), len(tokens))
+        tiers = self._located(keys, probe=probe, local=local)
+        hit = self._covered(len(tiers), len(tokens))
         self._count(lookups=1, lookup_tokens=len(tokens), hit_tokens=hit)
+        self.count_tokens(len(tokens), tiers, hit)
         return hit
+
+    def count_tokens(self, asked: int, tiers: Sequence[str], hit: int) -> None:
+        """Count one lookup of ``asked`` tokens whose first ``hit`` tokens are in the chunks held by ``tiers``
+        (one tier name per leading chunk) in the store's counters."""
+        count_token_hits(self.store.counters, asked, tiers, self.chunk_tokens, hit)
 
     # ------------------------------------------------------------------ objects on the store
     def _groups(self, n_layers: int | None) -> list[tuple[int, int]] | None:
@@ -161,12 +187,20 @@ class KVCacheStore:
     def _held(self, keys: list[ChunkKey], probe: bool = True) -> int:
         """Leading chunks of ``keys`` whose every object some tier holds; ``probe=False`` asks the
         in-memory indexes only (no I/O: shared tiers are not probed for keys they do not list)."""
+        return len(self._located(keys, probe=probe))
+
+    def _located(self, keys: list[ChunkKey], probe: bool = True, local: bool = False) -> list[str]:
+        """Per leading chunk of ``keys`` whose every object some tier holds, the slowest tier among them."""
         if not keys:
-            return 0
+            return []
         groups = self._groups(None)
         per = 1 if groups is None else len(groups)
         flat = [k for key in keys for k in self._object_keys(key, groups)]
-        return self.store.lookup(flat, probe=probe) // per
+        names = self.store.locate(flat, probe=probe, local=local)
+        if per == 1:
+            return names
+        order = {t.name: i for i, t in enumerate(self.store.tiers)}
+        return [max(names[i:i + per], key=order.__getitem__) for i in range(0, len(names) - per + 1, per)]
 
     def where(self, token_ids: TokenIds) -> list[str | None]:
         """Per chunk key of ``token_ids``: name of the highest tier holding it, or ``None``."""

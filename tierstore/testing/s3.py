@@ -31,6 +31,20 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 10) -> None:
         proc.wait()
 
 
+def wait_answering(url: str, proc: subprocess.Popen[Any], timeout: float, what: str) -> None:
+    """Poll ``url`` until it answers 2xx; ``RuntimeError`` if ``proc`` exits or ``timeout`` s pass first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode}")
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{what} did not answer on {url} within {timeout}s")
+
+
 REGION = "us-east-1"
 
 
@@ -83,17 +97,12 @@ def start_local_s3(timeout: float = 30.0) -> LocalS3:
            "AWS_SECRET_ACCESS_KEY": "testing"}
     proc = subprocess.Popen(_moto_command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"moto_server exited with code {proc.returncode}")
-        try:
-            urllib.request.urlopen(url + "/moto-api/", timeout=1).close()
-            return LocalS3(url, proc)
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"moto_server did not answer on {url} within {timeout}s")
+    try:
+        wait_answering(url + "/moto-api/", proc, timeout, "moto_server")
+    except RuntimeError:
+        stop_process(proc)
+        raise
+    return LocalS3(url, proc)
 
 
 @contextmanager

@@ -21,6 +21,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -30,6 +31,7 @@ from ..errors import InvalidInputError
 from ..keys import ChunkKey, check_key
 from ..objformat import validate_chunk
 from ..policy import LRUPolicy
+from ..telemetry import Failures, Latency
 from ..tensors import TensorDict, fill_out, nbytes
 from .claims import Claims
 from .reads import CORRUPT, ERROR, MISSING, OK, UNSUPPORTED, TierReads
@@ -81,7 +83,8 @@ class Tier(TierReads, ABC):
         self._claims = Claims(self._lru, self.name)
         self._cond = self._claims.cond
         self._counts = dict.fromkeys(COUNTERS, 0)
-        self._logged: set[str] = set()
+        self._failures = Failures(log, f"tier {self.name}: ")
+        self.latency = Latency()  # seconds per batched get, put and lookup (contains) call
         self._space = SpaceLimit()
         self._discards = 0  # deletes finished so far: a reader indexes what it found only if none ran meanwhile
 
@@ -156,10 +159,9 @@ class Tier(TierReads, ABC):
         with self._cond:
             self._counts[name] += n
 
-    def _log_once(self, what: str, msg: str, *args: Any) -> None:
-        if what not in self._logged:
-            self._logged.add(what)
-            log.warning("tier %s: " + msg, self.name, *args)
+    def _fail(self, what: str, msg: str, *args: Any) -> None:
+        """Count a failure of kind ``what`` and log it (rate-limited, see :class:`~tierstore.telemetry.Failures`)."""
+        self._failures.report(what, msg, *args)
 
     def _index_add(self, key: ChunkKey, size: int) -> None:
         """Register an object found in storage (index rebuild, probe). Call with the lock held."""
@@ -169,7 +171,8 @@ class Tier(TierReads, ABC):
         with self._cond:
             return {"kind": self.kind, "used_bytes": self._lru.currsize, "capacity_bytes": self.capacity,
                     "space_limit_bytes": self._space.bytes, "objects": len(self._lru),
-                    "reserved_bytes": self._claims.reserved, "pinned": len(self._claims.pins), **self._counts}
+                    "reserved_bytes": self._claims.reserved, "pinned": len(self._claims.pins), **self._counts,
+                    "failures": self._failures.counts()}
 
     def _check_open(self) -> None:
         self._claims.check_open()
@@ -205,6 +208,14 @@ class Tier(TierReads, ABC):
         (the tiered store, which then decides itself what must go: a put that lands nowhere keeps the
         previous value).
         """
+        start = perf_counter()
+        try:
+            return self._put_many(items, keep_on_failure)
+        finally:
+            self.latency.since("put", start)
+
+    def _put_many(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]], keep_on_failure: bool
+                  ) -> list[bool]:
         self._check_open()
         items = list(items)
         for key, tensors in items:
@@ -218,10 +229,14 @@ class Tier(TierReads, ABC):
     def put_objects(self, items: Sequence[tuple[ChunkKey, objformat.Encoded]]) -> list[bool]:
         """Store verified objects another tier read with :meth:`copy_encoded`, as they are (tiers that
         :attr:`stores_objects`, with the objects' codec); ``False`` as for :meth:`put_many`."""
-        self._check_open()
-        if not self.stores_objects:
-            raise InvalidInputError(f"tier {self.name!r} does not store encoded objects")
-        return self._map(lambda item: self._put_one(*item), list(items))
+        start = perf_counter()
+        try:
+            self._check_open()
+            if not self.stores_objects:
+                raise InvalidInputError(f"tier {self.name!r} does not store encoded objects")
+            return self._map(lambda item: self._put_one(*item), list(items))
+        finally:
+            self.latency.since("put", start)
 
     def _put_one(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor] | objformat.Encoded,
                  keep_on_failure: bool = False) -> bool:
@@ -250,7 +265,7 @@ class Tier(TierReads, ABC):
                     self._after_enospc()
                     continue
                 self._count("errors")
-                self._log_once("write", "write failed (%s); skipping", exc)
+                self._fail("write", "write failed (%s); skipping", exc)
                 return False
             except BaseException:
                 self._claims.release(reserved)
@@ -270,7 +285,7 @@ class Tier(TierReads, ABC):
             self._counts["enospc"] += 1
             held = self._lru.currsize + self._claims.reserved
             backoff = self._space.full(held, self.enospc_recheck, self.max_enospc_recheck)
-        self._log_once("enospc", "no space left on device; holding at most %d bytes, re-probing free space "
+        self._fail("enospc", "no space left on device; holding at most %d bytes, re-probing free space "
                        "in %.1fs (doubling while full)", held, backoff)
 
     def _limit(self) -> int | None:
@@ -297,7 +312,7 @@ class Tier(TierReads, ABC):
                 try:
                     self._drop(key)
                 except OSError as exc:
-                    self._log_once("drop", "could not remove %s: %s", key.hex(), exc)
+                    self._fail("drop", "could not remove %s: %s", key.hex(), exc)
         finally:
             with self._cond:
                 self._discards += 1
@@ -319,7 +334,7 @@ class Tier(TierReads, ABC):
                 except Exception as exc:  # never drop what could not be saved
                     keep = True
                     self._count("errors")
-                    self._log_once("before_evict", "write-back before eviction failed: %s", exc)
+                    self._fail("before_evict", "write-back before eviction failed: %s", exc)
             with self._cond:
                 keep = keep or self._claims.pinned(k)
             if keep:
@@ -329,7 +344,7 @@ class Tier(TierReads, ABC):
             try:
                 self._drop(k)
             except OSError as exc:
-                self._log_once("drop", "could not remove %s: %s", k.hex(), exc)
+                self._fail("drop", "could not remove %s: %s", k.hex(), exc)
             if self._claims.end_eviction(k, size, removed=True):
                 self._count("evictions")
         return kept

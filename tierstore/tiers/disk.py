@@ -171,7 +171,7 @@ class DiskTier(Tier):
             except FileNotFoundError:
                 continue
             except OSError as exc:  # a symlink or a file where our folder should be: not ours
-                self._log_once("folder", "%s/%s is not a folder (%s); left alone, not used", self.path, sub, exc)
+                self._fail("folder", "%s/%s is not a folder (%s); left alone, not used", self.path, sub, exc)
                 continue
             try:
                 if not self.read_only:
@@ -242,7 +242,7 @@ class DiskTier(Tier):
             try:
                 self._drop(k)
             except OSError as exc:
-                self._log_once("drop", "could not remove %s: %s", k.hex(), exc)
+                self._fail("drop", "could not remove %s: %s", k.hex(), exc)
 
     # ------------------------------------------------------------------ data plane
     def object_path(self, key: ChunkKey) -> str:
@@ -418,17 +418,17 @@ class DiskTier(Tier):
                 os.close(fd)
 
     # ------------------------------------------------------------------ a read-only view never writes
-    def put_many(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]], *,
-                 keep_on_failure: bool = False) -> list[bool]:
+    def _put_many(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]], keep_on_failure: bool
+                  ) -> list[bool]:
         if not self.read_only:
-            return super().put_many(items, keep_on_failure=keep_on_failure)
+            return super()._put_many(items, keep_on_failure)
         items = list(items)
         for key, tensors in items:  # bad input still raises, as for every tier
             check_key(key)
             validate_chunk(tensors)
         if items:
             self._count("skipped", len(items))
-            self._log_once("read-only", "opened read_only: puts are skipped")
+            self._fail("read-only", "opened read_only: puts are skipped")
         return [False] * len(items)
 
     def delete_many(self, keys: Sequence[ChunkKey]) -> int:

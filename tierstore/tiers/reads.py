@@ -11,6 +11,7 @@ import threading
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -19,6 +20,7 @@ from .. import objformat
 from ..errors import CorruptObjectError, InvalidInputError, UnsupportedObjectError
 from ..keys import ChunkKey, check_key
 from ..policy import LRUPolicy
+from ..telemetry import Latency
 from ..tensors import TensorDict, check_outs, fill_out
 from .claims import Claims
 
@@ -41,6 +43,7 @@ class TierReads:
     _claims: Claims
     _counts: dict[str, int]
     _discards: int
+    latency: Latency
 
     if TYPE_CHECKING:  # provided by Tier
         @abstractmethod
@@ -65,7 +68,7 @@ class TierReads:
         @abstractmethod
         def _count(self, name: str, n: int = 1) -> None: ...
         @abstractmethod
-        def _log_once(self, what: str, msg: str, *args: Any) -> None: ...
+        def _fail(self, what: str, msg: str, *args: Any) -> None: ...
 
     @contextmanager
     def borrowed(self, key: ChunkKey) -> Iterator[TensorDict | None]:
@@ -117,6 +120,13 @@ class TierReads:
 
     def contains_many(self, keys: Sequence[ChunkKey], probe: bool = True) -> list[bool]:
         """Whether each key is held. ``probe=False`` checks the in-memory index only (no I/O)."""
+        start = perf_counter()
+        try:
+            return self._contains_many(keys, probe)
+        finally:
+            self.latency.since("lookup", start)
+
+    def _contains_many(self, keys: Sequence[ChunkKey], probe: bool = True) -> list[bool]:
         keys = [check_key(k) for k in keys]
         with self._cond:
             found = [k in self._lru for k in keys]
@@ -136,10 +146,17 @@ class TierReads:
 
         A repeated key is read once; each further slot gets its own copy.
         """
+        start = perf_counter()
+        try:
+            return self._get_many(keys, device)
+        finally:
+            self.latency.since("get", start)
+
+    def _get_many(self, keys: Sequence[ChunkKey], device: str | torch.device) -> list[TensorDict | None]:
         self._check_open()
         keys = list(keys)
         unique = list(dict.fromkeys(keys))
-        present = self.contains_many(unique, probe=not self.reads_probe)
+        present = self._contains_many(unique, probe=not self.reads_probe)
         held = [k for k, p in zip(unique, present, strict=True) if p]
         size_of = {k: s for k, s in zip(held, self.pin(held), strict=True) if s is not None}
         unseen = {k for k, p in zip(unique, present, strict=True) if not p} if self.reads_probe else set()
@@ -188,13 +205,21 @@ class TierReads:
                   ) -> list[TensorDict | InvalidInputError | None]:
         """:meth:`get_many_into` for a caller that checked ``outs`` with
         :func:`~tierstore.tensors.check_outs` already (the tiered store, once for the whole batch)."""
+        start = perf_counter()
+        try:
+            return self._fill_many(keys, outs)
+        finally:
+            self.latency.since("get", start)
+
+    def _fill_many(self, keys: Sequence[ChunkKey], outs: Sequence[Mapping[str, torch.Tensor]]
+                   ) -> list[TensorDict | InvalidInputError | None]:
         self._check_open()
         keys = [check_key(k) for k in keys]
         sizes = self.pin(keys)  # index hits pinned in one pass; a key listed twice is pinned twice
         try:
             absent = [i for i, s in enumerate(sizes) if s is None]
             if absent and not self.reads_probe:  # objects other writers stored: probe, then pin what joined
-                found = [i for i, f in zip(absent, self.contains_many([keys[i] for i in absent]), strict=True) if f]
+                found = [i for i, f in zip(absent, self._contains_many([keys[i] for i in absent]), strict=True) if f]
                 for i, s in zip(found, self.pin([keys[i] for i in found]), strict=True):
                     sizes[i] = s
             results: list[TensorDict | InvalidInputError | None] = [None] * len(keys)
@@ -305,14 +330,14 @@ class TierReads:
             return data, OK if data is not None else MISSING
         except UnsupportedObjectError as exc:
             self._count("unsupported")
-            self._log_once("unsupported", "cannot read object %s (left in place): %s", key.hex(), exc)
+            self._fail("unsupported", "cannot read object %s (left in place): %s", key.hex(), exc)
             if self.shared:
                 self._forget(key, remove=False)
             return None, UNSUPPORTED
         except CorruptObjectError as exc:
             self._count("corrupt")
             remove = repair or not self.shared
-            self._log_once("corrupt", "%s damaged object %s: %s", "removing" if remove else "skipping",
+            self._fail("corrupt", "%s damaged object %s: %s", "removing" if remove else "skipping",
                            key.hex(), exc)
             self._forget(key, remove=remove)
             return None, CORRUPT
@@ -321,7 +346,7 @@ class TierReads:
             return None, MISSING
         except (OSError, MemoryError) as exc:
             self._count("errors")
-            self._log_once("read", "read failed (%s: %s); treating as a miss", type(exc).__name__, exc)
+            self._fail("read", "read failed (%s: %s); treating as a miss", type(exc).__name__, exc)
             return None, ERROR
 
     def verify_many(self, keys: Sequence[ChunkKey], repair: bool = False) -> list[str]:

@@ -200,7 +200,7 @@ class RemoteTier(Tier):
             raise ClosedError(f"tier {self.name!r} is closed") from None
 
     def _log_down(self, exc: BaseException, seconds: float) -> None:
-        self._log_once("down", "%s unreachable (%s: %s); requests fail fast for %.1fs at a time",
+        self._fail("down", "%s unreachable (%s: %s); requests fail fast for %.1fs at a time",
                        self.url, type(exc).__name__, exc, seconds)
 
     # ------------------------------------------------------------------ index
@@ -210,7 +210,7 @@ class RemoteTier(Tier):
             listing = self._list_root()
         except OSError as exc:
             self._count("errors")
-            self._log_once("list", "listing %s failed (%s); starting with an empty index", self.url, exc)
+            self._fail("list", "listing %s failed (%s); starting with an empty index", self.url, exc)
             return
         found = []
         for path, info in listing.items():
@@ -302,7 +302,7 @@ class RemoteTier(Tier):
         except PermissionError as exc:
             # S3 answers a HEAD of a missing key with 403, not 404, when the caller may not list the bucket
             # (least-privilege credentials): a miss, not an error storm. A real denial shows on GET/PUT.
-            self._log_once("head-403", "lookup of %s denied (%s): treating as a miss; grant s3:ListBucket to "
+            self._fail("head-403", "lookup of %s denied (%s): treating as a miss; grant s3:ListBucket to "
                            "tell misses from denials", self.url, exc)
             return None
         return info["size"] if info.get("type", "file") == "file" else None
@@ -313,7 +313,7 @@ class RemoteTier(Tier):
                 return self._stat(key)
             except OSError as exc:
                 self._count("errors")
-                self._log_once("probe", "lookup failed (%s); treating as a miss", exc)
+                self._fail("probe", "lookup failed (%s); treating as a miss", exc)
                 return None
 
         return self._map(one, keys)
@@ -379,7 +379,7 @@ class RemoteTier(Tier):
                 # an fs without mode=: check, then write. A writer racing in between may have its object
                 # replaced by ours, whole (pipe_file publishes at once); both are valid values of the key
                 self._create_mode = False
-                self._log_once("create-mode", "%s has no create-only writes; checking existence first",
+                self._fail("create-mode", "%s has no create-only writes; checking existence first",
                                type(self.fs).__name__)
         if self._io("exists", path):
             raise FileExistsError(path)
@@ -484,7 +484,7 @@ class RemoteTier(Tier):
             if not self._s3:
                 raise
             # as for a HEAD (see _stat): S3 answers 403 for a missing key without s3:ListBucket
-            self._log_once("get-403", "read of %s denied (%s): treating as a miss; grant s3:ListBucket to "
+            self._fail("get-403", "read of %s denied (%s): treating as a miss; grant s3:ListBucket to "
                            "tell misses from denials", self.url, exc)
             return None
 
@@ -501,4 +501,4 @@ class RemoteTier(Tier):
         concurrent.futures.wait(self._in_flight.copy(), timeout=self.timeout)
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "url": self.url, "compression": self.codec}
+        return {**super().stats(), "url": self.url, "compression": self.codec, "backoff_s": self.storage.backoff}

@@ -225,6 +225,11 @@ class GuardedStorage:
             self._down_until = now + self._backoff
         self._on_down(exc, self._backoff)
 
+    @property
+    def backoff(self) -> float:
+        """Seconds requests fail fast for after the last failure; 0 while the storage answers."""
+        return self._backoff
+
     def _mark_up(self) -> None:
         if self._backoff:
             with self._health:

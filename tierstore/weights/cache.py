@@ -74,6 +74,11 @@ class RangeCache:
             else:
                 self.hits += 1
                 self.bytes_hit += out.numel()
+        counters = getattr(self.store, "counters", None)  # the store's metrics: weight bytes by origin
+        if counters is not None:
+            origin = "source" if got is None else "cache"
+            counters.add("weights_bytes", out.numel(), origin)
+            counters.add("weights_ranges", 1, origin)
         return got is not None
 
     def put(self, key: ChunkKey, data: torch.Tensor) -> None:

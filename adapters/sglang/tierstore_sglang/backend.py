@@ -25,7 +25,7 @@ import torch
 from tierstore.engines import open_store, rank_config
 from tierstore.errors import ConfigError, InvalidInputError, InvalidTypeError
 from tierstore.keys import ChunkKey
-from tierstore.kv import KVNamespace
+from tierstore.kv import KVNamespace, count_token_hits
 from tierstore.tensors import dtype_name
 
 from .options import BackendOptions
@@ -147,8 +147,12 @@ class HiCacheBackend:
 
     # ------------------------------------------------------------------ lookups
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """How many leading keys some tier holds (indexes first; shared tiers probed in windows)."""
-        n = self.store.lookup(self.chunk_keys(keys))
+        """How many leading keys some tier holds (indexes first; shared tiers probed in windows). Counted
+        in the store's token hit rate per tier (``kv_lookup_tokens``, ``kv_hit_tokens``)."""
+        tiers = self.store.locate(self.chunk_keys(keys))
+        n = len(tiers)
+        page = self._bound()[1].page_size
+        count_token_hits(self.store.counters, len(keys) * page, tiers, page)
         with self._lock:
             self.counters["exists_queried"] += len(keys)
             self.counters["exists_hit"] += n

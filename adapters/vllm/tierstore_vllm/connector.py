@@ -24,6 +24,7 @@ from tierstore.errors import ConfigError
 from tierstore.kv import KVNamespace
 
 from .lookup import LookupClient, LookupServer
+from .metrics import StatsDeltas, TierstorePromMetrics, TierstoreStats
 from .options import ConnectorOptions, rank_config, socket_path
 from .plan import StepPlan
 from .scheduler import SchedulerSide
@@ -31,6 +32,7 @@ from .worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -83,6 +85,7 @@ class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         self._server: LookupServer | None = None
         self._client: LookupClient | None = None
+        self._deltas: StatsDeltas | None = None
         if role == KVConnectorRole.SCHEDULER:
             if options.load_failure_policy == "recompute":
                 # read by vLLM's scheduler right after it builds this connector
@@ -106,6 +109,7 @@ class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
                                   num_kv_heads=spec.num_kv_heads, head_size=spec.head_size)
         self._server = LookupServer(socket_path(options.socket_dir, engine_id, tp_rank, pp_rank),
                                     self._worker.answer)
+        self._deltas = StatsDeltas(store, rank=f"tp{tp_rank}pp{pp_rank}")
         atexit.register(self.shutdown)  # flush write-back even when vLLM exits without shutting us down
         log.info("tierstore: worker tp%d/%d pp%d/%d serving %s, chunk %d tokens", tp_rank, tp_size, pp_rank,
                  pp_size, store, self._chunk_tokens)
@@ -148,6 +152,20 @@ class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()
+
+    # ------------------------------------------------------------------ metrics (vLLM's /metrics)
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This rank's store counters since the last step (worker side; the scheduler side has none)."""
+        return self._deltas.take() if self._deltas is not None and self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return TierstoreStats(data=data if data is not None else {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return TierstorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._server is not None:

@@ -78,9 +78,10 @@ class SchedulerSide:
         """Tokens a hit may cover: whole chunks, and never the whole prompt (vLLM computes >= 1 token)."""
         return (max(len(prompt) - 1, 0) // self.chunk_tokens) * self.chunk_tokens
 
-    def _submit(self, prompt: Sequence[int], limit: int,
-                tenant: str | None) -> concurrent.futures.Future[list[dict[str, Any]]]:
-        request = {"tokens": list(prompt[:limit]), "tenant": tenant}
+    def _submit(self, prompt: Sequence[int], limit: int, tenant: str | None,
+                again: bool = False) -> concurrent.futures.Future[list[dict[str, Any]]]:
+        # "asked": prompt tokens the workers count for the token hit rate (once per request, not per re-ask)
+        request = {"tokens": list(prompt[:limit]), "tenant": tenant, "asked": 0 if again else len(prompt)}
 
         def run() -> list[dict[str, Any]]:
             t0 = time.perf_counter()
@@ -123,7 +124,7 @@ class SchedulerSide:
             else:
                 pending = any(r.get("pending") for r in replies)
                 if pending and now - state.first_asked < self.remote_wait_s:
-                    state.future = self._submit(prompt, limit, tenant_of(request))  # re-ask next step
+                    state.future = self._submit(prompt, limit, tenant_of(request), again=True)  # re-ask next step
                     self.counters["ask_again"] += 1
                     return None, False
                 state.hit = self._combine(replies, limit)

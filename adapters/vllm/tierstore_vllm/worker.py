@@ -107,32 +107,41 @@ class WorkerSide:
     # ------------------------------------------------------------------ lookups (lookup-server thread)
     def answer(self, request: dict[str, Any]) -> dict[str, Any]:
         """``{"ready": leading tokens of request["tokens"] held in a local tier, "pending": True while
-        chunks right after them are being promoted from a remote tier}``."""
+        chunks right after them are being promoted from a remote tier}``.
+
+        ``request["asked"]`` prompt tokens (0 on a repeated ask) are counted in the store's token hit rate,
+        the hits under the tier each chunk was found in (a remote run being promoted counts as remote)."""
         self._count("lookups")
         kv = self.kv(request.get("tenant"))
         keys = kv.keys(request["tokens"])
-        ready = _leading(keys, self._local)
+        held = self.store.locate(keys, local=True)
         pending = False
-        if ready < len(keys) and len(self._local) < len(self.store.tiers):
-            pending = self._promote(keys[ready:])
-        return {"ready": ready * self.chunk_tokens, "pending": pending}
+        promoted: list[str] = []
+        if len(held) < len(keys) and len(self._local) < len(self.store.tiers):
+            pending, promoted = self._promote(keys[len(held):])
+        asked = int(request.get("asked", 0))
+        if asked:
+            found = held + promoted
+            kv.count_tokens(asked, found, len(found) * self.chunk_tokens)
+        return {"ready": len(held) * self.chunk_tokens, "pending": pending}
 
-    def _promote(self, keys: list[tierstore.ChunkKey]) -> bool:
-        """Start promoting the remote run ``keys`` to the local tiers; True while that is in progress."""
+    def _promote(self, keys: list[tierstore.ChunkKey]) -> tuple[bool, list[str]]:
+        """Start promoting the remote run ``keys`` to the local tiers: whether that is in progress, and the
+        tiers holding the run when this call found it."""
         with self._promoting_lock:
             for k in [k for k, f in self._promoting.items() if f.done()]:
                 del self._promoting[k]
             if keys[0] in self._promoting:
-                return True
-        run = self.store.lookup(keys)  # probes the shared tier until the first miss
-        if run == 0:
-            return False
-        future = self.store.prefetch(keys[:run])
-        self._count("promotions", run)
+                return True, []
+        run = self.store.locate(keys)  # probes the shared tier until the first miss
+        if not run:
+            return False, []
+        future = self.store.prefetch(keys[:len(run)])
+        self._count("promotions", len(run))
         with self._promoting_lock:
-            for k in keys[:run]:
+            for k in keys[:len(run)]:
                 self._promoting[k] = future
-        return True
+        return True, run
 
     # ------------------------------------------------------------------ per step
     def bind(self, plan: StepPlan) -> None:
@@ -239,15 +248,3 @@ class WorkerSide:
         self._finish_loads()
         self._saver.shutdown(wait=True)
         self.store.close()
-
-
-def _leading(keys: list[tierstore.ChunkKey], tiers: list[Any]) -> int:
-    """Length of the leading run of ``keys`` held by one of ``tiers`` (index checks only)."""
-    found = [False] * len(keys)
-    for t in tiers:
-        rest = [i for i, f in enumerate(found) if not f]
-        if not rest:
-            break
-        for i, hit in zip(rest, t.contains_many([keys[i] for i in rest], probe=False), strict=True):
-            found[i] = hit
-    return found.index(False) if False in found else len(found)
