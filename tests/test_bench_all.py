@@ -69,7 +69,9 @@ def test_bench_all_quick_writes_report_and_plots(tmp_path, capsys):
                                              for p in ("load+scatter", "load_into", "load_into layerwise")]
     for row, got in zip(paged, results["sections"]["kv"]["paged_load"], strict=True):
         assert number(row[4]) == pytest.approx(1e3 * got["ttft_s"], abs=0.06)
-    targets = by_head[("target (issues 9, 17, 19)", "measured", "ratio", "target", "")]
+    targets = by_head[("target (issues 9, 17, 19, 21)", "measured", "ratio", "target", "")]
+    assert any(r[0].startswith("gc of") and r[4] == "met" for r in targets)
+    assert all(r["object_gets"] == 0 for r in results["sections"]["gc"])
     assert sum(r[0].startswith("put/get of") and "metrics on" in r[0] for r in targets) == 1
     m = results["sections"]["metrics"]
     assert m["on_s"] > 0 and m["off_s"] > 0 and m["scrapes"] > 0

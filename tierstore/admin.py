@@ -22,12 +22,14 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from .errors import LockedError
-from .sizes import format_size
+from .errors import ConfigError, LockedError
+from .sizes import format_size, parse_duration, parse_size
+from .tiers import prefix_gc
 from .tiers.base import Tier
 
 #: objects read per batch while verifying
@@ -47,11 +49,36 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_gc_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
-    p.add_argument("--stale-after", type=float, default=3600.0, metavar="SECONDS",
-                   help="remove remote temp files older than this (crashed writers; default 3600)")
-    p.add_argument("--older-than", type=float, default=None, metavar="SECONDS",
-                   help="also remove remote objects last written longer ago than this, by any writer "
-                        "(the age bound of a shared prefix without a bucket lifecycle rule)")
+    p.add_argument("--max-size", type=_size_arg, default=None, metavar="SIZE",
+                   help="keep each remote prefix under SIZE (e.g. 500GiB): least recently used objects go "
+                        "first; decided from listings only, no object is read")
+    p.add_argument("--older-than", type=_duration_arg, default=None, metavar="AGE",
+                   help="remove remote objects last used longer ago than AGE (seconds, or 30m, 12h, 7d)")
+    p.add_argument("--grace", type=_duration_arg, default=prefix_gc.GRACE_S, metavar="AGE",
+                   help="never remove what was written or used more recently than this (default 600 s: a "
+                        "writer may be finishing, a reader may hold a listing naming it)")
+    p.add_argument("--stale-after", type=_duration_arg, default=3600.0, metavar="AGE",
+                   help="remove remote temp files (crashed writers, killed publishes) older than this "
+                        "(default 3600 s)")
+    p.add_argument("--watch", type=_duration_arg, default=None, metavar="INTERVAL",
+                   help="run again every INTERVAL until interrupted (a sidecar keeping the budget)")
+    p.add_argument("--prometheus", default=None, metavar="FILE",
+                   help="after each pass, write its figures per remote tier (tierstore_gc_*) atomically to FILE "
+                        "for a node exporter's textfile collector")
+
+
+def _size_arg(value: str) -> int:
+    try:
+        return parse_size(value, key="--max-size")
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _duration_arg(value: str) -> float:
+    try:
+        return parse_duration(value)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_stats_arguments(p: argparse.ArgumentParser) -> None:
@@ -62,7 +89,7 @@ def add_stats_arguments(p: argparse.ArgumentParser) -> None:
 
 
 @contextmanager
-def open_persistent_tiers(config: Any, writable: bool) -> Iterator[list[Tier]]:
+def open_persistent_tiers(config: Any, writable: bool, list_on_open: bool = True) -> Iterator[list[Tier]]:
     """The config's disk (each directory it may use) and remote tiers, closed on exit.
 
     ``writable=False`` opens disk directories read-only without their lock. ``writable=True`` takes
@@ -86,7 +113,10 @@ def open_persistent_tiers(config: Any, writable: bool) -> Iterator[list[Tier]]:
                         tiers.append(stack.enter_context(DiskTier(
                             name=tc.name if i == 0 else f"{tc.name}.{i}", path=path, **opts)))
             elif tc.kind == "remote":
-                tiers.append(stack.enter_context(RemoteTier(name=tc.name, **tc.options)))
+                opts = dict(tc.options)
+                if not list_on_open:  # the caller lists itself (gc): one listing, not two
+                    opts["list_on_open"] = False
+                tiers.append(stack.enter_context(RemoteTier(name=tc.name, **opts)))
         yield tiers
 
 
@@ -158,22 +188,49 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_gc(args: argparse.Namespace) -> int:
-    # Opening a disk directory for writing removes its stale temp files (we hold its lock); a shared
-    # remote prefix may have live writers, so only old temp files go there.
+    """Disk directories (each needs its lock: no engine may own it) are checked and repaired, and opening
+    one for writing removes its stale temp files. A shared remote prefix may have live writers and readers:
+    it is kept within ``--max-size`` / ``--older-than`` from one listing (no object read: ``verify`` does
+    that), and only temp files older than ``--stale-after`` go."""
+    while True:
+        code = _gc_pass(args)
+        if args.watch is None or code:
+            return code
+        time.sleep(args.watch)
+
+
+def _gc_pass(args: argparse.Namespace) -> int:
     from .tiers.remote import RemoteTier
 
+    result: dict[str, dict[str, Any]] = {}
+    lines = []
     try:
-        with open_persistent_tiers(args.config, writable=True) as tiers:
-            result = {t.name: check_objects(t, repair=True) for t in tiers}
+        with open_persistent_tiers(args.config, writable=True, list_on_open=False) as tiers:
             for tier in tiers:
                 if isinstance(tier, RemoteTier):
-                    result[tier.name]["stale_temp_removed"] = tier.remove_stale_temp(args.stale_after)
-                    if args.older_than is not None:
-                        result[tier.name]["expired_removed"] = tier.remove_older_than(args.older_than)
+                    started = time.monotonic()
+                    done = tier.collect_garbage(max_size=args.max_size, older_than=args.older_than,
+                                                grace=args.grace, stale_after=args.stale_after)
+                    r = result[tier.name] = {
+                        "objects": done.objects, "bytes": done.bytes, "removed_objects": done.removed_objects,
+                        "removed_bytes": done.bytes - done.bytes_after, "bytes_after": done.bytes_after,
+                        "stale_temp_removed": done.removed_temp, "protected_by_grace": done.protected,
+                        "seconds": time.monotonic() - started, "finished": time.time()}
+                    budget = "" if args.max_size is None else f" (budget {format_size(args.max_size)}" + (
+                        f", {r['protected_by_grace']} used within the grace period kept over it)"
+                        if r["protected_by_grace"] else ")")
+                    lines.append(f"{tier.name}: {r['objects']} objects, {format_size(r['bytes'])}; removed "
+                                 f"{r['removed_objects']} objects ({format_size(r['removed_bytes'])}), "
+                                 f"{r['stale_temp_removed']} stale temp files; {format_size(r['bytes_after'])} "
+                                 f"left{budget}")
+                else:
+                    r = result[tier.name] = check_objects(tier, repair=True)
+                    lines.append(f"{tier.name}: kept {r['ok']}, removed {r['removed']} corrupt")
     except LockedError as exc:
         return _refuse(exc, "gc")
-    _emit(args, result, [f"{name}: kept {r['ok']}, removed {r['removed']} corrupt"
-                         + (f", {r['stale_temp_removed']} stale temp files" if "stale_temp_removed" in r else "")
-                         + (f", {r['expired_removed']} expired objects" if "expired_removed" in r else "")
-                         for name, r in result.items()])
+    _emit(args, result, lines)
+    if args.prometheus:
+        from .metrics import GcCollector, write_textfile
+
+        write_textfile(args.prometheus, GcCollector({n: r for n, r in result.items() if "bytes_after" in r}))
     return 0

@@ -252,10 +252,15 @@ def _seconds(value: Any, key: str) -> float:
     return float(value)
 
 
+def _optional_seconds(value: Any, key: str) -> float | None:
+    return None if value is None else _seconds(value, key)
+
+
 #: why a remote tier takes no ``capacity``
 REMOTE_CAPACITY_REFUSED = (
     "a remote tier has no capacity: its prefix is shared, and a per-process LRU would delete other writers' "
-    "fresh objects. Bound it with bucket lifecycle rules (S3/GCS expiration) or `tierstore gc --older-than`")
+    "fresh objects. Keep it within a budget with `tierstore gc --max-size SIZE` (least recently used first, from "
+    "listings only; `--watch` keeps it there), or bucket lifecycle rules (S3/GCS expiration)")
 
 
 def _no_capacity(value: Any, key: str) -> None:
@@ -277,7 +282,7 @@ TIER_OPTIONS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
              "instances": _positive_int},
     "remote": {"url": _url, "storage_options": _storage_options, "compression": _one_of(None, "none", "zstd"),
                "capacity": _no_capacity, "max_in_flight": _positive_int, "list_on_open": _bool,
-               "timeout": _seconds, "permissions": _PERMISSIONS},
+               "timeout": _seconds, "permissions": _PERMISSIONS, "touch_after": _optional_seconds},
 }
 _REQUIRED = {"disk": {"path"}, "remote": {"url"}}
 

@@ -60,6 +60,7 @@ TIER_FAMILIES = (
            "writeback_failed"),
     Family("writeback_dropped", "counter", "Dirty chunks dropped by the on_pressure=drop policy before reaching "
            "this tier", "writeback_dropped"),
+    Family("touches", "counter", "Objects whose last use this process refreshed (remote tiers, for gc)", "touches"),
     Family("objects", "gauge", "Chunks the tier holds", "objects"),
     Family("used_bytes", "gauge", "Bytes the tier holds", "used_bytes"),
     Family("capacity_bytes", "gauge", "The tier's capacity (absent when unbounded)", "capacity_bytes"),
@@ -137,6 +138,34 @@ def families(stats: Mapping[str, Any], store_latency: Latency | None = None,
         bounds = next(iter(tier_latency.values())).bounds
         yield _histogram(PREFIX + "tier_op_seconds", "Latency of each tier's batched get/put/lookup calls",
                          ["tier", "op"], per_tier, bounds)
+
+
+#: the figures of one ``tierstore gc`` pass per remote tier: (key of the pass's result, name, help)
+GC_GAUGES = (
+    ("objects", "gc_objects", "Chunk objects the last gc pass listed under the prefix"),
+    ("bytes", "gc_bytes", "Bytes of those objects"),
+    ("bytes_after", "gc_bytes_after", "Bytes left under the prefix after the last gc pass"),
+    ("removed_objects", "gc_removed_objects", "Objects the last gc pass removed"),
+    ("stale_temp_removed", "gc_removed_temp_files", "Stale temp files the last gc pass removed"),
+    ("protected_by_grace", "gc_protected_objects", "Objects kept over budget because the grace period protects them"),
+    ("seconds", "gc_pass_seconds", "How long the last gc pass took"),
+    ("finished", "gc_last_pass_timestamp_seconds", "When the last gc pass ended (Unix time)"),
+)
+
+
+class GcCollector(Collector):
+    """The last ``tierstore gc`` pass (``{tier: result}``) as gauges with a ``tier`` label."""
+
+    def __init__(self, result: Mapping[str, Mapping[str, float]]) -> None:
+        self._result = result
+
+    def collect(self) -> Iterator[Metric]:
+        for key, name, help_text in GC_GAUGES:
+            metric = GaugeMetricFamily(PREFIX + name, help_text, labels=["tier"])
+            for tier, r in self._result.items():
+                if key in r:
+                    metric.add_metric([tier], float(r[key]))
+            yield metric
 
 
 def _histogram(name: str, help_text: str, labels: list[str], series: Mapping[tuple[str, ...], tuple[list[int], float]],

@@ -1,4 +1,4 @@
-"""Byte sizes as users write them: ``4096``, ``"512MiB"``, ``"1.5 GB"``."""
+"""Byte sizes and durations as users write them: ``4096``, ``"512MiB"``, ``"1.5 GB"``; ``90``, ``"12h"``."""
 
 from __future__ import annotations
 
@@ -40,3 +40,19 @@ def format_size(n: int | float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+
+
+def parse_duration(value: float | str, *, key: str = "duration") -> float:
+    """Return ``value`` in seconds: a number (seconds) or a string like ``"90"``, ``"30m"``, ``"12h"``,
+    ``"7d"``. Raises :class:`ConfigError` naming ``key`` otherwise."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    if isinstance(value, str):
+        m = _DURATION_RE.match(value)
+        if m:
+            return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+    raise ConfigError(f"{key}: cannot parse duration {value!r} (use seconds or e.g. '30m', '12h', '7d')")

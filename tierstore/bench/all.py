@@ -107,6 +107,11 @@ def run(args: argparse.Namespace) -> int:
         from . import metrics
         sections["metrics"] = metrics.measure(64, 4096, 21 if quick else 101)
 
+        step("gc: keeping a shared prefix within budget, requests vs object count")
+        from . import gc
+        sections["gc"] = gc.measure([1000] if quick else [1000, 10000], [1000] if quick else [1000, 10000, 100000],
+                                    workdir=tmp)
+
         step("kv: multi-round-chat TTFT per store configuration")
         kv_json = os.path.join(tmp, "kv.json")
         kv_argv = ["--json", kv_json, "--workdir", tmp]

@@ -55,7 +55,7 @@ def serve(upstream: str, port: int, latency: float, bandwidth: float, lifetime: 
     from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
     stats: dict[str, Any] = {"requests": 0, "by_method": {}, "gets": {}, "bytes_out": 0, "bytes_in": 0,
-                             "faults": 0, "round_trips": 0}
+                             "faults": 0, "round_trips": 0, "lists": 0, "copies": 0, "bulk_deletes": 0}
     done_depth = 0  # the deepest chain of requests answered so far (see round_trips in S3Shim.stats)
     fault: dict[str, Any] = {"mode": "pass", "status": 503, "delay": 0.0, "methods": None}
     stopped = asyncio.Event()
@@ -76,6 +76,12 @@ def serve(upstream: str, port: int, latency: float, bandwidth: float, lifetime: 
         stats["by_method"][request.method] = stats["by_method"].get(request.method, 0) + 1
         if request.method == "GET" and request.query_string == "":
             stats["gets"][request.path] = stats["gets"].get(request.path, 0) + 1
+        elif request.method == "GET" and "list-type" in request.query:
+            stats["lists"] += 1
+        elif request.method == "PUT" and "x-amz-copy-source" in request.headers:
+            stats["copies"] += 1
+        elif request.method == "POST" and "delete" in request.query:
+            stats["bulk_deletes"] += 1
         mode = fault["mode"]
         if mode != "pass" and (fault["methods"] is None or request.method in fault["methods"]):
             stats["faults"] += 1
@@ -132,7 +138,8 @@ def serve(upstream: str, port: int, latency: float, bandwidth: float, lifetime: 
             command = json.loads(line)
             op = command.pop("op")
             if op == "reset":
-                stats.update(requests=0, by_method={}, gets={}, bytes_out=0, bytes_in=0, faults=0, round_trips=0)
+                stats.update(requests=0, by_method={}, gets={}, bytes_out=0, bytes_in=0, faults=0, round_trips=0,
+                             lists=0, copies=0, bulk_deletes=0)
                 done_depth = 0
             elif op == "fault":
                 if command["mode"] == "refuse" and fault["mode"] != "refuse":
@@ -200,8 +207,9 @@ class S3Shim:
                       methods=None if methods is None else [m.upper() for m in methods])
 
     def stats(self) -> dict[str, Any]:
-        """Requests seen so far: ``requests``, ``by_method``, ``gets`` (per path), ``bytes_out`` (answers),
-        ``bytes_in`` (request bodies: what PUTs uploaded), ``faults``,
+        """Requests seen so far: ``requests``, ``by_method``, ``gets`` (object GETs, per path), ``lists``
+        (ListObjects), ``copies`` (server-side copies), ``bulk_deletes`` (DeleteObjects), ``bytes_out``
+        (answers), ``bytes_in`` (request bodies: what PUTs uploaded), ``faults``,
         and ``round_trips``: the longest chain of requests each begun after the one before it was answered
         (requests sent together count once; 64 sent 32 at a time count twice), the number of latencies
         the client waited in sequence."""

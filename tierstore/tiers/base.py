@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tierstore")
 
 COUNTERS = ("hits", "misses", "puts", "evictions", "bytes_in", "bytes_out", "corrupt", "unsupported", "errors",
-            "skipped", "enospc")
+            "skipped", "enospc", "touches")
 
 #: ``before_evict(tier, key) -> bool``: ``False`` keeps the victim (a dirty chunk that could not be saved)
 BeforeEvict = Callable[["Tier", ChunkKey], "bool | None"]

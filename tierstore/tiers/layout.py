@@ -15,6 +15,8 @@ from ..keys import ChunkKey
 
 SUFFIX = ".tso"
 TMP_SUFFIX = ".tmp"
+#: the temp name a weights publish stages a file in (removed by `tierstore gc` once stale)
+PUBLISH_PREFIX = ".publish-"
 _TEMP_NAME = re.compile(r"[0-9a-f]{64}\.tso\.[0-9a-f]{32}\.tmp")
 
 #: ``permissions`` setting -> (directory mode, file mode). KV is derived from users' prompts, so the

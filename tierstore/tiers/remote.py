@@ -31,9 +31,14 @@ Rules this tier keeps:
   waits for in-flight requests at most ``timeout``. Local paths (``file://``) block as the mount does:
   use NFS ``soft`` mounts with ``timeo``.
 * **No capacity.** The prefix is shared, so a per-process LRU over it would delete other writers' fresh
-  objects (it did: review C5). The tier never evicts; bound the prefix with bucket lifecycle rules, or
-  :meth:`RemoteTier.remove_older_than` (``tierstore gc --older-than``), which deletes by age for every
-  writer alike.
+  objects (it did: review C5). The tier never evicts; :meth:`RemoteTier.collect_garbage`
+  (``tierstore gc --max-size / --older-than``, :mod:`.prefix_gc`) keeps the prefix within a budget for
+  every writer alike, from a listing, least recently used first.
+* **Last use without a coordinator.** A read that finds its object last modified more than
+  ``touch_after`` seconds ago (default 600) refreshes the modification time, in the background: an S3
+  object is copied onto itself (one request, no bytes through the client), a mount's file gets
+  ``utime``. Every reader sees the fresh time on its next read and skips, so an object costs about one
+  extra request per ``touch_after`` seconds across the fleet, and the listing's time is its last use.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import re
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
@@ -59,9 +65,9 @@ from ..config import check_tier_options
 from ..errors import ClosedError, ConfigError, CorruptObjectError, InvalidInputError
 from ..keys import ChunkKey
 from ..tensors import TensorDict
-from . import objfile
+from . import objfile, prefix_gc
 from .base import Tier
-from .layout import PERMISSIONS, TMP_SUFFIX, key_from_name, object_relpath
+from .layout import PERMISSIONS, PUBLISH_PREFIX, TMP_SUFFIX, key_from_name, object_relpath
 from .remote_storage import DEFAULT_TIMEOUT, GuardedStorage, read_s3_object, read_s3_range, with_client_defaults
 
 T = TypeVar("T")
@@ -69,6 +75,13 @@ R = TypeVar("R")
 
 #: errno values for which a hard link cannot be made but ``os.replace`` works (FAT, some FUSE/SMB mounts)
 _NO_LINK = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EXDEV, errno.ENOSYS}
+
+#: seconds after which a read refreshes its object's modification time (its last use, for ``gc --max-size``)
+TOUCH_AFTER_S = 600.0
+#: keys whose refresh this process remembers (so one object is refreshed once per ``touch_after``)
+_TOUCHED_KEPT = 65536
+#: paths removed per request by ``collect_garbage`` (S3 DeleteObjects takes at most 1,000)
+_DELETE_BATCH = 1000
 
 #: the temp file a ``file://`` publish stages in, ``<64 hex>.tso.<32 hex>.tmp`` (see ``_publish_local``)
 _TEMP_NAME = re.compile(r"(?P<key>[0-9a-f]{64})\.tso\.[0-9a-f]{32}" + re.escape(TMP_SUFFIX))
@@ -140,11 +153,12 @@ class RemoteTier(Tier):
     def __init__(self, name: str | None = None, capacity: None = None, url: str | None = None,
                  storage_options: Mapping[str, Any] | None = None, compression: str | None = None,
                  max_in_flight: int = 32, list_on_open: bool = True, timeout: float = DEFAULT_TIMEOUT,
-                 permissions: str = "private"):
+                 permissions: str = "private", touch_after: float | None = TOUCH_AFTER_S):
         check_tier_options("remote", {"url": url, "capacity": capacity, "compression": compression,
                                       "max_in_flight": max_in_flight, "storage_options": storage_options,
                                       "list_on_open": list_on_open, "timeout": timeout,
-                                      "permissions": permissions}, where=f"remote tier {name or self.kind!r}")
+                                      "permissions": permissions, "touch_after": touch_after},
+                           where=f"remote tier {name or self.kind!r}")
         super().__init__(name, None)
         self._dir_mode, self._file_mode = PERMISSIONS[permissions]
         self.url: str = url  # type: ignore[assignment]  # checked above
@@ -166,6 +180,8 @@ class RemoteTier(Tier):
         self._pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix=f"tierstore-{self.name}",
                                         initializer=self._mark_worker)
         self._in_flight: set[Future[Any]] = set()  # pool tasks not finished yet (close waits for them)
+        self.touch_after = touch_after
+        self._touched: OrderedDict[ChunkKey, float] = OrderedDict()  # key -> when this process refreshed it
         if list_on_open:
             self._rebuild_index()
         else:
@@ -237,21 +253,55 @@ class RemoteTier(Tier):
                 pass
 
     def remove_stale_temp(self, older_than: float = 3600.0) -> int:
-        """Delete temp files that crashed writers left under the root (``file://`` publishes stage in
-        them), modified more than ``older_than`` seconds ago; returns how many.
-
-        Only this tier's own temp names are touched (``<ab>/<64 hex>.tso.<32 hex>.tmp``, in the fan-out
-        folder of that key), never another ``*.tmp`` under the prefix, never through a symlink. Temp files
-        of unknown age are kept: a live writer may still be filling one.
-        """
-        return self._remove_old(older_than, lambda rel: self._own_name(rel, temp=True))
+        """Delete temp files that crashed writers left under the root, modified more than ``older_than``
+        seconds ago; returns how many (see :meth:`collect_garbage`)."""
+        return self.collect_garbage(stale_after=older_than, grace=0.0, objects=False).removed_temp
 
     def remove_older_than(self, older_than: float) -> int:
-        """Delete chunk objects modified more than ``older_than`` seconds ago, whoever wrote them; returns
-        how many. The explicit, writer-independent bound on a shared prefix (``tierstore gc
-        --older-than``) where no bucket lifecycle rule does it; only this tier's object names are touched.
-        """
-        return self._remove_old(older_than, lambda rel: self._own_name(rel, temp=False))
+        """Delete chunk objects last used more than ``older_than`` seconds ago, whoever wrote them; returns
+        how many (see :meth:`collect_garbage`)."""
+        return self.collect_garbage(older_than=older_than, grace=0.0, temp=False).removed_objects
+
+    def collect_garbage(self, *, max_size: int | None = None, older_than: float | None = None,
+                        grace: float = prefix_gc.GRACE_S, stale_after: float = 3600.0, objects: bool = True,
+                        temp: bool = True) -> prefix_gc.Plan:
+        """Keep the prefix within ``max_size`` bytes (least recently used first) and/or remove objects last
+        used more than ``older_than`` seconds ago, and temp files older than ``stale_after``, deciding from
+        one listing (:func:`prefix_gc.plan`): no object is read. Nothing younger than ``grace`` seconds is
+        removed. Only this tier's own names are touched (objects ``<ab>/<64 hex>.tso``, temp files
+        ``<ab>/<64 hex>.tso.<32 hex>.tmp`` and a publish's ``.publish-*``), never through a symlink.
+        Removal is batched (one S3 DeleteObjects per 1,000); what another gc removed first is skipped."""
+        for value, what in ((older_than, "older_than"), (stale_after, "stale_after"), (grace, "grace")):
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                      or not value >= 0):
+                raise InvalidInputError(f"{what} must be a number of seconds >= 0, got {value!r}")
+        if max_size is not None and (not isinstance(max_size, int) or isinstance(max_size, bool) or max_size < 0):
+            raise InvalidInputError(f"max_size must be a number of bytes >= 0, got {max_size!r}")
+        self._check_open()
+        entries = []
+        for path, info in self._list_root().items():
+            if info.get("type", "file") != "file":
+                continue
+            rel = path[len(self.root):].lstrip("/")
+            key = self._own_name(rel, temp=False)
+            if key is not None and objects:
+                entries.append(prefix_gc.Entry(path, int(info.get("size") or 0), _mtime(info), key))
+            elif key is None and temp and (self._own_name(rel, temp=True) is not None
+                                           or rel.rpartition("/")[2].startswith(PUBLISH_PREFIX)):
+                entries.append(prefix_gc.Entry(path, int(info.get("size") or 0), _mtime(info)))
+        decided = prefix_gc.plan(entries, time.time(), max_size=max_size, older_than=older_than, grace=grace,
+                                 stale_after=stale_after)
+        if self._local:  # never through a symlink (a mount's folder may have been swapped for one)
+            decided.remove = [e for e in decided.remove
+                              if not (os.path.islink(e.path) or os.path.islink(os.path.dirname(e.path)))]
+        for i in range(0, len(decided.remove), _DELETE_BATCH):
+            self._remove([e.path for e in decided.remove[i:i + _DELETE_BATCH]])
+        gone = [e.key for e in decided.remove if e.key is not None]
+        with self._cond:
+            for key in gone:
+                if key in self._lru and key not in self._claims.busy and not self._claims.pinned(key):
+                    self._lru.remove(key)
+        return decided
 
     def _own_name(self, rel: str, temp: bool) -> ChunkKey | None:
         """The key if ``rel`` (a path under the root) is where this tier puts an object (``temp=False``)
@@ -264,29 +314,57 @@ class RemoteTier(Tier):
             key = key_from_name(base)
         return key if key is not None and rel.startswith(key.hex()[:2] + "/") and "/" not in base else None
 
-    def _remove_old(self, older_than: float, own: Callable[[str], ChunkKey | None]) -> int:
-        if not isinstance(older_than, (int, float)) or isinstance(older_than, bool) or not older_than >= 0:
-            raise InvalidInputError(f"older_than must be a number of seconds >= 0, got {older_than!r}")
-        self._check_open()
-        cutoff = time.time() - older_than
-        removed = 0
-        for path, info in self._list_root().items():
-            rel = path[len(self.root):].lstrip("/")
-            key = own(rel)
-            if key is None or not 0 < _mtime(info) < cutoff or info.get("type", "file") != "file":
-                continue
-            if self._local and (os.path.islink(path) or os.path.islink(os.path.dirname(path))):
-                continue
+    def _remove(self, paths: list[str]) -> None:
+        """Remove ``paths`` (one request on S3); already gone is fine."""
+        if self._s3:
+            try:
+                self._io("rm", paths, timeout=max(self.timeout, self.list_timeout))
+            except FileNotFoundError:
+                pass
+            return
+        for path in paths:
             try:
                 self._io("rm_file", path)
-                removed += 1
             except FileNotFoundError:
                 pass  # its writer finished or another gc got there first
-            if not path.endswith(TMP_SUFFIX):
-                with self._cond:
-                    if key in self._lru and key not in self._claims.busy and not self._claims.pinned(key):
-                        self._lru.remove(key)
-        return removed
+
+    def _note_use(self, key: ChunkKey, modified: float) -> None:
+        """A read found ``key``'s object last modified at ``modified``: refresh it in the background when
+        that is more than ``touch_after`` seconds ago (see the module docstring)."""
+        now = time.time()
+        if self.touch_after is None or modified <= 0 or now - modified < self.touch_after:
+            return
+        with self._cond:
+            last = self._touched.get(key)
+            if last is not None and now - last < self.touch_after:
+                return
+            self._touched[key] = now
+            self._touched.move_to_end(key)
+            while len(self._touched) > _TOUCHED_KEPT:
+                self._touched.popitem(last=False)
+        try:
+            future = self._pool.submit(self._touch, key)
+        except RuntimeError:  # closing
+            return
+        self._in_flight.add(future)
+        future.add_done_callback(self._in_flight.discard)
+
+    def _touch(self, key: ChunkKey) -> None:
+        path = self._path(key)
+        try:
+            if self._s3:  # a copy onto itself: a new Last-Modified, no bytes through this client
+                bucket, name, _ = self.fs.split_path(path)
+                self._io("call_s3", "copy_object", self.fs.kwargs, Bucket=bucket, Key=name,
+                         CopySource={"Bucket": bucket, "Key": name}, MetadataDirective="REPLACE")
+            elif self._local:
+                os.utime(path, follow_symlinks=False)
+            else:
+                self._io("touch", path, truncate=False)
+            self._count("touches")
+        except FileNotFoundError:
+            pass  # removed meanwhile (a gc): nothing to refresh
+        except Exception as exc:  # a refresh is best effort: the object is still there and still valid
+            self._fail("touch", "could not refresh the last use of %s (%s: %s)", key.hex(), type(exc).__name__, exc)
 
     def _stat(self, key: ChunkKey) -> int | None:
         """Size of ``key``'s object in storage, ``None`` if absent. Raises ``OSError`` on I/O failure."""
@@ -435,13 +513,14 @@ class RemoteTier(Tier):
             except FileExistsError:
                 pass  # a concurrent writer made it
 
-    def _read(self, path: str) -> torch.Tensor | bytes:
-        """The whole object in one request (on S3 one GET, no HEAD first); what is allocated is bounded
-        by the object's real size. Raises ``FileNotFoundError`` if it does not exist."""
+    def _read(self, path: str) -> tuple[torch.Tensor | bytes, float]:
+        """The whole object in one request (on S3 one GET, no HEAD first) and its modification time (0 when
+        unknown); what is allocated is bounded by the object's real size. Raises ``FileNotFoundError`` if it
+        does not exist."""
         if self._s3:
             return self.storage.run("get", lambda: read_s3_object(self.fs, path))
         data: bytes = self._io("cat_file", path)
-        return data
+        return data, 0.0
 
     def _read_object(self, key: ChunkKey, device: str | torch.device) -> tuple[TensorDict, int]:
         """``(tensors on device, object size)`` of ``key``'s object, read and verified."""
@@ -452,11 +531,12 @@ class RemoteTier(Tier):
                 tensors = objfile.read_object(fd, st, key)
             finally:
                 os.close(fd)
-            size = st.st_size
+            size, modified = st.st_size, st.st_mtime
         else:
-            raw = self._read(path)
+            raw, modified = self._read(path)
             tensors = objformat.decode(raw, expected_key=key)
             size = raw.numel() if isinstance(raw, torch.Tensor) else len(raw)
+        self._note_use(key, modified)
         device = torch.device(device)
         if device.type != "cpu":
             tensors = {name: t.to(device) for name, t in tensors.items()}
@@ -468,7 +548,7 @@ class RemoteTier(Tier):
     def _load_encoded(self, key: ChunkKey, size: int) -> objformat.Encoded | None:
         path = self._path(key)
         if not self._local:
-            return objformat.verified(self._read(path), key)
+            return objformat.verified(self._read(path)[0], key)
         fd, st = objfile.open_object(path)
         try:
             return objfile.read_encoded(fd, st, key)

@@ -84,8 +84,9 @@ def shared_session(profile: str | None = None) -> Any:
         return session
 
 
-async def read_s3_object(fs: Any, path: str) -> torch.Tensor:
-    """The object at ``path`` of an s3fs filesystem as one flat uint8 tensor, from a single GET.
+async def read_s3_object(fs: Any, path: str) -> tuple[torch.Tensor, float]:
+    """The object at ``path`` of an s3fs filesystem as one flat uint8 tensor, from a single GET, and its
+    ``Last-Modified`` (epoch seconds; 0 when the answer has none).
 
     s3fs's ``cat_file`` sends a HEAD before each GET (to split large objects into ranged reads); a KV
     chunk is read whole, so one GET does, and a missing key is its ``404`` (``FileNotFoundError``). The
@@ -107,7 +108,8 @@ async def read_s3_object(fs: Any, path: str) -> torch.Tensor:
             pos += len(part)
         if pos != size:
             raise OSError(f"{path}: the body ended after {pos} of {size} bytes")
-        return buf
+        modified = response.get("LastModified")
+        return buf, modified.timestamp() if modified is not None else 0.0
     finally:
         body.close()
 

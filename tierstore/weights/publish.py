@@ -27,6 +27,7 @@ import torch
 
 from ..errors import InvalidInputError
 from ..tensors import byte_view
+from ..tiers.layout import PUBLISH_PREFIX
 from .checkpoint import CAS_LAYOUT, INDEX_SUFFIX, open_checkpoint
 from .header import build_header
 from .loader import iter_tensors
@@ -65,7 +66,7 @@ class _Target:
             self.fs.pipe_file(path, b"".join(bytes(c) for c in chunks))
             return
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".publish-")
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=PUBLISH_PREFIX)
         try:
             with os.fdopen(fd, "wb") as f:
                 for c in chunks:
