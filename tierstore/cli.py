@@ -1,5 +1,5 @@
-"""``tierstore`` command line: demo, bench {tiers,kv,weights,peers,control,promotion,metrics,gc,all,vllm},
-stats, verify, gc, crashtest.
+"""``tierstore`` command line: demo, bench {tiers,kv,weights,peers,control,promotion,metrics,gc,fleet,all,
+vllm}, stats, verify, gc, crashtest.
 
 Each verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them up, importing a verb's module when it runs.
@@ -28,6 +28,7 @@ BENCHES = {
     "promotion": ("tierstore.bench.promotion", "what promotion and write-back cost a reader (S3 shim)"),
     "metrics": ("tierstore.bench.metrics", "the put/get path with Prometheus metrics on vs off"),
     "gc": ("tierstore.bench.gc", "gc of a shared prefix: requests vs object count (S3 and file://)"),
+    "fleet": ("tierstore.bench.fleet", "8-64 instances on one S3 prefix with a gc sidecar: lookup cost vs N"),
     "all": ("tierstore.bench.all", "every bench in one run: BENCHMARKS.md and PNG plots in --out"),
     "vllm": ("tierstore_vllm.bench", "multi-round-chat TTFT of real vLLM engines (needs tierstore_vllm + vLLM)"),
 }

@@ -1,0 +1,177 @@
+"""``tierstore bench fleet``: N instances sharing one S3 prefix, with a gc sidecar holding it under budget.
+
+Instances are threads of this process, each with its own store (host tier + the shared remote through the
+S3 shim: 20 ms first byte, 90 MB/s per connection) — async clients, not processes: 64 processes with
+torch would not fit this machine. Each instance serves ``users`` conversations of ``rounds`` rounds: a
+shared system prompt, then each user's own growing history, KV chunks of ``chunk_tokens`` tokens
+(content derived from the tokens, so every instance stores the same bytes for the same prefix). Per
+request: ``lookup`` (the token hit), ``load`` of what hit, ``save`` of the rest (write-back to the
+remote). A gc sidecar runs ``collect_garbage(max_size=budget)`` every ``gc_every`` seconds with a budget
+of ``budget_share`` of the working set.
+
+Reported per N: lookup and load time (medians over rounds ≥ 2 — as one instance sees them), the token hit
+rate of rounds ≥ 2, gc passes with their LIST requests and object GETs per pass, and the prefix size vs the
+budget. No coordinator: the target is lookup time at 64 ≤ 1.3 × at 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from typing import Any
+
+import torch
+
+SYSTEM_TOKENS = 512
+TURN_TOKENS = 128
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--instances", default="8,16,32,64", help="fleet sizes (default 8,16,32,64)")
+    p.add_argument("--users", type=int, default=2, help="conversations per instance (default 2)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds per conversation (default 4)")
+    p.add_argument("--chunk-tokens", type=int, default=64, help="tokens per KV chunk (default 64)")
+    p.add_argument("--budget-share", type=float, default=0.5, help="gc budget as a share of the working set")
+    p.add_argument("--latency", type=float, default=0.020, help="seconds the shim adds per answer (default 0.02)")
+    p.add_argument("--json", default=None, help="also write the results as JSON here")
+
+
+def _layers(tokens: list[int]) -> list[torch.Tensor]:
+    """Two layers of (2, n, 2, 16) float16 KV that depend only on the tokens (the same prefix, the same bytes)."""
+    t = torch.tensor(tokens, dtype=torch.float16).view(1, -1, 1, 1)
+    return [(t + layer).expand(2, -1, 2, 16).contiguous() for layer in range(2)]
+
+
+def one_fleet(s3: Any, n: int, users: int = 2, rounds: int = 4, chunk_tokens: int = 64, budget_share: float = 0.5,
+              latency: float = 0.020, gc_every: float = 1.0) -> dict[str, Any]:
+    import tierstore
+    from tierstore.kv import KVCacheStore, KVNamespace
+
+    from ..tiers.remote import RemoteTier
+    from .s3shim import S3Shim
+
+    bucket = s3.new_bucket("bench-fleet")
+    url = f"s3://{bucket}/kv"
+    system = [1 + (i % 997) for i in range(SYSTEM_TOKENS)]
+    chunk_bytes = chunk_tokens * 2 * 2 * 16 * 2 * 2  # K and V, 2 heads of 16, fp16, 2 layers
+    working_chunks = SYSTEM_TOKENS // chunk_tokens + n * users * (rounds * TURN_TOKENS) // chunk_tokens
+    budget = int(budget_share * working_chunks * (chunk_bytes + 512))  # + header
+    lookups: list[float] = []
+    loads: list[float] = []
+    asked = hit = 0
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    with S3Shim(s3.endpoint_url, latency=latency, bandwidth=90e6, lifetime=3600) as shim:
+        opts = shim.storage_options(s3.storage_options)
+        config = {"tiers": [{"kind": "host", "capacity": "8MiB"},
+                            {"kind": "remote", "url": url, "storage_options": opts, "max_in_flight": 8,
+                             "list_on_open": False}],
+                  "write_policy": "write_back", "prefetch_policy": "transient", "close_timeout": 60}
+        stores = [tierstore.open(config) for _ in range(n)]
+        ns = KVNamespace(model="fleet", dtype="float16", chunk_tokens=chunk_tokens)
+        start = threading.Barrier(n + 1)
+        stop_gc = threading.Event()
+        passes: list[dict[str, Any]] = []
+
+        def instance(i: int) -> None:
+            nonlocal asked, hit
+            kv = KVCacheStore(stores[i], ns)
+            start.wait()
+            try:
+                history = {u: list(system) for u in range(users)}
+                for r in range(rounds):
+                    for u in range(users):
+                        tokens = history[u] + [1000 + (i * 7919 + u * 104729 + r * 31 + j) % 50000
+                                               for j in range(TURN_TOKENS)]
+                        t0 = time.perf_counter()
+                        found = kv.lookup(tokens)
+                        t1 = time.perf_counter()
+                        if found:
+                            kv.load(tokens, n_tokens=found)
+                        t2 = time.perf_counter()
+                        kv.save(tokens, _layers(tokens))
+                        history[u] = tokens
+                        if r >= 1:
+                            with lock:
+                                lookups.append(t1 - t0)
+                                if found:
+                                    loads.append(t2 - t1)
+                                asked += len(tokens)
+                                hit += found
+            except BaseException as exc:  # reported, not swallowed: the run fails
+                errors.append(exc)
+
+        def sidecar() -> None:
+            with RemoteTier(url=url, storage_options=opts, list_on_open=False) as gc:
+                while not stop_gc.wait(gc_every):
+                    before = shim.stats()
+                    done = gc.collect_garbage(max_size=budget, grace=0.5)
+                    after = shim.stats()
+                    passes.append({"objects": done.objects, "bytes_after": done.bytes_after,
+                                   "removed": done.removed_objects, "lists": after["lists"] - before["lists"],
+                                   "object_gets_total": sum(after["gets"].values())})
+
+        threads = [threading.Thread(target=instance, args=(i,)) for i in range(n)]
+        gc_thread = threading.Thread(target=sidecar)
+        for t in threads:
+            t.start()
+        gc_thread.start()
+        t_start = time.perf_counter()
+        start.wait()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - t_start
+        for s in stores:
+            s.flush(timeout=60)
+        stop_gc.set()
+        gc_thread.join()
+        for s in stores:
+            s.close()
+        requests = shim.stats()["by_method"]
+    if errors:
+        raise errors[0]
+    return {"instances": n, "requests": n * users * rounds, "lookup_ms": 1e3 * statistics.median(lookups),
+            "load_ms": 1e3 * statistics.median(loads) if loads else 0.0, "hit_rate": hit / max(1, asked),
+            "budget": budget, "gc_passes": len(passes),
+            "heads_per_request": requests.get("HEAD", 0) / (n * users * rounds),
+            "lists_per_pass": statistics.mean(p["lists"] for p in passes) if passes else 0.0,
+            "objects_max": max((p["objects"] for p in passes), default=0),
+            "bytes_after_max": max((p["bytes_after"] for p in passes), default=0), "elapsed_s": elapsed}
+
+
+def measure(s3: Any, sizes: list[int], **kw: Any) -> list[dict[str, Any]]:
+    rows = []
+    for n in sizes:
+        rows.append(one_fleet(s3, n, **kw))
+        print(f"  fleet: {n} instances, lookup {rows[-1]['lookup_ms']:.1f} ms", flush=True)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    base = rows[0]["lookup_ms"] if rows else 1.0
+    lines = ["| instances | requests | lookup ms (p50) | ÷ first | HEADs per request | load ms (p50) | "
+             "token hit rate | gc passes | LISTs per pass | objects (max) | prefix after gc / budget |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['instances']} | {r['requests']} | {r['lookup_ms']:.1f} | {r['lookup_ms'] / base:.2f}× | "
+                     f"{r['heads_per_request']:.1f} | "
+                     f"{r['load_ms']:.1f} | {r['hit_rate']:.2f} | {r['gc_passes']} | {r['lists_per_pass']:.1f} | "
+                     f"{r['objects_max']} | {r['bytes_after_max'] / max(1, r['budget']):.2f} |")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..testing.s3 import local_s3
+
+    sizes = [int(x) for x in args.instances.split(",") if x]
+    with local_s3() as s3:
+        rows = measure(s3, sizes, users=args.users, rounds=args.rounds, chunk_tokens=args.chunk_tokens,
+                       budget_share=args.budget_share, latency=args.latency)
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
