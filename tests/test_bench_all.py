@@ -72,6 +72,8 @@ def test_bench_all_quick_writes_report_and_plots(tmp_path, capsys):
     targets = by_head[("target (issues 9, 17, 19, 21)", "measured", "ratio", "target", "")]
     assert any(r[0].startswith("gc of") and r[4] == "met" for r in targets)
     assert all(r["object_gets"] == 0 for r in results["sections"]["gc"])
+    assert [r["instances"] for r in results["sections"]["fleet"]] == [2, 4]
+    assert sum(r[0].startswith("fleet: lookup at") for r in targets) == 1
     assert sum(r[0].startswith("put/get of") and "metrics on" in r[0] for r in targets) == 1
     m = results["sections"]["metrics"]
     assert m["on_s"] > 0 and m["off_s"] > 0 and m["scrapes"] > 0

@@ -112,6 +112,12 @@ def run(args: argparse.Namespace) -> int:
         sections["gc"] = gc.measure([1000] if quick else [1000, 10000], [1000] if quick else [1000, 10000, 100000],
                                     workdir=tmp)
 
+        step("fleet: instances sharing one S3 prefix (shim) with a gc sidecar under budget")
+        from . import fleet
+        with local_s3() as s3:
+            sections["fleet"] = fleet.measure(s3, [2, 4] if quick else [8, 16, 32, 64], users=1 if quick else 2,
+                                              rounds=2 if quick else 4)
+
         step("kv: multi-round-chat TTFT per store configuration")
         kv_json = os.path.join(tmp, "kv.json")
         kv_argv = ["--json", kv_json, "--workdir", tmp]

@@ -168,6 +168,13 @@ def _promotion(p: dict[str, Any]) -> str:
               f"{wb['object_bytes']:,} bytes of objects on disk ({wb['ratio']:.3f}×): the object moves as it is.")
 
 
+def _fleet(rows: list[dict[str, Any]]) -> str:
+    from .fleet import __doc__ as doc
+    from .fleet import table
+
+    return (" ".join((doc or "").split("\n\n")[1].split()) + "\n\n" + table(rows))
+
+
 def _gc(rows: list[dict[str, Any]]) -> str:
     from .gc import table
 
@@ -227,6 +234,11 @@ def _targets(s: dict[str, Any]) -> str:
             add(f"gc of {r['objects']:,} S3 objects: 0 GETs, ≤ 1 LIST per 1,000", f"{r['object_gets']} GETs, "
                 f"{r['lists']} LISTs", 1.0 if r["object_gets"] == 0 and r["lists"] <= -(-r["objects"] // 1000) else 0.0,
                 1.0)
+    fleet_rows = s.get("fleet", [])
+    if len(fleet_rows) >= 2:
+        a, b = fleet_rows[0], fleet_rows[-1]
+        add(f"fleet: lookup at {b['instances']} instances ≤ 1.3× at {a['instances']}", f"{b['lookup_ms']:.0f} ms vs "
+            f"{a['lookup_ms']:.0f} ms", _ratio(1.3, b["lookup_ms"] / a["lookup_ms"]), 1.0)
     if "metrics" in s:
         m = s["metrics"]
         add(f"put/get of {format_size(m['size'])} chunks, metrics on ≥ 0.97× off", f"{m['us_per_call_on']:.1f} µs "
@@ -265,6 +277,8 @@ def write_report(results: dict[str, Any], out: str) -> list[str]:
                  _promotion, None),
                 ("metrics", "What the Prometheus metrics cost the put/get path", _metrics, None),
                 ("gc", "Keeping a shared prefix within budget (gc --max-size, from listings only)", _gc, None),
+                ("fleet", "A fleet on one S3 prefix with a gc sidecar (instances are threads, each its own store)",
+                 _fleet, None),
                 ("kv", "KV cache: multi-round-chat TTFT per store configuration", _kv, "kv_ttft.png"),
                 ("control", "Control plane: lookup cost and index memory vs index size", _control, "lookup.png"),
                 ("weights", "Weight loading (local checkpoint)", _weights, None),
