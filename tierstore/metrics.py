@@ -122,9 +122,9 @@ def families(stats: Mapping[str, Any], store_latency: Latency | None = None,
                                 value=float(stats["pending_writeback"]))
     counters: Mapping[str, Mapping[str, float]] = stats.get("counters", {})
     for name, (help_text, label) in LAYER_COUNTERS.items():
-        # every tier's series exists from the start (at 0): rate() over a series born at its first hit
-        # would miss that hit
-        per = {**dict.fromkeys(tiers if label == "tier" else [""] if not label else [], 0), **counters.get(name, {})}
+        # every series exists from the start (at 0): rate() over a series born at its first hit would miss it
+        zero: dict[str, float] = dict.fromkeys(tiers, 0) if label == "tier" else {} if label else {"": 0}
+        per = {**zero, **counters.get(name, {})}
         metric = CounterMetricFamily(PREFIX + name, help_text, labels=[label] if label else [])
         for value, n in sorted(per.items()):
             metric.add_metric([value] if label else [], float(n))

@@ -1,8 +1,8 @@
 """The numbers a store keeps about itself: named counters, latency histograms, failures by reason.
 
-Everything here is plain Python under one small lock per object (a few hundred ns per record), so it is
-always on; :mod:`tierstore.metrics` turns it into Prometheus families at scrape time and ``stats()``
-reads the same objects, so the two never disagree.
+Everything here is plain Python and cheap enough to be always on (a latency record is one deque append;
+counters and failures take one small lock); :mod:`tierstore.metrics` turns it into Prometheus families at
+scrape time and ``stats()`` reads the same objects, so the two never disagree.
 
 A failure is counted every time and logged rate-limited: the first of a reason at once, then at most one
 line per ``quiet`` seconds saying how many happened since the last line — a second outage an hour after
@@ -28,6 +28,7 @@ FOLD_AT = 4096
 #: seconds between two log lines of one failure reason
 QUIET_S = 60.0
 
+
 class Latency:
     """Latency histograms, one per operation name (``get``, ``put``, ``lookup``), fixed buckets."""
 
@@ -39,15 +40,9 @@ class Latency:
         self._counts: dict[str, list[int]] = {}  # op -> count per bucket (+Inf last)
         self._sums: dict[str, float] = {}
 
-    def observe(self, op: str, seconds: float) -> None:
-        # a deque append is atomic and needs no lock (~0.1 µs): observations are binned in batches
-        self._pending.append((op, seconds))
-        if len(self._pending) >= FOLD_AT:
-            self._fold()
-
     def since(self, op: str, start: float) -> None:
         """Record one ``op`` that began at ``start`` (a :func:`time.perf_counter` reading)."""
-        if self.enabled:  # observe(), inlined: this runs on every get and put
+        if self.enabled:  # runs on every get and put: a deque append is atomic, no lock; binned in batches
             pending = self._pending
             pending.append((op, perf_counter() - start))
             if len(pending) >= FOLD_AT:

@@ -68,7 +68,7 @@ class WorkerSide:
         self.head_size = head_size
         self._kvs: dict[str | None, KVCacheStore] = {}
         self._kvs_lock = threading.Lock()
-        self._local = [t for t in store.tiers if t.kind != "remote"]
+        self._shared = any(t.shared for t in store.tiers)  # a tier to promote from (what locate(local=) skips)
         self._promoting: dict[tierstore.ChunkKey, concurrent.futures.Future[int]] = {}
         self._promoting_lock = threading.Lock()
         self._views: dict[str, tuple[torch.Tensor, PagedLayout]] = {}
@@ -117,7 +117,7 @@ class WorkerSide:
         held = self.store.locate(keys, local=True)
         pending = False
         promoted: list[str] = []
-        if len(held) < len(keys) and len(self._local) < len(self.store.tiers):
+        if len(held) < len(keys) and self._shared:
             pending, promoted = self._promote(keys[len(held):])
         asked = int(request.get("asked", 0))
         if asked:
