@@ -121,7 +121,7 @@ def open_persistent_tiers(config: Any, writable: bool, list_on_open: bool = True
 
 
 def _emit(args: argparse.Namespace, result: dict[str, Any], lines: list[str]) -> None:
-    print("\n".join(lines))
+    print("\n".join(lines), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -191,15 +191,31 @@ def run_gc(args: argparse.Namespace) -> int:
     """Disk directories (each needs its lock: no engine may own it) are checked and repaired, and opening
     one for writing removes its stale temp files. A shared remote prefix may have live writers and readers:
     it is kept within ``--max-size`` / ``--older-than`` from one listing (no object read: ``verify`` does
-    that), and only temp files older than ``--stale-after`` go."""
+    that), and only temp files older than ``--stale-after`` go. With ``--watch`` a pass that fails (the
+    storage unreachable) is reported and counted, and the next one runs on time."""
+    failed = 0
+    result: dict[str, dict[str, Any]] = {}
     while True:
-        code = _gc_pass(args)
+        try:
+            code, result = _gc_pass(args)
+        except OSError as exc:
+            if args.watch is None:
+                raise
+            failed += 1
+            code = 0
+            print(f"tierstore gc: pass failed ({type(exc).__name__}: {exc}); next in {args.watch:g}s",
+                  file=sys.stderr, flush=True)
+        if args.prometheus:
+            from .metrics import GcCollector, write_textfile
+
+            shown = {n: {**r, "failed_passes": failed} for n, r in result.items() if "bytes_after" in r}
+            write_textfile(args.prometheus, GcCollector(shown))
         if args.watch is None or code:
             return code
         time.sleep(args.watch)
 
 
-def _gc_pass(args: argparse.Namespace) -> int:
+def _gc_pass(args: argparse.Namespace) -> tuple[int, dict[str, dict[str, Any]]]:
     from .tiers.remote import RemoteTier
 
     result: dict[str, dict[str, Any]] = {}
@@ -227,10 +243,6 @@ def _gc_pass(args: argparse.Namespace) -> int:
                     r = result[tier.name] = check_objects(tier, repair=True)
                     lines.append(f"{tier.name}: kept {r['ok']}, removed {r['removed']} corrupt")
     except LockedError as exc:
-        return _refuse(exc, "gc")
+        return _refuse(exc, "gc"), {}
     _emit(args, result, lines)
-    if args.prometheus:
-        from .metrics import GcCollector, write_textfile
-
-        write_textfile(args.prometheus, GcCollector({n: r for n, r in result.items() if "bytes_after" in r}))
-    return 0
+    return 0, result

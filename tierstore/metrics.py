@@ -150,6 +150,7 @@ GC_GAUGES = (
     ("protected_by_grace", "gc_protected_objects", "Objects kept over budget because the grace period protects them"),
     ("seconds", "gc_pass_seconds", "How long the last gc pass took"),
     ("finished", "gc_last_pass_timestamp_seconds", "When the last gc pass ended (Unix time)"),
+    ("failed_passes", "gc_failed_passes", "Passes of this gc --watch that failed (storage unreachable) since it began"),
 )
 
 

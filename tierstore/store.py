@@ -95,6 +95,7 @@ class TieredStore:
         self.max_in_flight = max_in_flight
         self.close_timeout = close_timeout
         self._by_name = {t.name: t for t in self.tiers}
+        self._shared_levels = [level for level, t in enumerate(self.tiers) if level and t.shared]
         self._lock = threading.Lock()
         self._counts = {"puts": 0, "gets": 0, "hits": 0, "misses": 0}
         self.latency = Latency()  # seconds per get_many / put_many / locate call, as the caller sees them
@@ -299,6 +300,7 @@ class TieredStore:
                      ) -> tuple[list[TensorDict | InvalidInputError | None], dict[ChunkKey, tuple[int, TensorDict]]]:
         """Read each key from the first tier holding its current value; also the hits below the top."""
         results: list[TensorDict | InvalidInputError | None] = [None] * len(keys)
+        hit_level: list[int | None] = [None] * len(keys)
         admit: dict[ChunkKey, tuple[int, TensorDict]] = {}
         todo = list(range(len(keys)))
         for level, tier in enumerate(self.tiers):
@@ -316,10 +318,20 @@ class TieredStore:
                     rest.append(i)
                     continue
                 results[i] = r
-                if level and retain and isinstance(r, dict):
-                    admit.setdefault(keys[i], (level, r))
+                if isinstance(r, dict):
+                    hit_level[i] = level
+                    if level and retain:
+                        admit.setdefault(keys[i], (level, r))
             todo = rest
+        self._note_use_below(keys, hit_level)
         return results, admit
+
+    def _note_use_below(self, keys: list[ChunkKey], hit_level: list[int | None]) -> None:
+        """Tell each shared tier which keys a tier above it served: their objects there are in use too."""
+        for level in self._shared_levels:
+            above = [k for k, h in zip(keys, hit_level, strict=True) if h is not None and h < level]
+            if above:
+                self.tiers[level].note_use(above)
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Whether some tier holds each key; shared tiers are probed concurrently for keys the local

@@ -2,7 +2,11 @@
 
 Instances are threads of this process, each with its own store (host tier + the shared remote through the
 S3 shim: 20 ms first byte, 90 MB/s per connection) — async clients, not processes: 64 processes with
-torch would not fit this machine. Each instance serves ``users`` conversations of ``rounds`` rounds: a
+torch would not fit this machine. The fleet's offered load is fixed (``rate`` requests a second across
+all instances, each request at its scheduled time, or at once when its instance is late): what grows with
+N is the number of instances, writers and objects sharing the prefix, not the request rate the 2-core
+machine's S3 stand-in must serve (closed-loop, 64 instances saturate it: lookup time then measures the
+stand-in's queue, ``--rate 0``). Each instance serves ``users`` conversations of ``rounds`` rounds: a
 shared system prompt, then each user's own growing history, KV chunks of ``chunk_tokens`` tokens
 (content derived from the tokens, so every instance stores the same bytes for the same prefix). Per
 request: ``lookup`` (the token hit), ``load`` of what hit, ``save`` of the rest (write-back to the
@@ -10,8 +14,9 @@ remote). A gc sidecar runs ``collect_garbage(max_size=budget)`` every ``gc_every
 of ``budget_share`` of the working set.
 
 Reported per N: lookup and load time (medians over rounds ≥ 2 — as one instance sees them), the token hit
-rate of rounds ≥ 2, gc passes with their LIST requests and object GETs per pass, and the prefix size vs the
-budget. No coordinator: the target is lookup time at 64 ≤ 1.3 × at 8.
+rate of rounds ≥ 2, loads whose chunks gc removed between lookup and load (a miss: recomputed), gc passes
+with their LIST requests and object GETs per pass, and the prefix size vs the budget. No coordinator: the
+target is lookup time at 64 ≤ 1.3 × at 8.
 """
 
 from __future__ import annotations
@@ -27,6 +32,13 @@ import torch
 
 SYSTEM_TOKENS = 512
 TURN_TOKENS = 128
+RATE = 8.0  # requests per second, the whole fleet together
+#: seconds between refreshes of an object's last use (the tier's 600 s default is for hours-long runs: this
+#: one lasts about a minute, and an object unused for a few seconds is already a gc candidate)
+TOUCH_AFTER_S = 2.0
+#: seconds between gc passes: a pass lists the whole prefix, and on this machine the local S3 server spends
+#: CPU per listed object that its other answers then wait for (1 s passes doubled lookup time at 64)
+GC_EVERY = 4.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-tokens", type=int, default=64, help="tokens per KV chunk (default 64)")
     p.add_argument("--budget-share", type=float, default=0.5, help="gc budget as a share of the working set")
     p.add_argument("--latency", type=float, default=0.020, help="seconds the shim adds per answer (default 0.02)")
+    p.add_argument("--gc-every", type=float, default=GC_EVERY,
+                   help=f"seconds between gc passes (default {GC_EVERY:g})")
+    p.add_argument("--rate", type=float, default=RATE, help=f"requests per second across the fleet (default {RATE:g}; "
+                   "0: every instance as fast as it can)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
 
 
@@ -46,8 +62,9 @@ def _layers(tokens: list[int]) -> list[torch.Tensor]:
 
 
 def one_fleet(s3: Any, n: int, users: int = 2, rounds: int = 4, chunk_tokens: int = 64, budget_share: float = 0.5,
-              latency: float = 0.020, gc_every: float = 1.0) -> dict[str, Any]:
+              latency: float = 0.020, gc_every: float = GC_EVERY, rate: float = RATE) -> dict[str, Any]:
     import tierstore
+    from tierstore.errors import MissingKeyError
     from tierstore.kv import KVCacheStore, KVNamespace
 
     from ..tiers.remote import RemoteTier
@@ -61,13 +78,14 @@ def one_fleet(s3: Any, n: int, users: int = 2, rounds: int = 4, chunk_tokens: in
     budget = int(budget_share * working_chunks * (chunk_bytes + 512))  # + header
     lookups: list[float] = []
     loads: list[float] = []
-    asked = hit = 0
+    asked = hit = vanished = 0
     errors: list[BaseException] = []
     lock = threading.Lock()
     with S3Shim(s3.endpoint_url, latency=latency, bandwidth=90e6, lifetime=3600) as shim:
         opts = shim.storage_options(s3.storage_options)
         config = {"tiers": [{"kind": "host", "capacity": "8MiB"},
                             {"kind": "remote", "url": url, "storage_options": opts, "max_in_flight": 8,
+                             "touch_after": TOUCH_AFTER_S,
                              "list_on_open": False}],
                   "write_policy": "write_back", "prefetch_policy": "transient", "close_timeout": 60}
         stores = [tierstore.open(config) for _ in range(n)]
@@ -77,20 +95,28 @@ def one_fleet(s3: Any, n: int, users: int = 2, rounds: int = 4, chunk_tokens: in
         passes: list[dict[str, Any]] = []
 
         def instance(i: int) -> None:
-            nonlocal asked, hit
+            nonlocal asked, hit, vanished
             kv = KVCacheStore(stores[i], ns)
             start.wait()
+            began = time.perf_counter()
             try:
                 history = {u: list(system) for u in range(users)}
                 for r in range(rounds):
                     for u in range(users):
+                        if rate > 0:  # request k of instance i is the fleet's request k * n + i
+                            time.sleep(max(0.0, began + ((r * users + u) * n + i) / rate - time.perf_counter()))
                         tokens = history[u] + [1000 + (i * 7919 + u * 104729 + r * 31 + j) % 50000
                                                for j in range(TURN_TOKENS)]
                         t0 = time.perf_counter()
                         found = kv.lookup(tokens)
                         t1 = time.perf_counter()
                         if found:
-                            kv.load(tokens, n_tokens=found)
+                            try:
+                                kv.load(tokens, n_tokens=found)
+                            except MissingKeyError:  # gc removed it after the lookup: recompute
+                                found = 0
+                                with lock:
+                                    vanished += 1
                         t2 = time.perf_counter()
                         kv.save(tokens, _layers(tokens))
                         history[u] = tokens
@@ -133,8 +159,10 @@ def one_fleet(s3: Any, n: int, users: int = 2, rounds: int = 4, chunk_tokens: in
         requests = shim.stats()["by_method"]
     if errors:
         raise errors[0]
-    return {"instances": n, "requests": n * users * rounds, "lookup_ms": 1e3 * statistics.median(lookups),
+    return {"instances": n, "rate": rate, "gc_every": gc_every, "requests": n * users * rounds,
+            "lookup_ms": 1e3 * statistics.median(lookups),
             "load_ms": 1e3 * statistics.median(loads) if loads else 0.0, "hit_rate": hit / max(1, asked),
+            "vanished": vanished,
             "budget": budget, "gc_passes": len(passes),
             "heads_per_request": requests.get("HEAD", 0) / (n * users * rounds),
             "lists_per_pass": statistics.mean(p["lists"] for p in passes) if passes else 0.0,
@@ -152,13 +180,16 @@ def measure(s3: Any, sizes: list[int], **kw: Any) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     base = rows[0]["lookup_ms"] if rows else 1.0
-    lines = ["| instances | requests | lookup ms (p50) | ÷ first | HEADs per request | load ms (p50) | "
-             "token hit rate | gc passes | LISTs per pass | objects (max) | prefix after gc / budget |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| instances | requests/s (fleet) | requests | lookup ms (p50) | ÷ first | HEADs per request | "
+             "load ms (p50) | token hit rate | vanished before load | gc passes | LISTs per pass | objects (max) | "
+             "prefix after gc / budget |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['instances']} | {r['requests']} | {r['lookup_ms']:.1f} | {r['lookup_ms'] / base:.2f}× | "
-                     f"{r['heads_per_request']:.1f} | "
-                     f"{r['load_ms']:.1f} | {r['hit_rate']:.2f} | {r['gc_passes']} | {r['lists_per_pass']:.1f} | "
+        paced = f"{r['rate']:g}" if r.get("rate") else "unpaced"
+        lines.append(f"| {r['instances']} | {paced} | {r['requests']} | {r['lookup_ms']:.1f} | "
+                     f"{r['lookup_ms'] / base:.2f}× | {r['heads_per_request']:.1f} | "
+                     f"{r['load_ms']:.1f} | {r['hit_rate']:.2f} | {r.get('vanished', 0)} | {r['gc_passes']} | "
+                     f"{r['lists_per_pass']:.1f} | "
                      f"{r['objects_max']} | {r['bytes_after_max'] / max(1, r['budget']):.2f} |")
     return "\n".join(lines)
 
@@ -169,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in args.instances.split(",") if x]
     with local_s3() as s3:
         rows = measure(s3, sizes, users=args.users, rounds=args.rounds, chunk_tokens=args.chunk_tokens,
-                       budget_share=args.budget_share, latency=args.latency)
+                       budget_share=args.budget_share, latency=args.latency, rate=args.rate,
+                       gc_every=args.gc_every)
     print(table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -190,6 +190,10 @@ class Tier(TierReads, ABC):
     def unpin(self, keys: Iterable[ChunkKey]) -> None:
         self._claims.unpin(keys, self._last_unpin)
 
+    def note_use(self, keys: Sequence[ChunkKey]) -> None:
+        """``keys`` were just served by a tier above this one. A shared tier refreshes their last use (what
+        ``gc --max-size`` orders by, see :class:`~tierstore.tiers.remote.RemoteTier`); others need not."""
+
     def holds(self, key: ChunkKey) -> bool:
         """Whether the index has ``key`` and no eviction of it is under way (no I/O).
 

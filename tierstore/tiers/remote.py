@@ -39,6 +39,7 @@ Rules this tier keeps:
   object is copied onto itself (one request, no bytes through the client), a mount's file gets
   ``utime``. Every reader sees the fresh time on its next read and skips, so an object costs about one
   extra request per ``touch_after`` seconds across the fleet, and the listing's time is its last use.
+  Hits in tiers above count too (:meth:`RemoteTier.note_use`, scheduled by :mod:`.last_use`).
 """
 
 from __future__ import annotations
@@ -50,10 +51,8 @@ import re
 import threading
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import datetime
 from typing import Any, TypeVar
 
 import fsspec
@@ -65,8 +64,9 @@ from ..config import check_tier_options
 from ..errors import ClosedError, ConfigError, CorruptObjectError, InvalidInputError
 from ..keys import ChunkKey
 from ..tensors import TensorDict
-from . import objfile, prefix_gc
+from . import listing, objfile, prefix_gc
 from .base import Tier
+from .last_use import UseClock
 from .layout import PERMISSIONS, PUBLISH_PREFIX, TMP_SUFFIX, key_from_name, object_relpath
 from .remote_storage import DEFAULT_TIMEOUT, GuardedStorage, read_s3_object, read_s3_range, with_client_defaults
 
@@ -78,24 +78,11 @@ _NO_LINK = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EX
 
 #: seconds after which a read refreshes its object's modification time (its last use, for ``gc --max-size``)
 TOUCH_AFTER_S = 600.0
-#: keys whose refresh this process remembers (so one object is refreshed once per ``touch_after``)
-_TOUCHED_KEPT = 65536
 #: paths removed per request by ``collect_garbage`` (S3 DeleteObjects takes at most 1,000)
 _DELETE_BATCH = 1000
 
 #: the temp file a ``file://`` publish stages in, ``<64 hex>.tso.<32 hex>.tmp`` (see ``_publish_local``)
 _TEMP_NAME = re.compile(r"(?P<key>[0-9a-f]{64})\.tso\.[0-9a-f]{32}" + re.escape(TMP_SUFFIX))
-
-
-def _mtime(info: Mapping[str, Any]) -> float:
-    """Modification time of a listing entry across fsspec implementations (0 when unknown)."""
-    for field in ("LastModified", "mtime", "updated", "created"):
-        v = info.get(field)
-        if isinstance(v, datetime):
-            return v.timestamp()
-        if isinstance(v, (int, float)):
-            return float(v)
-    return 0.0
 
 
 def _join(enc: objformat.Encoded) -> bytearray:
@@ -181,7 +168,7 @@ class RemoteTier(Tier):
                                         initializer=self._mark_worker)
         self._in_flight: set[Future[Any]] = set()  # pool tasks not finished yet (close waits for them)
         self.touch_after = touch_after
-        self._touched: OrderedDict[ChunkKey, float] = OrderedDict()  # key -> when this process refreshed it
+        self._uses = UseClock(touch_after or 0.0)  # when to refresh which object's last use
         if list_on_open:
             self._rebuild_index()
         else:
@@ -223,29 +210,32 @@ class RemoteTier(Tier):
     def _rebuild_index(self) -> None:
         """Register every finished object under the root, least recently modified first."""
         try:
-            listing = self._list_root()
+            found = [(f.mtime, key, f.size) for f in self._walk() if (key := self._own_name(f.rel, temp=False))]
         except OSError as exc:
             self._count("errors")
             self._fail("list", "listing %s failed (%s); starting with an empty index", self.url, exc)
             return
-        found = []
-        for path, info in listing.items():
-            key = key_from_name(path)
-            if key is not None and info.get("type", "file") == "file" and isinstance(info.get("size"), int):
-                found.append((_mtime(info), key, info["size"]))
         found.sort(key=lambda f: f[0])
         with self._cond:
             for _, key, size in found:
                 self._index_add(key, size)
 
-    def _list_root(self) -> dict[str, dict[str, Any]]:
-        """Every file under the root with its details (empty if the root does not exist yet)."""
+    def _walk(self) -> Iterator[listing.Listed]:
+        """Every file under the root, page by page (:mod:`.listing`): each S3 page has its own deadline
+        (:attr:`list_timeout`). Raises ``OSError`` if the storage fails on the way."""
+        if self._local:
+            yield from listing.walk_local(self.root)
+            return
+        if self._s3:
+            bucket, prefix, _ = self.fs.split_path(self.root)
+            yield from listing.walk_s3(lambda params: self._io("call_s3", "list_objects_v2", self.fs.kwargs,
+                                                               timeout=self.list_timeout, **params), bucket, prefix)
+            return
         try:
-            listing: dict[str, dict[str, Any]] = self._io("find", self.root, detail=True,
-                                                          timeout=max(self.list_timeout, self.timeout))
-            return listing
+            yield from listing.walk_fs(lambda: self._io("find", self.root, detail=True,
+                                                        timeout=max(self.list_timeout, self.timeout)), self.root)
         except FileNotFoundError:
-            return {}
+            return
         finally:  # a listing cache would go stale as other processes publish; lookups must hit storage
             try:
                 self.fs.invalidate_cache(self.root)
@@ -279,16 +269,13 @@ class RemoteTier(Tier):
             raise InvalidInputError(f"max_size must be a number of bytes >= 0, got {max_size!r}")
         self._check_open()
         entries = []
-        for path, info in self._list_root().items():
-            if info.get("type", "file") != "file":
-                continue
-            rel = path[len(self.root):].lstrip("/")
-            key = self._own_name(rel, temp=False)
+        for f in self._walk():
+            key = self._own_name(f.rel, temp=False)
             if key is not None and objects:
-                entries.append(prefix_gc.Entry(path, int(info.get("size") or 0), _mtime(info), key))
-            elif key is None and temp and (self._own_name(rel, temp=True) is not None
-                                           or rel.rpartition("/")[2].startswith(PUBLISH_PREFIX)):
-                entries.append(prefix_gc.Entry(path, int(info.get("size") or 0), _mtime(info)))
+                entries.append(prefix_gc.Entry(f"{self.root}/{f.rel}", f.size, f.mtime, key))
+            elif key is None and temp and (self._own_name(f.rel, temp=True) is not None
+                                           or f.rel.rpartition("/")[2].startswith(PUBLISH_PREFIX)):
+                entries.append(prefix_gc.Entry(f"{self.root}/{f.rel}", f.size, f.mtime))
         decided = prefix_gc.plan(entries, time.time(), max_size=max_size, older_than=older_than, grace=grace,
                                  stale_after=stale_after)
         if self._local:  # never through a symlink (a mount's folder may have been swapped for one)
@@ -328,38 +315,49 @@ class RemoteTier(Tier):
             except FileNotFoundError:
                 pass  # its writer finished or another gc got there first
 
+    def note_use(self, keys: Sequence[ChunkKey]) -> None:
+        """``keys`` were served by a tier above: their objects here are in use too. Refreshed in the
+        background as :class:`~.last_use.UseClock` decides (about one request per object per interval
+        across the fleet), so a prefix every instance serves from its own memory is not the first thing
+        ``gc --max-size`` removes."""
+        if self.touch_after is not None:
+            for key, check in self._uses.served_above(keys, time.time()):
+                self._refresh(key, check)
+
     def _note_use(self, key: ChunkKey, modified: float) -> None:
         """A read found ``key``'s object last modified at ``modified``: refresh it in the background when
         that is more than ``touch_after`` seconds ago (see the module docstring)."""
-        now = time.time()
-        if self.touch_after is None or modified <= 0 or now - modified < self.touch_after:
-            return
-        with self._cond:
-            last = self._touched.get(key)
-            if last is not None and now - last < self.touch_after:
-                return
-            self._touched[key] = now
-            self._touched.move_to_end(key)
-            while len(self._touched) > _TOUCHED_KEPT:
-                self._touched.popitem(last=False)
+        if self.touch_after is not None and self._uses.read(key, modified, time.time()):
+            self._refresh(key, check=False)
+
+    def _refresh(self, key: ChunkKey, check: bool) -> None:
         try:
-            future = self._pool.submit(self._touch, key)
+            future = self._pool.submit(self._touch, key, check)
         except RuntimeError:  # closing
             return
         self._in_flight.add(future)
         future.add_done_callback(self._in_flight.discard)
 
-    def _touch(self, key: ChunkKey) -> None:
+    def _touch(self, key: ChunkKey, check: bool = False) -> None:
+        """Refresh the object's modification time; with ``check``, on S3, only when a HEAD finds it older
+        than ``touch_after`` (another instance may have refreshed it: a HEAD costs less than a copy)."""
         path = self._path(key)
         try:
             if self._s3:  # a copy onto itself: a new Last-Modified, no bytes through this client
                 bucket, name, _ = self.fs.split_path(path)
+                if check:
+                    head = self._io("call_s3", "head_object", self.fs.kwargs, Bucket=bucket, Key=name)
+                    modified = listing.mtime_of(head)
+                    if self.touch_after is not None and time.time() - modified < self.touch_after:
+                        self._uses.found_fresh(key, modified)
+                        return
                 self._io("call_s3", "copy_object", self.fs.kwargs, Bucket=bucket, Key=name,
                          CopySource={"Bucket": bucket, "Key": name}, MetadataDirective="REPLACE")
             elif self._local:
                 os.utime(path, follow_symlinks=False)
             else:
                 self._io("touch", path, truncate=False)
+            self._uses.refreshed(key, time.time())
             self._count("touches")
         except FileNotFoundError:
             pass  # removed meanwhile (a gc): nothing to refresh
@@ -415,6 +413,7 @@ class RemoteTier(Tier):
             except FileExistsError:  # another value appeared meanwhile: ours is the newer put
                 if self._stored_checksum(path) != payload.checksum:
                     self._replace(path, payload)
+            self._uses.refreshed(key, time.time())
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 # the space is shared with other writers: skip the put, keep our capacity (no disk-style shrink)
