@@ -16,6 +16,7 @@ from .errors import (
     ClosedError,
     ConfigError,
     CorruptObjectError,
+    ForkedError,
     InvalidInputError,
     InvalidTypeError,
     LockedError,
@@ -58,6 +59,6 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "ChunkKey", "TierstoreError", "ConfigError", "InvalidInputError", "InvalidTypeError",
     "CorruptObjectError", "UnsupportedObjectError", "MissingKeyError", "CapacityError", "LockedError",
-    "TierTimeoutError", "ClosedError", "WriteBackError", "open", "TieredStore", "KVNamespace", "KVCacheStore",
-    "weights",
+    "TierTimeoutError", "ClosedError", "ForkedError", "WriteBackError", "open", "TieredStore", "KVNamespace",
+    "KVCacheStore", "weights",
 ]

@@ -80,3 +80,8 @@ class WriteBackError(TierstoreError, OSError):
 
 class ClosedError(TierstoreError, RuntimeError):
     """The store or tier has been closed."""
+
+
+class ForkedError(ClosedError):
+    """The store was opened before this process forked: the child must open its own (the store's I/O
+    threads did not survive the fork, and its disk directories belong to the parent)."""

@@ -6,16 +6,23 @@ every call from its first instant, waits (up to its deadline) until no call is r
 flushes and stops. A call still running when the deadline passed is *abandoned*: a write that returns
 after that raises :class:`~tierstore.ClosedError` instead of acknowledging what the close no longer
 flushed.
+
+A process forked while stores were open (engines fork their workers) inherits them without their I/O
+threads, and the disk directories they lock belong to the parent: in the child every call on such a store
+raises :class:`~tierstore.ForkedError` at once, ``close()`` returns at once, and the exit-time close skips
+them. The child opens its own store.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
-from .errors import ClosedError
+from .errors import ClosedError, ForkedError
 
 
 class Lifecycle:
@@ -26,12 +33,21 @@ class Lifecycle:
         self._active = 0
         self.closing = False
         self.abandoned = False  #: close() went on while calls were still running
+        self.forked_from: int | None = None  #: the parent's pid, in a child forked after this store opened
+        _lifecycles.add(self)
 
     def enter(self) -> None:
         with self._cond:
             if self.closing:
+                self.check_fork()
                 raise ClosedError("store is closed")
             self._active += 1
+
+    def check_fork(self) -> None:
+        """Raise :class:`ForkedError` in a child forked after this store opened."""
+        if self.forked_from is not None:
+            raise ForkedError(f"this store was opened in process {self.forked_from} before it forked: open a "
+                              "store in the child (tierstore.open) after the fork")
 
     def leave(self) -> None:
         with self._cond:
@@ -61,6 +77,16 @@ class Lifecycle:
             return True
 
 
+    def _after_fork_in_child(self, parent: int) -> None:
+        self._cond = threading.Condition()  # a thread of the parent may have held the old one at the fork
+        self._active = 0
+        self.closing = True
+        self.forked_from = parent
+
+
+_lifecycles: weakref.WeakSet[Lifecycle] = weakref.WeakSet()
+
+
 # ---------------------------------------------------------------------- closing at interpreter exit
 class Closable(Protocol):
     def close(self, timeout: float | None = None) -> None: ...
@@ -86,6 +112,22 @@ def _close_open_stores() -> None:
     for s in stores:
         s.close()
 
+
+def _before_fork() -> None:
+    global _parent_pid
+    _parent_pid = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    global _open_lock
+    _open_lock = threading.Lock()
+    _open.clear()  # the parent's stores: the parent flushes and closes them
+    for life in list(_lifecycles):
+        life._after_fork_in_child(_parent_pid)
+
+
+_parent_pid = os.getpid()
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 # Run before the interpreter joins non-daemon threads and shuts thread pools down (the tiers' I/O pools
 # are needed to flush); plain atexit handlers run only after that.

@@ -490,6 +490,7 @@ class TieredStore:
     # ------------------------------------------------------------------ admin
     def stats(self) -> dict[str, Any]:
         """Per-tier counters and sizes plus the store's own totals (what a dashboard needs)."""
+        self._life.check_fork()  # the parent's threads may have held the tiers' locks at the fork
         dirty, per_level = self._wb.stats()
         tiers = {t.name: {**t.stats(), **{k: per_level[i][k] for k in STAT_KEYS}} for i, t in enumerate(self.tiers)}
         with self._lock:
@@ -514,6 +515,8 @@ class TieredStore:
         abandoned (a write still running past the deadline raises :class:`~tierstore.ClosedError` to its
         caller instead of acknowledging). Idempotent and thread-safe; a second caller waits for the first.
         """
+        if self._life.forked_from is not None:
+            return  # inherited across a fork: the parent closes it
         timeout = self.close_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         if not self._life.begin_close(timeout):
