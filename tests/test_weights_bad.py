@@ -324,3 +324,59 @@ def test_fuzzed_headers_never_crash(tmp_path, data):
     for k in ref:
         assert got[k].dtype == ref[k].dtype and got[k].shape == ref[k].shape
         assert got[k].reshape(-1).view(torch.uint8).tolist() == ref[k].reshape(-1).view(torch.uint8).tolist()
+
+
+# ---------------------------------------------------------------------- shards replaced by rename mid-load
+def _sharded(root: Path, version: float) -> dict[str, torch.Tensor]:
+    """A 3-shard checkpoint under ``root`` whose tensors all hold ``version``; written by rename (as mv and
+    rsync do), shard by shard."""
+    tensors = {f"layer{i}.w": torch.full((64, 64), version) for i in range(3)}
+    root.mkdir(exist_ok=True)
+    weight_map = {}
+    for i, (name, t) in enumerate(tensors.items()):
+        shard = f"model-{i:05d}-of-00003.safetensors"
+        tmp = root / f".{shard}.tmp"
+        save_file({name: t}, str(tmp))
+        os.replace(tmp, root / shard)
+        weight_map[name] = shard
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return tensors
+
+
+def test_a_shard_renamed_over_during_a_load_raises_rather_than_mixing_versions(tmp_path):
+    root = tmp_path / "ckpt"
+    _sharded(root, 1.0)
+    it = tw.iter_tensors(root, concurrency=1)
+    next(it)  # every shard is open; one tensor delivered
+    _sharded(root, 2.0)  # the checkpoint is replaced, shard by shard, by rename
+    with pytest.raises(CheckpointError, match="replaced while being loaded"):
+        list(it)
+    assert all(t.eq(2.0).all() for t in tw.load(root).values())  # loading again gives the new version whole
+
+
+def test_loads_beside_a_replacing_writer_give_one_version_or_an_error(tmp_path):
+    import threading
+
+    root = tmp_path / "ckpt"
+    _sharded(root, 0.0)
+    stop = threading.Event()
+
+    def writer():
+        v = 1.0
+        while not stop.is_set():
+            _sharded(root, v)
+            v += 1.0
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        for _ in range(30):
+            try:
+                got = tw.load(root)
+            except (CheckpointError, FileNotFoundError):
+                continue  # the checkpoint changed under this load: it says so
+            versions = {float(x[0, 0]) for x in got.values()}
+            assert len(versions) == 1, versions  # never a mix of two checkpoints
+    finally:
+        stop.set()
+        t.join()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -85,4 +87,45 @@ def test_publish_default_objects_dir_dedupes_within(tmp_path):
     assert os.path.isdir(tmp_path / "dst" / "objects") and r["objects_written"] == r["objects"]
     again = tw.publish(str(tmp_path / "src"), str(tmp_path / "dst"))
     assert again["objects_written"] == 0 and again["bytes_written"] == 0
+    assert same(tw.load(str(tmp_path / "dst")), t)
+
+
+def test_an_altered_copy_of_a_published_checkpoint_never_serves_the_intact_one(tmp_path):
+    # the same object names in two places, one object changed in one of them: the range cache must key the
+    # bytes by the file they came from, not by the object's name (probe 7.5)
+    t = model(3)
+    write_checkpoint(str(tmp_path / "src"), t)
+    tw.publish(str(tmp_path / "src"), str(tmp_path / "a"))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    victim = max((tmp_path / "b" / "objects").iterdir(), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF  # one byte of the last tensor's data
+    victim.write_bytes(bytes(data))
+    with tierstore.open({"tiers": [{"kind": "host", "capacity": "64MiB"}]}) as store:
+        altered = tw.load(str(tmp_path / "b"), store=store)
+        assert not same(altered, t)  # (what the altered copy holds, as the file says)
+        stats = {}
+        assert same(tw.load(str(tmp_path / "a"), store=store, stats=stats), t)
+        assert stats["cache_hits"] == 0  # other files, other cache keys
+        assert same(tw.load(str(tmp_path / "a"), store=store, stats=stats), t) and stats["cache_hits"] > 0
+
+
+def test_publishing_again_repairs_an_object_changed_in_place_and_removes_stale_temp_files(tmp_path):
+    t = model(4)
+    write_checkpoint(str(tmp_path / "src"), t)
+    first = tw.publish(str(tmp_path / "src"), str(tmp_path / "dst"))
+    objects = tmp_path / "dst" / "objects"
+    victim = max(objects.iterdir(), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert not same(tw.load(str(tmp_path / "dst")), t)
+    stale, fresh = objects / ".publish-killed", objects / ".publish-running"
+    stale.write_bytes(b"x" * 100)
+    fresh.write_bytes(b"y")
+    old = time.time() - 2 * 3600
+    os.utime(stale, (old, old))
+    again = tw.publish(str(tmp_path / "src"), str(tmp_path / "dst"))
+    assert again["objects_written"] == 1 and again["objects_reused"] == first["objects"] - 1
+    assert again["stale_temp_removed"] == 1 and not stale.exists() and fresh.exists()
     assert same(tw.load(str(tmp_path / "dst")), t)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,7 +34,6 @@ INDEX_SUFFIX = ".safetensors.index.json"
 MAX_INDEX_SIZE = 64 * 1024 * 1024
 HEADER_PROBE = 256 * 1024  # first read per shard; most headers fit, bigger ones take one more read
 CAS_LAYOUT = "tierstore-cas/1"  # index metadata of a published, content-addressed checkpoint
-_CAS_NAME = re.compile(r"^[0-9a-f]{64}\.safetensors$")
 
 
 @dataclass
@@ -55,6 +53,13 @@ class Checkpoint:
     @property
     def nbytes(self) -> int:
         return sum(info.nbytes for _, info in self.tensors.values())
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`CheckpointError` if a shard's name now leads to another version of it: shards
+        replaced one by one (``mv``, ``rsync``) during a load must not give a mix of two checkpoints.
+        Checked once every shard is open, and again when a load ends."""
+        for s in self.shards:
+            s.source.check_unchanged()
 
     def close(self) -> None:
         for s in self.shards:
@@ -126,11 +131,11 @@ class _Opener:
     def dirname(self, path: str) -> str:
         return os.path.dirname(path) if self.local else posixpath.dirname(path)
 
-    def open(self, path: str, identity: bytes | None = None) -> Source:
+    def open(self, path: str) -> Source:
         if self.local:
-            return LocalFileSource(path, identity)
+            return LocalFileSource(path)
         info = self._infos.get(path) or self.fs.info(path)
-        return FsspecSource(self.fs, path, info, identity)
+        return FsspecSource(self.fs, path, info)
 
     def display(self, path: str) -> str:
         if self.local:
@@ -193,13 +198,12 @@ def open_checkpoint(uri: str, storage_options: dict[str, Any] | None = None, cac
         files = [op.path]
 
     expected: dict[str, list[str]] = {}  # shard path -> tensors the index places there
-    identities: dict[str, bytes] = {}
     if index_path is not None:
         src = op.open(index_path)
         try:
             if src.size > MAX_INDEX_SIZE:
                 raise CheckpointError(src.name, f"index is {src.size} bytes, over the {MAX_INDEX_SIZE} cap")
-            wmap, meta = _parse_index(src.name, read_bytes(src, 0, src.size, cache))
+            wmap, _ = _parse_index(src.name, read_bytes(src, 0, src.size, cache))
         finally:
             src.close()
         base = op.dirname(index_path)
@@ -212,15 +216,10 @@ def open_checkpoint(uri: str, storage_options: dict[str, Any] | None = None, cac
                                                 "(pass objects_url= to allow a shared objects location)", tensor)
             expected.setdefault(path, []).append(tensor)
         files = sorted(expected)
-        if meta.get("format") == CAS_LAYOUT:
-            # content-addressed objects: the name is the content digest, so equal objects published
-            # under different checkpoints share range-cache keys
-            identities = {p: b"cas\0" + os.path.basename(p).encode() for p in files
-                          if _CAS_NAME.match(os.path.basename(p))}
 
     def _open(path: str) -> Shard:
         try:
-            source = op.open(path, identities.get(path))
+            source = op.open(path)
         except FileNotFoundError:
             named = expected.get(path, [None])[0]
             raise CheckpointNotFoundError(op.display(path), "shard named by the index does not exist"
@@ -257,6 +256,7 @@ def open_checkpoint(uri: str, storage_options: dict[str, Any] | None = None, cac
                     other = shards[ckpt.tensors[info.name][0]].source.name
                     raise CheckpointError(shard.source.name, f"also present in {other}", info.name)
                 ckpt.tensors[info.name] = (i, info)
+        ckpt.check_unchanged()
     except BaseException:
         ckpt.close()
         raise

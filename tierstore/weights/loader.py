@@ -196,6 +196,7 @@ class _Pipeline:
                     for item in job.finish():
                         delivered += 1
                         yield item
+            self.ckpt.check_unchanged()
         finally:
             for f in running:
                 f.cancel()

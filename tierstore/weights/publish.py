@@ -6,9 +6,10 @@
     <objects>/<blake2b-256 hex>.safetensors one valid safetensors file per tensor group
 
 Large tensors get an object each; small ones (norms, biases) are grouped per layer. An object is named
-by the digest of its bytes, so an object that already exists is not written again: fine-tunes that share
-base layers, published to the same ``objects_url``, share those objects — and, because the loader keys
-the range cache of such objects by their digest, share cached chunks in a store too. Any safetensors
+by the digest of its bytes, so an object that already exists (and still matches its name) is not written
+again: fine-tunes that share
+base layers, published to the same ``objects_url``, share those objects — and so their cached chunks
+in a store too (the range cache keys a file's bytes by the file's identity). Any safetensors
 reader can read each object; :func:`tierstore.weights.load` reads ``dst`` back bit-exactly.
 """
 
@@ -20,6 +21,7 @@ import os
 import posixpath
 import re
 import tempfile
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +36,9 @@ from .loader import iter_tensors
 from .sources import filesystem, is_local, local_path
 
 SMALL_TENSOR = 1024 * 1024
+_HASH_BLOCK = 8 * 1024 * 1024
+#: seconds after which a publish's temp file is taken for a killed publish's and removed
+STALE_TEMP_S = 3600.0
 _LAYER = re.compile(r"^(.*?\.\d+)\.")
 
 
@@ -57,8 +62,37 @@ class _Target:
     def join(self, *parts: str) -> str:
         return os.path.join(self.path, *parts) if self.local else posixpath.join(self.path, *parts)
 
-    def exists(self, path: str) -> bool:
-        return os.path.exists(path) if self.local else self.fs.exists(path)
+    def intact(self, path: str, name: str) -> bool:
+        """Whether ``path`` exists and its bytes still hash to ``name`` (its digest): an object changed
+        in place is published again rather than kept."""
+        h = hashlib.blake2b(digest_size=32)
+        try:
+            with (open(path, "rb") if self.local else self.fs.open(path, "rb")) as f:
+                while block := f.read(_HASH_BLOCK):
+                    h.update(block)
+        except FileNotFoundError:
+            return False
+        return h.hexdigest() + ".safetensors" == name
+
+    def remove_stale_temp(self, folder: str) -> int:
+        """Remove the temp files killed publishes left in ``folder`` (local targets: a remote object is one
+        PUT), once older than an hour (a publish beside this one may be writing its own)."""
+        if not self.local:
+            return 0
+        removed = 0
+        try:
+            entries = list(os.scandir(folder))
+        except FileNotFoundError:
+            return 0
+        for e in entries:
+            try:
+                if (e.name.startswith(PUBLISH_PREFIX) and e.is_file(follow_symlinks=False)
+                        and time.time() - e.stat(follow_symlinks=False).st_mtime > STALE_TEMP_S):
+                    os.unlink(e.path)
+                    removed += 1
+            except FileNotFoundError:
+                pass
+        return removed
 
     def write(self, path: str, chunks: list[bytes | memoryview]) -> None:
         """Publish ``path`` whole or not at all (temp + rename locally, one PUT remotely)."""
@@ -104,7 +138,8 @@ def publish(src: str | os.PathLike[str], dst_url: str, *, storage_options: dict[
         **opts: loader options for reading ``src`` (``concurrency``, ``block_size``, ``memory_limit``).
 
     Returns:
-        ``{"tensors", "objects", "objects_written", "objects_reused", "bytes_written", "index"}``.
+        ``{"tensors", "objects", "objects_written", "objects_reused", "bytes_written", "stale_temp_removed",
+        "index"}``. An object already in place is reused only when its bytes still match its name.
     """
     dst = _Target(dst_url, dst_storage_options)
     objs = _Target(objects_url, dst_storage_options) if objects_url else None
@@ -121,10 +156,11 @@ def publish(src: str | os.PathLike[str], dst_url: str, *, storage_options: dict[
         group_of = {n: g for g, names in members.items() for n in names}
         metadata = {k: v for s in ckpt.shards for k, v in s.header.metadata.items()}
 
+    summary_temp = dst.remove_stale_temp(objects_dir)
     waiting: dict[str, list[tuple[str, torch.Tensor]]] = {}
     weight_map: dict[str, str] = {}
     summary: dict[str, Any] = {"tensors": 0, "objects": 0, "objects_written": 0, "objects_reused": 0,
-                               "bytes_written": 0}
+                               "bytes_written": 0, "stale_temp_removed": summary_temp}
     for name, t in iter_tensors(src, storage_options=storage_options, objects_url=src_objects_url, **opts):
         g = group_of[name]
         waiting.setdefault(g, []).append((name, t))
@@ -133,7 +169,7 @@ def publish(src: str | os.PathLike[str], dst_url: str, *, storage_options: dict[
         fname, chunks = _object(waiting.pop(g))
         path = (objs.join(fname) if objs else dst.join("objects", fname))
         summary["objects"] += 1
-        if dst.exists(path):
+        if dst.intact(path, fname):
             summary["objects_reused"] += 1
         else:
             dst.write(path, chunks)

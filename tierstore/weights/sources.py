@@ -41,6 +41,10 @@ class Source(ABC):
     def identity(self) -> bytes:
         """Bytes that identify this version of the file (change whenever its content may have)."""
 
+    def check_unchanged(self) -> None:
+        """Raise :class:`CheckpointError` if the name now leads to another version than the one being read
+        (reads check the rest themselves: S3 ``If-Match``, size/mtime re-checks)."""
+
     @abstractmethod
     def _read(self, offset: int, bufs: list[memoryview]) -> None:
         """Fill ``bufs`` (consecutive, writable) from ``offset``; raise CheckpointError on short data."""
@@ -82,15 +86,14 @@ class Source(ABC):
 class LocalFileSource(Source):
     """A local (or mounted: NFS, Lustre ...) file read with ``os.preadv`` into caller buffers."""
 
-    def __init__(self, path: str, identity: bytes | None = None):
+    def __init__(self, path: str):
         super().__init__()
         self.name = path
         self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         st = os.fstat(self._fd)
         self.size = st.st_size
         self._version = _file_version(st)
-        self._identity = identity or (
-            f"file\0{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}".encode())
+        self._identity = f"file\0{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}".encode()
 
     def identity(self) -> bytes:
         return self._identity
@@ -110,6 +113,17 @@ class LocalFileSource(Source):
         if _file_version(os.fstat(self._fd)) != self._version:
             raise CheckpointError(self.name, "changed while being loaded (rewritten in place)")
 
+    def check_unchanged(self) -> None:
+        # a file replaced by rename keeps serving the version opened here: compare it with the path's
+        try:
+            st = os.stat(self.name)
+        except FileNotFoundError:
+            raise CheckpointError(self.name, "removed while being loaded") from None
+        opened = os.fstat(self._fd)
+        if (st.st_dev, st.st_ino) != (opened.st_dev, opened.st_ino) or _file_version(st) != self._version:
+            raise CheckpointError(self.name, "replaced while being loaded (renamed over): the checkpoint "
+                                             "changed during the load; load it again")
+
     def close(self) -> None:
         fd, self._fd = self._fd, -1
         if fd >= 0:
@@ -127,7 +141,7 @@ class FsspecSource(Source):
 
     remote = True
 
-    def __init__(self, fs: Any, path: str, info: dict[str, Any] | None = None, identity: bytes | None = None):
+    def __init__(self, fs: Any, path: str, info: dict[str, Any] | None = None):
         super().__init__()
         self.fs = fs
         self.path = path
@@ -142,7 +156,7 @@ class FsspecSource(Source):
         info = info if info is not None else fs.info(path)
         self.size = int(info["size"])
         self._version = _object_version(info)
-        self._identity = identity or f"{self.name}\0{self.size}\0{self._version[1]}\0{self._version[2]}".encode()
+        self._identity = f"{self.name}\0{self.size}\0{self._version[1]}\0{self._version[2]}".encode()
 
     def identity(self) -> bytes:
         return self._identity
