@@ -22,10 +22,12 @@ from typing import Any
 
 import torch
 
+from tierstore import writer_dirs
 from tierstore.engines import open_store, rank_config
 from tierstore.errors import ConfigError, InvalidInputError, InvalidTypeError
 from tierstore.keys import ChunkKey
 from tierstore.kv import KVNamespace, count_token_hits
+from tierstore.store import TieredStore
 from tierstore.tensors import dtype_name
 
 from .options import BackendOptions
@@ -65,7 +67,7 @@ class HiCacheBackend:
         self.dp_rank = int(getattr(cfg, "dp_rank", 0))
         self.is_writer = not self.is_mla or self.tp_rank == 0
         self.enable_metrics = bool(getattr(cfg, "enable_storage_metrics", False))
-        self.store = open_store(rank_config(options.config, self._rank_dir(), read_only=not self.is_writer))
+        self.store = self._open_store(options.config)
         self.mem_pool_host: Any = None
         self.geometry: PageGeometry | None = None
         self.namespace: KVNamespace | None = None
@@ -79,6 +81,18 @@ class HiCacheBackend:
         self._closed = False
         log.info("tierstore: hicache backend %s rank tp%d/%d pp%d/%d%s serving %s", self.model, self.tp_rank,
                  self.tp_size, self.pp_rank, self.pp_size, " (MLA)" if self.is_mla else "", self.store)
+
+    def _open_store(self, config: Mapping[str, Any]) -> TieredStore:
+        """MLA: the writer rank tells its reader ranks which directory it got (another engine on the host
+        may hold the first one: ``instances``), and they open that one (:mod:`tierstore.writer_dirs`)."""
+        own = rank_config(config, self._rank_dir(), read_only=not self.is_writer)
+        if not self.is_mla:
+            return open_store(own)
+        if not self.is_writer:
+            return open_store(writer_dirs.follow(own))
+        store = open_store(own)
+        writer_dirs.announce(own, store)
+        return store
 
     def _rank_dir(self) -> str:
         """Disk subdirectory of this rank: its own for MHA; for MLA the one its writer rank owns."""
