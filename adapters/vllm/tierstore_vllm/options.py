@@ -15,6 +15,8 @@ from tierstore import engines
 from tierstore.config import read_config
 from tierstore.errors import ConfigError
 
+from .lookup import private_dir
+
 log = logging.getLogger("tierstore_vllm")
 
 #: Keys of ``kv_connector_extra_config`` the connector understands.
@@ -100,8 +102,8 @@ class ConnectorOptions:
 
 def socket_path(socket_dir: str | None, engine_id: str, tp_rank: int, pp_rank: int) -> str:
     """Path of the lookup socket of one worker rank of one engine (short enough for AF_UNIX)."""
-    base = Path(socket_dir) if socket_dir else Path(tempfile.gettempdir()) / f"tierstore-vllm-{os.getuid()}"
-    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    base = private_dir(Path(socket_dir) if socket_dir
+                       else Path(tempfile.gettempdir()) / f"tierstore-vllm-{os.getuid()}")
     tag = hashlib.blake2b(engine_id.encode(), digest_size=8).hexdigest()
     return str(base / f"{tag}-tp{tp_rank}-pp{pp_rank}.sock")
 
