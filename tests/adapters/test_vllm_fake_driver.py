@@ -263,3 +263,20 @@ def test_options_are_checked():
 
 def test_the_fakes_never_import_vllm():
     assert "vllm" not in sys.modules
+
+
+def test_many_tenants_keep_bounded_state_and_still_hit(tmp_path):
+    from tierstore_vllm.worker import TENANTS_KEPT
+
+    e = Engine(tmp_path, tiers(tmp_path), caches_seed=1)
+    try:
+        n = TENANTS_KEPT + 20
+        for t in range(n):
+            e.serve(Request(f"t{t}", PROMPT, cache_salt=f"tenant-{t}"), A_BLOCKS)
+        for w in e.workers:  # one cache object per recent tenant, all on one set of staging buffers
+            assert len(w._kvs) == TENANTS_KEPT
+            assert len({id(kv._staging) for kv in w._kvs.values()}) == 1
+        assert e.matched(Request("t0-again", PROMPT, cache_salt="tenant-0")) == HIT  # dropped, rebuilt, hits
+        assert e.matched(Request("stranger", PROMPT, cache_salt="tenant-x")) == 0
+    finally:
+        e.close()

@@ -128,6 +128,14 @@ class KVCacheStore:
         self._counts = dict.fromkeys(("lookups", "lookup_tokens", "hit_tokens", "saved_chunks",
                                       "skipped_chunks", "loaded_chunks", "load_misses", "bad_chunks"), 0)
 
+    def for_tenant(self, tenant: str | None) -> KVCacheStore:
+        """This cache under ``tenant``'s keys (same store, layout options and staging buffers): an engine
+        serving many tenants keeps one set of staging buffers, not one per tenant."""
+        other = KVCacheStore(self.store, self.namespace.replace(tenant=tenant), partial_chunks=self.partial_chunks,
+                             layers_per_object=self.layers_per_object, num_layers=self.num_layers)
+        other._staging = self._staging
+        return other
+
     # ------------------------------------------------------------------ keys
     def keys(self, token_ids: TokenIds) -> list[ChunkKey]:
         """One chained key per full chunk of ``token_ids`` (plus the trailing partial chunk when

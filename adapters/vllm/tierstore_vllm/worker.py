@@ -11,6 +11,7 @@ import contextlib
 import logging
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +26,8 @@ log = logging.getLogger("tierstore_vllm")
 
 #: Saves queued beyond this many are dropped (counted): a slow tier never holds the engine's memory.
 MAX_PENDING_SAVES = 64
+#: tenants (``cache_salt`` values) whose KV cache objects a worker keeps; more are rebuilt on use
+TENANTS_KEPT = 64
 
 
 # --------------------------------------------------------------------------- data path
@@ -66,7 +69,8 @@ class WorkerSide:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
-        self._kvs: dict[str | None, KVCacheStore] = {}
+        self._base_kv = KVCacheStore(store, self.namespace)
+        self._kvs: OrderedDict[str | None, KVCacheStore] = OrderedDict()
         self._kvs_lock = threading.Lock()
         self._shared = any(t.shared for t in store.tiers)  # a tier to promote from (what locate(local=) skips)
         self._promoting: dict[tierstore.ChunkKey, concurrent.futures.Future[int]] = {}
@@ -84,10 +88,16 @@ class WorkerSide:
                                        "saves_dropped", "save_errors", "promotions"), 0)
 
     def kv(self, tenant: str | None) -> KVCacheStore:
+        """The KV cache of ``tenant`` (vLLM's ``cache_salt``): the last :data:`TENANTS_KEPT` used are kept,
+        all sharing one set of staging buffers; one dropped is rebuilt on its next request (its keys are
+        the same: nothing stored is lost)."""
         with self._kvs_lock:
             kv = self._kvs.get(tenant)
             if kv is None:
-                kv = self._kvs[tenant] = KVCacheStore(self.store, self.namespace.replace(tenant=tenant))
+                kv = self._kvs[tenant] = self._base_kv.for_tenant(tenant)
+                while len(self._kvs) > TENANTS_KEPT:
+                    self._kvs.popitem(last=False)
+            self._kvs.move_to_end(tenant)
             return kv
 
     def _count(self, name: str, n: int = 1) -> None:
