@@ -113,21 +113,15 @@ def _close_open_stores() -> None:
         s.close()
 
 
-def _before_fork() -> None:
-    global _parent_pid
-    _parent_pid = os.getpid()
-
-
 def _after_fork_in_child() -> None:
     global _open_lock
     _open_lock = threading.Lock()
     _open.clear()  # the parent's stores: the parent flushes and closes them
     for life in list(_lifecycles):
-        life._after_fork_in_child(_parent_pid)
+        life._after_fork_in_child(os.getppid())
 
 
-_parent_pid = os.getpid()
-os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 # Run before the interpreter joins non-daemon threads and shuts thread pools down (the tiers' I/O pools
 # are needed to flush); plain atexit handlers run only after that.
