@@ -344,13 +344,12 @@ class RemoteTier(Tier):
         path = self._path(key)
         try:
             if self._s3:  # a copy onto itself: a new Last-Modified, no bytes through this client
-                bucket, name, _ = self.fs.split_path(path)
                 if check:
-                    head = self._io("call_s3", "head_object", self.fs.kwargs, Bucket=bucket, Key=name)
-                    modified = listing.mtime_of(head)
-                    if self.touch_after is not None and time.time() - modified < self.touch_after:
+                    modified = listing.mtime_of(self._head(path))
+                    if time.time() - modified < self._uses.every:
                         self._uses.found_fresh(key, modified)
                         return
+                bucket, name, _ = self.fs.split_path(path)
                 self._io("call_s3", "copy_object", self.fs.kwargs, Bucket=bucket, Key=name,
                          CopySource={"Bucket": bucket, "Key": name}, MetadataDirective="REPLACE")
             elif self._local:
@@ -364,14 +363,18 @@ class RemoteTier(Tier):
         except Exception as exc:  # a refresh is best effort: the object is still there and still valid
             self._fail("touch", "could not refresh the last use of %s (%s: %s)", key.hex(), type(exc).__name__, exc)
 
+    def _head(self, path: str) -> Mapping[str, Any]:
+        """One S3 HEAD of ``path`` (``fs.info`` would add a LIST for every miss)."""
+        bucket, name, _ = self.fs.split_path(path)
+        head: Mapping[str, Any] = self._io("call_s3", "head_object", self.fs.kwargs, Bucket=bucket, Key=name)
+        return head
+
     def _stat(self, key: ChunkKey) -> int | None:
         """Size of ``key``'s object in storage, ``None`` if absent. Raises ``OSError`` on I/O failure."""
         path = self._path(key)
         try:
-            if self._s3:  # one HEAD; fs.info would add a LIST for every miss
-                bucket, name, _ = self.fs.split_path(path)
-                head = self._io("call_s3", "head_object", self.fs.kwargs, Bucket=bucket, Key=name)
-                return int(head["ContentLength"])
+            if self._s3:
+                return int(self._head(path)["ContentLength"])
             info = self._io("info", path)
         except FileNotFoundError:
             return None

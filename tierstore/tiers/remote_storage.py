@@ -22,6 +22,7 @@ import torch
 
 from ..errors import TierstoreError
 from ..objformat import alloc_bytes
+from .listing import mtime_of
 
 T = TypeVar("T")
 
@@ -108,8 +109,7 @@ async def read_s3_object(fs: Any, path: str) -> tuple[torch.Tensor, float]:
             pos += len(part)
         if pos != size:
             raise OSError(f"{path}: the body ended after {pos} of {size} bytes")
-        modified = response.get("LastModified")
-        return buf, modified.timestamp() if modified is not None else 0.0
+        return buf, mtime_of(response)
     finally:
         body.close()
 
