@@ -7,9 +7,8 @@
 
 Large tensors get an object each; small ones (norms, biases) are grouped per layer. An object is named
 by the digest of its bytes, so an object that already exists (and still matches its name) is not written
-again: fine-tunes that share
-base layers, published to the same ``objects_url``, share those objects — and so their cached chunks
-in a store too (the range cache keys a file's bytes by the file's identity). Any safetensors
+again: fine-tunes that share base layers, published to the same ``objects_url``, share those objects — and
+so their cached chunks in a store too (the range cache keys a file's bytes by the file's identity). Any safetensors
 reader can read each object; :func:`tierstore.weights.load` reads ``dst`` back bit-exactly.
 """
 
@@ -22,7 +21,7 @@ import posixpath
 import re
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -65,14 +64,11 @@ class _Target:
     def intact(self, path: str, name: str) -> bool:
         """Whether ``path`` exists and its bytes still hash to ``name`` (its digest): an object changed
         in place is published again rather than kept."""
-        h = hashlib.blake2b(digest_size=32)
         try:
             with (open(path, "rb") if self.local else self.fs.open(path, "rb")) as f:
-                while block := f.read(_HASH_BLOCK):
-                    h.update(block)
+                return object_name(iter(lambda: f.read(_HASH_BLOCK), b"")) == name
         except FileNotFoundError:
             return False
-        return h.hexdigest() + ".safetensors" == name
 
     def remove_stale_temp(self, folder: str) -> int:
         """Remove the temp files killed publishes left in ``folder`` (local targets: a remote object is one
@@ -116,10 +112,15 @@ def _object(tensors: list[tuple[str, torch.Tensor]]) -> tuple[str, list[bytes | 
     tensors = sorted(tensors)
     header = build_header([(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in tensors])
     chunks = [header] + [byte_view(t).numpy().data for _, t in tensors if t.numel()]
+    return object_name(chunks), chunks
+
+
+def object_name(data: Iterable[bytes | memoryview]) -> str:
+    """The name of the object whose bytes are ``data`` (in order): their blake2b-256 digest."""
     h = hashlib.blake2b(digest_size=32)
-    for c in chunks:
-        h.update(c)
-    return h.hexdigest() + ".safetensors", chunks
+    for block in data:
+        h.update(block)
+    return h.hexdigest() + ".safetensors"
 
 
 def publish(src: str | os.PathLike[str], dst_url: str, *, storage_options: dict[str, Any] | None = None,
@@ -156,11 +157,10 @@ def publish(src: str | os.PathLike[str], dst_url: str, *, storage_options: dict[
         group_of = {n: g for g, names in members.items() for n in names}
         metadata = {k: v for s in ckpt.shards for k, v in s.header.metadata.items()}
 
-    summary_temp = dst.remove_stale_temp(objects_dir)
     waiting: dict[str, list[tuple[str, torch.Tensor]]] = {}
     weight_map: dict[str, str] = {}
     summary: dict[str, Any] = {"tensors": 0, "objects": 0, "objects_written": 0, "objects_reused": 0,
-                               "bytes_written": 0, "stale_temp_removed": summary_temp}
+                               "bytes_written": 0, "stale_temp_removed": dst.remove_stale_temp(objects_dir)}
     for name, t in iter_tensors(src, storage_options=storage_options, objects_url=src_objects_url, **opts):
         g = group_of[name]
         waiting.setdefault(g, []).append((name, t))
