@@ -59,7 +59,7 @@ def announce(config: Mapping[str, Any], store: TieredStore, key: str | None = No
     taken = [Path(t.path).name for t in store.tiers if isinstance(t, DiskTier)]
     for _, base in _disk_bases(config):
         # "" when the writer runs without it (every candidate locked): the readers then need not wait
-        name = next((n for n in taken if n == base.name or n.startswith(base.name + ".")), "")
+        name = next((n for n in taken if _one_of(n, base)), "")
         note = _note(base, key)
         _remove_gone(base)
         try:
@@ -78,15 +78,7 @@ def follow(config: Mapping[str, Any], key: str | None = None, timeout: float = W
     deadline = time.monotonic() + timeout
     for i, base in _disk_bases(out):
         note = _note(base, key)
-        while True:
-            try:
-                name = note.read_text().strip()
-                break
-            except FileNotFoundError:
-                if time.monotonic() >= deadline:
-                    name = None
-                    break
-                time.sleep(0.05)
+        name = _read_when_there(note, deadline)
         if name is None:
             log.warning("tierstore: no writer rank of this engine announced its directory within %.0fs; "
                         "reading %s", timeout, base)
@@ -94,12 +86,28 @@ def follow(config: Mapping[str, Any], key: str | None = None, timeout: float = W
         if not name:
             log.warning("tierstore: this engine's writer rank runs without %s; reading it anyway", base)
             continue
-        if not _NAME.match(name) or not (name == base.name or name.startswith(base.name + ".")):
+        if not _NAME.match(name) or not _one_of(name, base):
             log.warning("tierstore: ignoring a malformed writer announcement %s", note)
             continue
         out["tiers"][i]["path"] = str(base.parent / name)
         (base.parent / name).mkdir(mode=0o700, parents=True, exist_ok=True)
     return out
+
+
+def _one_of(name: str, base: Path) -> bool:
+    """Whether ``name`` is one of the directories ``instances`` picks from: ``base`` or ``base.<i>``."""
+    return name == base.name or name.startswith(base.name + ".")
+
+
+def _read_when_there(note: Path, deadline: float) -> str | None:
+    """``note``'s text once it exists, ``None`` if it does not by ``deadline`` (``time.monotonic``)."""
+    while True:
+        try:
+            return note.read_text().strip()
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
 
 def _remove_gone(base: Path) -> None:
