@@ -54,15 +54,16 @@ class LookupServer:
                                         daemon=True)
         self._thread.start()
 
-    def _track(self, conn: socket.socket, add: bool) -> bool:
+    def _admit(self, conn: socket.socket) -> bool:
+        """Register an accepted connection (``False``: closed meanwhile, do not serve it)."""
         with self._lock:
-            if add:
-                if self.closed:
-                    return False
+            if not self.closed:
                 self._conns.add(conn)
-            else:
-                self._conns.discard(conn)
-            return True
+            return not self.closed
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._conns.discard(conn)
 
     def close(self) -> None:
         with self._lock:
@@ -104,12 +105,12 @@ def _handler(answer: Answer, server: LookupServer) -> type[socketserver.StreamRe
                 log.warning("tierstore lookup: refused a connection from uid %d (serving uid %d only)", uid,
                             os.getuid())
                 return
-            if not server._track(self.connection, True):
+            if not server._admit(self.connection):
                 return
             try:
                 self._serve()
             finally:
-                server._track(self.connection, False)
+                server._forget(self.connection)
 
         def _serve(self) -> None:
             while True:
