@@ -16,6 +16,7 @@ from .errors import (
     ClosedError,
     ConfigError,
     CorruptObjectError,
+    ForgedObjectError,
     ForkedError,
     InvalidInputError,
     InvalidTypeError,
@@ -58,7 +59,8 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "ChunkKey", "TierstoreError", "ConfigError", "InvalidInputError", "InvalidTypeError",
-    "CorruptObjectError", "UnsupportedObjectError", "MissingKeyError", "CapacityError", "LockedError",
+    "CorruptObjectError", "UnsupportedObjectError", "ForgedObjectError", "MissingKeyError", "CapacityError",
+    "LockedError",
     "TierTimeoutError", "ClosedError", "ForkedError", "WriteBackError", "open", "TieredStore", "KVNamespace",
     "KVCacheStore", "weights",
 ]

@@ -40,6 +40,12 @@ class UnsupportedObjectError(TierstoreError, ValueError):
     version, or a dtype this torch does not have. A miss, never a delete (another reader may need it)."""
 
 
+class ForgedObjectError(UnsupportedObjectError):
+    """A stored object on a tier with keys that fails authentication: unsealed (when the tier does not read
+    legacy objects), sealed with a key id this reader lacks, or a MAC that does not match (altered, or made
+    without the key). A miss, counted ``forged``, never a delete (it may be valid in another trust domain)."""
+
+
 class MissingKeyError(TierstoreError, KeyError):
     """A name or key the caller asked for does not exist."""
 

@@ -10,6 +10,11 @@ Layout (all integers little-endian)::
     32      H     header: UTF-8 JSON object
     32+H    S     payload: the tensors' raw bytes (codec "none") or one zstd frame of them
 
+A **sealed** object (format version 2, written to shared tiers that have keys: :mod:`tierstore.sealing`)
+has the same layout; its header region ends with a 32-byte MAC tag (after the JSON's padding, so the
+payload stays aligned) and its JSON has ``"seal": {"alg": "blake3", "kid": <key id>}``. Version-1
+readers skip it as unsupported, without deleting it.
+
 Header fields: ``key`` (64 hex chars, must equal the key asked for), ``codec`` (``none``|``zstd``),
 ``raw_size`` (payload bytes before compression), ``stored_size`` (S), ``tensors``: a list of
 ``{"name", "dtype", "shape", "offset", "nbytes"}`` with offsets into the raw payload, 64-byte aligned,
@@ -31,8 +36,8 @@ import json
 import math
 import re
 import struct
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,10 +53,15 @@ if TYPE_CHECKING:
 
 MAGIC = b"TIERSTOR"
 VERSION = 1
+#: the version of sealed objects (a MAC tag ends the header region)
+SEALED_VERSION = 2
+TAG_SIZE = 32
+SEAL_ALGS = ("blake3",)
 #: versions above ours that a reader reports as unsupported (a newer writer); others are damage
 MAX_FUTURE_VERSION = 255
 PREFIX = struct.Struct("<8sII16s")
 PREFIX_SIZE = PREFIX.size  # 32
+SEALED_PREFIX = struct.pack("<I", SEALED_VERSION)  # bytes 8-12 of a sealed object
 ALIGN = 64
 #: bytes of header JSON (with padding); a chunk whose header would be larger is refused by put
 MAX_HEADER = 8 << 20
@@ -80,6 +90,15 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class Seal:
+    """A sealed object's MAC: the algorithm, the id of the key it was made with, the tag itself."""
+
+    alg: str
+    kid: str
+    tag: bytes
+
+
+@dataclass(frozen=True)
 class Header:
     key: ChunkKey
     codec: str
@@ -87,6 +106,7 @@ class Header:
     stored_size: int
     tensors: tuple[TensorSpec, ...]
     payload_offset: int  # where the payload starts in the object
+    seal: Seal | None = None  # set on sealed (version 2) objects
 
     @property
     def object_size(self) -> int:
@@ -178,11 +198,34 @@ def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[dict[str, Any]], 
 
 
 def _header_bytes(key: ChunkKey, codec: str, raw_size: int, stored_size: int,
-                  specs: list[dict[str, Any]]) -> bytes:
-    header = {"key": key.hex(), "codec": codec, "raw_size": raw_size, "stored_size": stored_size,
-              "tensors": specs}
+                  specs: list[dict[str, Any]], seal: Mapping[str, str] | None = None) -> bytes:
+    """The header region: JSON padded with spaces so the payload starts aligned; with ``seal`` (alg, kid)
+    it ends with :data:`TAG_SIZE` zero bytes where the tag goes."""
+    header: dict[str, Any] = {"key": key.hex(), "codec": codec, "raw_size": raw_size, "stored_size": stored_size,
+                              "tensors": specs}
+    tail = 0
+    if seal is not None:
+        header["seal"] = dict(seal)
+        tail = TAG_SIZE
     hbytes = json.dumps(header, separators=(",", ":")).encode()
-    return hbytes + b" " * (_align(PREFIX_SIZE + len(hbytes)) - PREFIX_SIZE - len(hbytes))
+    pad = _align(PREFIX_SIZE + len(hbytes) + tail) - PREFIX_SIZE - len(hbytes) - tail
+    return hbytes + b" " * pad + bytes(tail)
+
+
+def header_region(hdr: Header, seal: Mapping[str, str] | None = None) -> bytes:
+    """The header region of an object with ``hdr``'s key, codec, sizes and tensors (sealed with a zero tag
+    when ``seal`` is given): what an existing object's header is rewritten to, its payload unchanged."""
+    specs = [{"name": s.name, "dtype": s.dtype_name, "shape": list(s.shape), "offset": s.offset,
+              "nbytes": s.nbytes} for s in hdr.tensors]
+    return _header_bytes(hdr.key, hdr.codec, hdr.raw_size, hdr.stored_size, specs, seal)
+
+
+def checksum(region: Buffer, payload: Sequence[Any]) -> bytes:
+    """The xxh3-128 checksum of a header region followed by the stored payload's parts."""
+    h = xxhash.xxh3_128(region)
+    for p in payload:
+        h.update(p)
+    return h.digest()
 
 
 def encode(key: ChunkKey, tensors: Mapping[str, torch.Tensor], codec: str = "none",
@@ -208,10 +251,7 @@ def encode(key: ChunkKey, tensors: Mapping[str, torch.Tensor], codec: str = "non
         payload = [zstandard.ZstdCompressor(level=level).compress(b"".join(payload))]
     stored_size = sum(len(p) for p in payload)
     hbytes = _header_bytes(key, codec, raw_size, stored_size, specs)
-    h = xxhash.xxh3_128(hbytes)
-    for p in payload:
-        h.update(p)
-    prefix = PREFIX.pack(MAGIC, VERSION, len(hbytes), h.digest())
+    prefix = PREFIX.pack(MAGIC, VERSION, len(hbytes), checksum(hbytes, payload))
     header = Header(key, codec, raw_size, stored_size,
                     tuple(TensorSpec(sp["name"], t.dtype, tuple(sp["shape"]), sp["offset"], sp["nbytes"], sp["dtype"])
                           for sp, t in zip(specs, tensors.values(), strict=True)), PREFIX_SIZE + len(hbytes))
@@ -243,12 +283,14 @@ def header_length(prefix: bytes | bytearray | memoryview) -> int:
     magic, version, hlen, _ = PREFIX.unpack_from(mv, 0)
     if magic != MAGIC:
         raise CorruptObjectError("bad magic: not a tierstore object")
-    if version != VERSION:
-        if VERSION < version <= MAX_FUTURE_VERSION:
-            raise UnsupportedObjectError(f"format version {version} is newer than this reader's ({VERSION})")
+    if version not in (VERSION, SEALED_VERSION):
+        if SEALED_VERSION < version <= MAX_FUTURE_VERSION:
+            raise UnsupportedObjectError(f"format version {version} is newer than this reader's ({SEALED_VERSION})")
         raise CorruptObjectError(f"invalid format version {version}")
     if hlen > MAX_HEADER:
         raise CorruptObjectError(f"header length {hlen} exceeds the {MAX_HEADER}-byte cap")
+    if version == SEALED_VERSION and hlen < TAG_SIZE + 2:
+        raise CorruptObjectError(f"sealed object's header length {hlen} leaves no room for its tag")
     return int(hlen)
 
 
@@ -262,16 +304,26 @@ def parse_header(buf: Any, expected_key: ChunkKey | None = None, object_size: in
     hlen = header_length(mv)
     if PREFIX_SIZE + hlen > len(mv):
         raise CorruptObjectError(f"header length {hlen} runs past the {len(mv)} bytes read")
+    sealed = mv[8:12] == SEALED_PREFIX
+    json_end = PREFIX_SIZE + hlen - (TAG_SIZE if sealed else 0)
     try:
-        raw = json.loads(bytes(mv[PREFIX_SIZE:PREFIX_SIZE + hlen]))
+        raw = json.loads(bytes(mv[PREFIX_SIZE:json_end]))
     except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, over-long integers, deep nesting
         raise CorruptObjectError(f"header is not valid JSON: {exc}") from None
     hdr = _validate_header(raw, PREFIX_SIZE + hlen)
+    if sealed:
+        hdr = replace(hdr, seal=_validate_seal(raw.get("seal"), bytes(mv[json_end:PREFIX_SIZE + hlen])))
     if expected_key is not None and hdr.key != expected_key:
         raise CorruptObjectError(f"object holds key {hdr.key.hex()}, expected {expected_key.hex()}")
     if object_size is not None and object_size != hdr.object_size:
         raise CorruptObjectError(f"object is {object_size} bytes, header says {hdr.object_size}")
     return hdr
+
+
+def _validate_seal(raw: Any, tag: bytes) -> Seal:
+    if not isinstance(raw, dict) or raw.get("alg") not in SEAL_ALGS or not isinstance(raw.get("kid"), str):
+        raise CorruptObjectError(f"sealed object has an invalid seal field: {str(raw)[:80]!r}")
+    return Seal(raw["alg"], raw["kid"], tag)
 
 
 def _int(raw: dict[str, Any], field: str, hi: int = MAX_RAW) -> int:
@@ -330,9 +382,7 @@ def verify(buf: Buffer, hdr: Header) -> None:
     mv = memoryview(buf).cast("B")
     if len(mv) != hdr.object_size:
         raise CorruptObjectError(f"object is {len(mv)} bytes, header says {hdr.object_size}")
-    h = xxhash.xxh3_128(mv[PREFIX_SIZE:hdr.payload_offset])
-    h.update(mv[hdr.payload_offset:])
-    if h.digest() != bytes(mv[16:32]):
+    if checksum(mv[PREFIX_SIZE:hdr.payload_offset], [mv[hdr.payload_offset:]]) != bytes(mv[16:32]):
         raise CorruptObjectError(f"checksum mismatch for {hdr.key.hex()}")
 
 
@@ -416,6 +466,30 @@ def decode(buf: torch.Tensor | bytes | bytearray | memoryview, expected_key: Chu
         payload = alloc_bytes(hdr.raw_size)
         if hdr.raw_size:
             payload.numpy().data[:] = mv[hdr.payload_offset:]
+    return tensors_from_payload(payload, hdr)
+
+
+def decode_encoded(enc: Encoded) -> TensorDict:
+    """The tensors of an object already verified (:func:`verified`, a tier's checked read): views over its
+    payload buffer when it is uncompressed and in one writable part, else over one fresh buffer.
+
+    Raises:
+        UnsupportedObjectError: a dtype this torch lacks. CorruptObjectError: a zstd payload that does not
+        decompress to its declared size.
+    """
+    hdr = enc.header
+    hdr.require_supported()
+    parts = enc.parts[1:]
+    stored = memoryview(parts[0]).cast("B") if len(parts) == 1 else memoryview(bytearray(b"".join(map(bytes, parts))))
+    if hdr.codec == "zstd":
+        payload = decompress(stored, hdr)
+    elif not hdr.raw_size:
+        payload = torch.empty(0, dtype=torch.uint8)
+    elif stored.readonly:
+        payload = alloc_bytes(hdr.raw_size)
+        payload.numpy().data[:] = stored
+    else:
+        payload = torch.frombuffer(stored, dtype=torch.uint8)
     return tensors_from_payload(payload, hdr)
 
 

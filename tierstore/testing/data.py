@@ -76,15 +76,17 @@ def reencode(data: bytes, edit: Callable[[dict], None] | None = None, version: i
     from .. import objformat
 
     hdr = objformat.parse_header(data)
-    raw = json.loads(bytes(data[objformat.PREFIX_SIZE:hdr.payload_offset]))
+    tag = hdr.seal.tag if hdr.seal is not None else b""  # a sealed object keeps its (now stale) tag
+    raw = json.loads(bytes(data[objformat.PREFIX_SIZE:hdr.payload_offset - len(tag)]))
     if edit is not None:
         edit(raw)
     h = json.dumps(raw, separators=(",", ":")).encode()
-    h += b" " * (-(objformat.PREFIX_SIZE + len(h)) % objformat.ALIGN)
+    h += b" " * (-(objformat.PREFIX_SIZE + len(h) + len(tag)) % objformat.ALIGN) + tag
     payload = bytes(data[hdr.payload_offset:]) if payload is None else payload
     digest = xxhash.xxh3_128(h + payload).digest()
-    prefix = objformat.PREFIX.pack(objformat.MAGIC, objformat.VERSION if version is None else version, len(h), digest)
-    return prefix + h + payload
+    if version is None:
+        version = objformat.SEALED_VERSION if tag else objformat.VERSION
+    return objformat.PREFIX.pack(objformat.MAGIC, version, len(h), digest) + h + payload
 
 
 def unsupported_object(key: ChunkKey, what: str) -> bytes:
@@ -94,5 +96,5 @@ def unsupported_object(key: ChunkKey, what: str) -> bytes:
 
     data = objformat.encode(key, {"x": torch.arange(16, dtype=torch.int32)}).tobytes()
     if what == "version":
-        return reencode(data, version=objformat.VERSION + 1)
+        return reencode(data, version=objformat.SEALED_VERSION + 1)
     return reencode(data, lambda h: h["tensors"][0].update(dtype="float99_e9m9"))
