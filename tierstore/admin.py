@@ -11,9 +11,10 @@ may use is included (``path``, and ``path.1`` … with ``instances``).
   ``--stale-after``). They need every disk directory unlocked and refuse, removing nothing, while a
   process holds one. On a shared remote prefix they remove only what is corrupt or ours and stale, and
   with ``gc --older-than`` chunk objects past that age, whoever wrote them.
-  Unsupported objects (a newer format, a dtype this torch lacks) are reported and always kept.
+  Unsupported objects (a newer format, a dtype this torch lacks) and forged ones (a tier with keys could
+  not open them) are reported and always kept.
 
-Exit status: 0 all well, 1 corrupt objects were found, 2 refused (a directory is in use).
+Exit status: 0 all well, 1 corrupt or forged objects were found, 2 refused (a directory is in use).
 """
 
 from __future__ import annotations
@@ -156,13 +157,14 @@ def run_stats(args: argparse.Namespace) -> int:
 
 def check_objects(tier: Tier, repair: bool) -> dict[str, int]:
     """Read every object of ``tier`` once: counts of ``ok``, ``corrupt``, ``unsupported`` (a newer format
-    or a dtype this torch lacks: always kept, a newer reader needs it), ``missing`` (vanished since
+    or a dtype this torch lacks: always kept, a newer reader needs it), ``forged`` (a tier with keys could
+    not open it: always kept, it may belong to another trust domain), ``missing`` (vanished since
     listed) and ``unreadable`` (I/O errors: not judged). With ``repair`` corrupt objects are deleted (not
     from a disk directory the config marks ``read_only``: it belongs to someone else)."""
     repair = repair and not getattr(tier, "read_only", False)
     keys = tier.keys()
-    counts = {"objects": len(keys), "ok": 0, "corrupt": 0, "unsupported": 0, "missing": 0, "unreadable": 0,
-              "removed": 0}
+    counts = {"objects": len(keys), "ok": 0, "corrupt": 0, "unsupported": 0, "forged": 0, "missing": 0,
+              "unreadable": 0, "removed": 0}
     for i in range(0, len(keys), _BATCH):
         for outcome in tier.verify_many(keys[i:i + _BATCH], repair=repair):
             counts["unreadable" if outcome == "error" else outcome] += 1
@@ -181,10 +183,11 @@ def run_verify(args: argparse.Namespace) -> int:
              + (f" ({r['removed']} removed)" if args.repair else " (kept; --repair removes them)" if r["corrupt"]
                 else "")
              + (f", {r['unsupported']} unsupported (kept)" if r["unsupported"] else "")
+             + (f", {r['forged']} forged (kept)" if r["forged"] else "")
              + (f", {r['unreadable']} unreadable" if r["unreadable"] else "")
              for name, r in result.items()]
     _emit(args, result, lines)
-    return 1 if any(r["corrupt"] for r in result.values()) else 0
+    return 1 if any(r["corrupt"] or r["forged"] for r in result.values()) else 0
 
 
 def run_gc(args: argparse.Namespace) -> int:

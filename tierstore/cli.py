@@ -1,5 +1,5 @@
 """``tierstore`` command line: demo, bench {tiers,kv,weights,peers,control,promotion,metrics,gc,fleet,all,
-vllm}, stats, verify, gc, crashtest.
+vllm}, stats, verify, gc, crashtest, keygen.
 
 Each verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them up, importing a verb's module when it runs.
@@ -18,6 +18,7 @@ VERBS = {
     "verify": ("tierstore.admin", "re-check every stored object's checksum (read-only unless --repair)"),
     "gc": ("tierstore.admin", "remove stale temp files and corrupt objects (refused while a process owns a disk)"),
     "crashtest": ("tierstore.crashtest", "SIGKILL a writer at random moments and check every acknowledged chunk"),
+    "keygen": ("tierstore.keyring", "make a key for sealed shared tiers, or derive a tenant's keys (auth: keys_file)"),
 }
 BENCHES = {
     "tiers": ("tierstore.bench.tiers", "put/get throughput of each tier vs plain copies and I/O"),

@@ -272,6 +272,15 @@ def _any(value: Any, key: str) -> Any:
     return value
 
 
+def _auth(value: Any, key: str) -> Mapping[str, Any] | None:
+    if value is None:
+        return None
+    from .keyring import Keyring  # the check reads the keys: a missing or unsafe key file fails at parse time
+
+    Keyring.from_options(value, key)
+    return dict(value)
+
+
 _PERMISSIONS = _one_of(*PERMISSIONS)
 #: every option of every tier kind, with the check that validates (and normalises) its value
 TIER_OPTIONS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
@@ -282,7 +291,7 @@ TIER_OPTIONS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
              "instances": _positive_int},
     "remote": {"url": _url, "storage_options": _storage_options, "compression": _one_of(None, "none", "zstd"),
                "capacity": _no_capacity, "max_in_flight": _positive_int, "list_on_open": _bool,
-               "timeout": _seconds, "permissions": _PERMISSIONS, "touch_after": _optional_seconds},
+               "timeout": _seconds, "permissions": _PERMISSIONS, "touch_after": _optional_seconds, "auth": _auth},
 }
 _REQUIRED = {"disk": {"path"}, "remote": {"url"}}
 

@@ -53,6 +53,8 @@ TIER_FAMILIES = (
            "corrupt"),
     Family("unsupported_objects", "counter", "Objects of a newer format or unknown dtype (left in place)",
            "unsupported"),
+    Family("forged_objects", "counter", "Objects on a tier with keys that failed authentication (unsealed, "
+           "unknown key id, wrong seal; read as misses, left in place)", "forged"),
     Family("errors", "counter", "I/O errors (reads and writes treated as misses or skips)", "errors"),
     Family("enospc", "counter", "Writes that found the device full", "enospc"),
     Family("writeback_done", "counter", "Chunks written back into this tier", "writeback_done"),

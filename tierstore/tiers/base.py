@@ -34,7 +34,7 @@ from ..policy import LRUPolicy
 from ..telemetry import Failures, Latency
 from ..tensors import TensorDict, fill_out, nbytes
 from .claims import Claims
-from .reads import CORRUPT, ERROR, MISSING, OK, UNSUPPORTED, TierReads
+from .reads import CORRUPT, ERROR, FORGED, MISSING, OK, UNSUPPORTED, TierReads
 from .space import SpaceLimit
 
 if TYPE_CHECKING:
@@ -42,13 +42,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tierstore")
 
-COUNTERS = ("hits", "misses", "puts", "evictions", "bytes_in", "bytes_out", "corrupt", "unsupported", "errors",
-            "skipped", "enospc", "touches")
+COUNTERS = ("hits", "misses", "puts", "evictions", "bytes_in", "bytes_out", "corrupt", "unsupported", "forged",
+            "errors", "skipped", "enospc", "touches")
 
 #: ``before_evict(tier, key) -> bool``: ``False`` keeps the victim (a dirty chunk that could not be saved)
 BeforeEvict = Callable[["Tier", ChunkKey], "bool | None"]
 
-__all__ = ["COUNTERS", "CORRUPT", "ERROR", "MISSING", "OK", "UNSUPPORTED", "BeforeEvict", "Tier"]
+__all__ = ["COUNTERS", "CORRUPT", "ERROR", "FORGED", "MISSING", "OK", "UNSUPPORTED", "BeforeEvict", "Tier"]
 
 
 class Tier(TierReads, ABC):

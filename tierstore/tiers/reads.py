@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from .. import objformat
-from ..errors import CorruptObjectError, InvalidInputError, UnsupportedObjectError
+from ..errors import CorruptObjectError, ForgedObjectError, InvalidInputError, UnsupportedObjectError
 from ..keys import ChunkKey, check_key
 from ..policy import LRUPolicy
 from ..telemetry import Latency
@@ -25,7 +25,7 @@ from ..tensors import TensorDict, check_outs, fill_out
 from .claims import Claims
 
 #: outcomes of reading one object (see ``TierReads._read_checked``)
-OK, MISSING, CORRUPT, UNSUPPORTED, ERROR = "ok", "missing", "corrupt", "unsupported", "error"
+OK, MISSING, CORRUPT, UNSUPPORTED, FORGED, ERROR = "ok", "missing", "corrupt", "unsupported", "forged", "error"
 
 
 class TierReads:
@@ -312,6 +312,8 @@ class TierReads:
 
         * damaged (:class:`CorruptObjectError`): counted ``corrupt``, forgotten; removed from storage on
           a private tier, on a :attr:`shared` one only with ``repair``;
+        * forged (:class:`ForgedObjectError`: a tier with keys found it unsealed, sealed with a key it lacks,
+          or its seal does not match): counted ``forged``, forgotten, never removed;
         * unsupported (:class:`UnsupportedObjectError`: newer format, dtype this torch lacks): counted
           ``unsupported``, never removed (another reader may need it); a shared tier forgets it, a private
           one keeps it indexed so its bytes stay accounted for until it is evicted;
@@ -328,6 +330,11 @@ class TierReads:
             else:
                 data = self._load(key, size, device, borrow)
             return data, OK if data is not None else MISSING
+        except ForgedObjectError as exc:
+            self._count("forged")
+            self._fail("forged", "refusing object %s (left in place): %s", key.hex(), exc)
+            self._forget(key, remove=False)
+            return None, FORGED
         except UnsupportedObjectError as exc:
             self._count("unsupported")
             self._fail("unsupported", "cannot read object %s (left in place): %s", key.hex(), exc)
@@ -351,7 +358,7 @@ class TierReads:
 
     def verify_many(self, keys: Sequence[ChunkKey], repair: bool = False) -> list[str]:
         """Read and check each key's stored object; return each outcome (``"ok"``, ``"missing"``,
-        ``"corrupt"``, ``"unsupported"``, ``"error"``).
+        ``"corrupt"``, ``"unsupported"``, ``"forged"``, ``"error"``).
 
         Outcomes are handled as on any read; ``repair`` also removes damaged objects from a shared tier
         (``tierstore verify --repair``). Unsupported objects are never removed. No hit/miss counting.

@@ -51,6 +51,7 @@ import re
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -59,9 +60,10 @@ import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 
-from .. import objformat
+from .. import objformat, sealing
 from ..config import check_tier_options
-from ..errors import ClosedError, ConfigError, CorruptObjectError, InvalidInputError
+from ..errors import ClosedError, ConfigError, CorruptObjectError, ForgedObjectError, InvalidInputError
+from ..keyring import Keyring
 from ..keys import ChunkKey
 from ..tensors import TensorDict
 from . import listing, objfile, prefix_gc
@@ -78,6 +80,8 @@ _NO_LINK = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EX
 
 #: seconds after which a read refreshes its object's modification time (its last use, for ``gc --max-size``)
 TOUCH_AFTER_S = 600.0
+#: keys whose objects this process could not open that it remembers (see ``RemoteTier._refused``)
+REFUSED_KEPT = 65536
 #: paths removed per request by ``collect_garbage`` (S3 DeleteObjects takes at most 1,000)
 _DELETE_BATCH = 1000
 
@@ -127,6 +131,11 @@ class RemoteTier(Tier):
     permissions:
         For a local or mounted path: ``"private"`` (folders 0700, objects 0600) or ``"group"`` (0770,
         0660) for the folders and objects this tier creates.
+    auth:
+        Keys of the trust domain that shares the prefix (``keys_file`` or ``keys_env``, ``write_key``,
+        ``tenant``, ``legacy``: :mod:`tierstore.keyring`). With keys every object written is sealed and
+        every object read (or promoted into a tier above) must open with one of them
+        (:mod:`tierstore.sealing`); one that does not is a miss counted ``forged`` and left in place.
     """
 
     kind = "remote"
@@ -140,12 +149,18 @@ class RemoteTier(Tier):
     def __init__(self, name: str | None = None, capacity: None = None, url: str | None = None,
                  storage_options: Mapping[str, Any] | None = None, compression: str | None = None,
                  max_in_flight: int = 32, list_on_open: bool = True, timeout: float = DEFAULT_TIMEOUT,
-                 permissions: str = "private", touch_after: float | None = TOUCH_AFTER_S):
+                 permissions: str = "private", touch_after: float | None = TOUCH_AFTER_S,
+                 auth: Mapping[str, Any] | None = None):
+        where = f"remote tier {name or self.kind!r}"
         check_tier_options("remote", {"url": url, "capacity": capacity, "compression": compression,
                                       "max_in_flight": max_in_flight, "storage_options": storage_options,
                                       "list_on_open": list_on_open, "timeout": timeout,
-                                      "permissions": permissions, "touch_after": touch_after},
-                           where=f"remote tier {name or self.kind!r}")
+                                      "permissions": permissions, "touch_after": touch_after}, where=where)
+        #: the keys objects are sealed and opened with; ``None``: objects are neither (see ``auth``)
+        self.keyring = None if auth is None else Keyring.from_options(auth, f"{where}.auth")
+        # keys whose object failed to open here: absent to lookups (no HEAD), so the next save replaces a
+        # forgery instead of skipping a key that looks held; a read or put that succeeds clears the mark
+        self._refused: OrderedDict[ChunkKey, None] = OrderedDict()
         super().__init__(name, None)
         self._dir_mode, self._file_mode = PERMISSIONS[permissions]
         self.url: str = url  # type: ignore[assignment]  # checked above
@@ -387,7 +402,12 @@ class RemoteTier(Tier):
         return info["size"] if info.get("type", "file") == "file" else None
 
     def _probe(self, keys: Sequence[ChunkKey]) -> list[int | None]:
+        with self._cond:
+            refused = {k for k in keys if k in self._refused}
+
         def one(key: ChunkKey) -> int | None:
+            if key in refused:
+                return None
             try:
                 return self._stat(key)
             except OSError as exc:
@@ -401,6 +421,8 @@ class RemoteTier(Tier):
     def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor] | objformat.Encoded
                  ) -> tuple[objformat.Encoded, int]:
         enc = objformat.as_encoded(key, tensors, self.codec)
+        if self.keyring is not None:
+            enc = sealing.seal(enc, self.keyring)
         return enc, enc.size
 
     def _store(self, key: ChunkKey, payload: objformat.Encoded, size: int) -> None:
@@ -417,6 +439,7 @@ class RemoteTier(Tier):
                 if self._stored_checksum(path) != payload.checksum:
                     self._replace(path, payload)
             self._uses.refreshed(key, time.time())
+            self._mark_refused(key, False)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 # the space is shared with other writers: skip the put, keep our capacity (no disk-style shrink)
@@ -524,38 +547,54 @@ class RemoteTier(Tier):
         data: bytes = self._io("cat_file", path)
         return data, 0.0
 
-    def _read_object(self, key: ChunkKey, device: str | torch.device) -> tuple[TensorDict, int]:
-        """``(tensors on device, object size)`` of ``key``'s object, read and verified."""
+    def _read_verified(self, key: ChunkKey) -> tuple[objformat.Encoded, float]:
+        """``key``'s whole object, checked (header, size, checksum and, with keys, its seal) but not decoded,
+        and its modification time (0 when unknown)."""
         path = self._path(key)
         if self._local:  # a mount: read like the disk tier (no symlinks, no FIFOs, sizes checked first)
             fd, st = objfile.open_object(path)
             try:
-                tensors = objfile.read_object(fd, st, key)
+                enc = objfile.read_encoded(fd, st, key)
             finally:
                 os.close(fd)
-            size, modified = st.st_size, st.st_mtime
+            modified = st.st_mtime
         else:
             raw, modified = self._read(path)
-            tensors = objformat.decode(raw, expected_key=key)
-            size = raw.numel() if isinstance(raw, torch.Tensor) else len(raw)
+            enc = objformat.verified(raw, key)
+        if self.keyring is not None:
+            try:
+                sealing.open_sealed(enc, self.keyring)
+            except ForgedObjectError:
+                self._mark_refused(key, True)
+                raise
+            self._mark_refused(key, False)
+        return enc, modified
+
+    def _mark_refused(self, key: ChunkKey, refused: bool) -> None:
+        with self._cond:
+            if refused:
+                self._refused[key] = None
+                self._refused.move_to_end(key)
+                if len(self._refused) > REFUSED_KEPT:
+                    self._refused.popitem(last=False)
+            else:
+                self._refused.pop(key, None)
+
+    def _read_object(self, key: ChunkKey, device: str | torch.device) -> tuple[TensorDict, int]:
+        """``(tensors on device, object size)`` of ``key``'s object, read and checked."""
+        enc, modified = self._read_verified(key)
+        tensors = objformat.decode_encoded(enc)
         self._note_use(key, modified)
         device = torch.device(device)
         if device.type != "cpu":
             tensors = {name: t.to(device) for name, t in tensors.items()}
-        return tensors, size
+        return tensors, enc.size
 
     def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
         return self._read_object(key, device)[0]
 
     def _load_encoded(self, key: ChunkKey, size: int) -> objformat.Encoded | None:
-        path = self._path(key)
-        if not self._local:
-            return objformat.verified(self._read(path)[0], key)
-        fd, st = objfile.open_object(path)
-        try:
-            return objfile.read_encoded(fd, st, key)
-        finally:
-            os.close(fd)
+        return self._read_verified(key)[0]
 
     def _fetch(self, key: ChunkKey, device: str | torch.device) -> tuple[TensorDict, int] | None:
         try:
