@@ -90,24 +90,130 @@ def test_publish_default_objects_dir_dedupes_within(tmp_path):
     assert same(tw.load(str(tmp_path / "dst")), t)
 
 
-def test_an_altered_copy_of_a_published_checkpoint_never_serves_the_intact_one(tmp_path):
-    # the same object names in two places, one object changed in one of them: the range cache must key the
-    # bytes by the file they came from, not by the object's name (probe 7.5)
+def alter_largest_object(root: Path, where: int = -1) -> Path:
+    """Flip one data byte of the largest object under ``root/objects`` (its name no longer matches)."""
+    victim = max((root / "objects").iterdir(), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[where] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    return victim
+
+
+def test_a_published_object_with_one_changed_byte_fails_the_load(tmp_path):
+    # probe 7.3: the name is the object's digest, so a changed byte is an error, never a wrong tensor
+    t = model(5)
+    write_checkpoint(str(tmp_path / "src"), t)
+    tw.publish(str(tmp_path / "src"), str(tmp_path / "dst"))
+    victim = alter_largest_object(tmp_path / "dst")
+    in_victim = set(load_file(str(victim)))
+    dst = str(tmp_path / "dst")
+    for kwargs in ({}, {"block_size": 64 * 1024, "concurrency": 1}, {"block_size": 4096, "concurrency": 8}):
+        with pytest.raises(CheckpointError, match="does not match its name"):
+            tw.load(dst, **kwargs)
+    with pytest.raises(CheckpointError, match="does not match its name"):
+        tw.load_into({k: torch.empty_like(v) for k, v in t.items()}, dst)
+    with pytest.raises(CheckpointError, match="does not match its name"):  # a subset reads its objects whole
+        tw.load(dst, names=sorted(in_victim)[:1])
+    others = sorted(set(t) - in_victim)
+    stats = {}
+    assert same(tw.load(dst, names=others, stats=stats), {k: t[k] for k in others})
+    assert stats["digests_checked"] == len(os.listdir(tmp_path / "dst" / "objects")) - 1
+    # the opt-out reads what the file holds
+    assert not same(tw.load(dst, verify=False), t)
+    with pytest.raises(tierstore.InvalidInputError, match="verify"):
+        tw.load(dst, verify="yes")
+
+
+def test_objects_published_under_blake2b_names_are_checked_too(tmp_path):
+    # before BLAKE3 names, objects were named <blake2b-256 hex>.safetensors; those are still checked
+    import hashlib
+
+    t = model(9)
+    write_checkpoint(str(tmp_path / "src"), t)
+    r = tw.publish(str(tmp_path / "src"), str(tmp_path / "dst"))
+    objects = tmp_path / "dst" / "objects"
+    assert all(p.name.startswith("blake3-") for p in objects.iterdir())
+    index = json.loads(Path(r["index"]).read_text())
+    renamed = {}
+    for p in objects.iterdir():
+        legacy = hashlib.blake2b(p.read_bytes(), digest_size=32).hexdigest() + ".safetensors"
+        p.rename(objects / legacy)
+        renamed[p.name] = legacy
+    index["weight_map"] = {k: "objects/" + renamed[v.split("/")[-1]] for k, v in index["weight_map"].items()}
+    Path(r["index"]).write_text(json.dumps(index))
+    stats = {}
+    assert same(tw.load(str(tmp_path / "dst"), stats=stats), t) and stats["digests_checked"] == len(renamed)
+    alter_largest_object(tmp_path / "dst")
+    with pytest.raises(CheckpointError, match="blake2b digest .* the name says"):
+        tw.load(str(tmp_path / "dst"))
+
+
+def test_a_changed_header_byte_fails_the_load_too(tmp_path):
+    t = model(6)
+    write_checkpoint(str(tmp_path / "src"), t)
+    tw.publish(str(tmp_path / "src"), str(tmp_path / "dst"))
+    victim = max((tmp_path / "dst" / "objects").iterdir(), key=lambda p: p.stat().st_size)
+    data = victim.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = data[8:8 + n]
+    assert b'"F16"' in header  # the largest object is an up_proj (float16): read it as int16 instead
+    victim.write_bytes(data[:8] + header.replace(b'"F16"', b'"I16"', 1) + data[8 + n:])
+    with pytest.raises(CheckpointError, match="does not match its name"):
+        tw.load(str(tmp_path / "dst"))
+
+
+def test_an_altered_copy_fails_through_a_store_and_never_serves_the_intact_one(tmp_path):
+    # the same object names in two places, one object changed in one of them: the altered copy fails
+    # every time (its cached ranges never pass as checked), and the intact one is served whole (probe 7.5)
     t = model(3)
     write_checkpoint(str(tmp_path / "src"), t)
     tw.publish(str(tmp_path / "src"), str(tmp_path / "a"))
     shutil.copytree(tmp_path / "a", tmp_path / "b")
-    victim = max((tmp_path / "b" / "objects").iterdir(), key=lambda p: p.stat().st_size)
-    data = bytearray(victim.read_bytes())
-    data[-1] ^= 0xFF  # one byte of the last tensor's data
-    victim.write_bytes(bytes(data))
+    alter_largest_object(tmp_path / "b")
     with tierstore.open({"tiers": [{"kind": "host", "capacity": "64MiB"}]}) as store:
-        altered = tw.load(str(tmp_path / "b"), store=store)
-        assert not same(altered, t)  # (what the altered copy holds, as the file says)
+        for _ in range(2):
+            with pytest.raises(CheckpointError, match="does not match its name"):
+                tw.load(str(tmp_path / "b"), store=store)
+        assert not same(tw.load(str(tmp_path / "b"), store=store, verify=False), t)
         stats = {}
         assert same(tw.load(str(tmp_path / "a"), store=store, stats=stats), t)
-        assert stats["cache_hits"] == 0  # other files, other cache keys
-        assert same(tw.load(str(tmp_path / "a"), store=store, stats=stats), t) and stats["cache_hits"] > 0
+        assert stats["cache_hits"] == 0 and stats["digests_checked"] == len(os.listdir(tmp_path / "a" / "objects"))
+        stats = {}  # a version that passed is not hashed again by this store
+        assert same(tw.load(str(tmp_path / "a"), store=store, stats=stats), t)
+        assert stats["cache_hits"] > 0 and stats["digests_checked"] == 0
+        with pytest.raises(CheckpointError, match="does not match its name"):
+            tw.load(str(tmp_path / "b"), store=store)
+
+
+def test_a_checked_object_rewritten_in_place_with_its_old_mtime_is_checked_again(tmp_path):
+    t = model(7)
+    write_checkpoint(str(tmp_path / "src"), t)
+    tw.publish(str(tmp_path / "src"), str(tmp_path / "dst"))
+    with tierstore.open({"tiers": [{"kind": "host", "capacity": "64MiB"}]}) as store:
+        assert same(tw.load(str(tmp_path / "dst"), store=store), t)
+        victim = max((tmp_path / "dst" / "objects").iterdir(), key=lambda p: p.stat().st_size)
+        st = victim.stat()
+        with open(victim, "r+b") as f:  # same inode, same size, mtime set back: only ctime tells
+            f.seek(st.st_size - 1)
+            last = f.read(1)
+            f.seek(st.st_size - 1)
+            f.write(bytes([last[0] ^ 0xFF]))
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+        with pytest.raises(CheckpointError, match="does not match its name"):
+            tw.load(str(tmp_path / "dst"), store=store, cache_writes=False)
+
+
+def test_an_abandoned_load_of_a_published_checkpoint_does_not_hang(tmp_path):
+    t = model(8)
+    write_checkpoint(str(tmp_path / "src"), t)
+    tw.publish(str(tmp_path / "src"), str(tmp_path / "dst"))
+    for _ in range(5):
+        it = tw.iter_tensors(str(tmp_path / "dst"), block_size=4096, concurrency=8, memory_limit=1 << 20)
+        next(it)
+        it.close()  # pieces waiting for their turn at the digest are released
+    alter_largest_object(tmp_path / "dst", where=-4096 * 20)  # a byte well before the end
+    with pytest.raises(CheckpointError, match="does not match its name"):
+        tw.load(str(tmp_path / "dst"), block_size=4096, concurrency=8)
 
 
 def test_publishing_again_repairs_an_object_changed_in_place_and_removes_stale_temp_files(tmp_path):
@@ -115,11 +221,9 @@ def test_publishing_again_repairs_an_object_changed_in_place_and_removes_stale_t
     write_checkpoint(str(tmp_path / "src"), t)
     first = tw.publish(str(tmp_path / "src"), str(tmp_path / "dst"))
     objects = tmp_path / "dst" / "objects"
-    victim = max(objects.iterdir(), key=lambda p: p.stat().st_size)
-    data = bytearray(victim.read_bytes())
-    data[-1] ^= 0xFF
-    victim.write_bytes(bytes(data))
-    assert not same(tw.load(str(tmp_path / "dst")), t)
+    alter_largest_object(tmp_path / "dst")
+    with pytest.raises(CheckpointError, match="does not match its name"):
+        tw.load(str(tmp_path / "dst"))
     stale, fresh = objects / ".publish-killed", objects / ".publish-running"
     stale.write_bytes(b"x" * 100)
     fresh.write_bytes(b"y")

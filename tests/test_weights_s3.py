@@ -160,3 +160,22 @@ def test_object_replaced_during_a_load_is_detected(remote, tmp_path, cached):
     finally:
         if store is not None:
             store.close()
+
+
+def test_a_published_object_changed_on_s3_fails_the_load(remote, s3_bucket, tmp_path):
+    url, opts, tensors = remote
+    pub = f"s3://{s3_bucket}/pub/checked"
+    tw.publish(url, pub, storage_options=opts, dst_storage_options=opts)
+    fs = s3fs_of(opts)
+    victim = max((p for p in fs.ls(f"{s3_bucket}/pub/checked/objects")), key=lambda p: fs.info(p)["size"])
+    data = bytearray(fs.cat_file(victim))
+    data[-1] ^= 0xFF
+    fs.pipe_file(victim, bytes(data))
+    with open_store(tmp_path / "cache") as store:
+        for s in (None, store, store):
+            with pytest.raises(CheckpointError, match="does not match its name"):
+                tw.load(pub, storage_options=opts, store=s)
+        tw.publish(url, pub, storage_options=opts, dst_storage_options=opts)  # repairs it
+        stats = {}
+        assert_same(tw.load(pub, storage_options=opts, store=store, stats=stats), tensors)
+        assert stats["digests_checked"] == len(fs.ls(f"{s3_bucket}/pub/checked/objects"))

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _DOMAIN = b"tierstore.weights.range\0"
+_VERIFIED = b"tierstore.weights.verified\0"
 FIELD = "bytes"
 
 
@@ -51,6 +52,32 @@ class RangeCache:
         ident = source.identity()
         return ChunkKey.from_bytes(_DOMAIN + struct.pack("<Q", len(ident)) + ident
                                    + struct.pack("<QQ", start, end))
+
+    @staticmethod
+    def _verified_key(source: Source, digest: str) -> ChunkKey:
+        ident = source.identity()
+        return ChunkKey.from_bytes(_VERIFIED + struct.pack("<Q", len(ident)) + ident + digest.encode())
+
+    def verified(self, source: Source, digest: str) -> bool:
+        """Whether a load through this store already checked this version of ``source`` against ``digest``
+        (a version's identity changes whenever its bytes may have, so its check holds for it)."""
+        out = torch.empty(len(digest), dtype=torch.uint8)
+        try:
+            got = self.store.get(self._verified_key(source, digest), out={FIELD: out})
+        except (TierstoreError, OSError, RuntimeError) as exc:
+            self._failed("get", exc)
+            return False
+        return got is not None and out.numpy().tobytes() == digest.encode()
+
+    def mark_verified(self, source: Source, digest: str) -> None:
+        """Remember that this version of ``source`` matched ``digest`` (later loads skip the check)."""
+        if not self.write:
+            return
+        mark = torch.frombuffer(bytearray(digest.encode()), dtype=torch.uint8)
+        try:
+            self.store.put(self._verified_key(source, digest), {FIELD: mark})
+        except (TierstoreError, OSError, RuntimeError) as exc:
+            self._failed("put", exc)
 
     def _failed(self, what: str, exc: BaseException) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .cache import RangeCache, read_bytes
+from .digest import expected_digest
 from .header import (
     MAX_HEADER_SIZE,
     PREFIX_SIZE,
@@ -40,6 +41,10 @@ CAS_LAYOUT = "tierstore-cas/1"  # index metadata of a published, content-address
 class Shard:
     source: Source
     header: ShardHeader
+    #: the hex digest a content-addressed object's name promises (None for other files) and the bytes
+    #: before its data, which the digest check starts from
+    digest: str | None = None
+    head: bytes = b""
 
 
 @dataclass
@@ -72,14 +77,15 @@ class Checkpoint:
         self.close()
 
 
-def read_header(source: Source, cache: RangeCache | None, max_header_size: int) -> ShardHeader:
-    """Read and validate ``source``'s header with one ranged read (two when it is large)."""
+def read_header(source: Source, cache: RangeCache | None, max_header_size: int) -> tuple[ShardHeader, bytes]:
+    """Read and validate ``source``'s header with one ranged read (two when it is large); also return
+    the file's bytes before its data (prefix and header)."""
     probe = min(source.size, HEADER_PROBE)
     head = read_bytes(source, 0, probe, cache) if probe else b""
     n = header_length(source.name, head, source.size, max_header_size)
     if PREFIX_SIZE + n > len(head):
         head += read_bytes(source, len(head), PREFIX_SIZE + n - len(head), cache)
-    return parse_header(source.name, head[PREFIX_SIZE:PREFIX_SIZE + n], source.size)
+    return parse_header(source.name, head[PREFIX_SIZE:PREFIX_SIZE + n], source.size), head[:PREFIX_SIZE + n]
 
 
 class _Opener:
@@ -198,12 +204,14 @@ def open_checkpoint(uri: str, storage_options: dict[str, Any] | None = None, cac
         files = [op.path]
 
     expected: dict[str, list[str]] = {}  # shard path -> tensors the index places there
+    content_addressed = False  # a published checkpoint: its objects are named by their digests
     if index_path is not None:
         src = op.open(index_path)
         try:
             if src.size > MAX_INDEX_SIZE:
                 raise CheckpointError(src.name, f"index is {src.size} bytes, over the {MAX_INDEX_SIZE} cap")
-            wmap, _ = _parse_index(src.name, read_bytes(src, 0, src.size, cache))
+            wmap, meta = _parse_index(src.name, read_bytes(src, 0, src.size, cache))
+            content_addressed = meta.get("format") == CAS_LAYOUT
         finally:
             src.close()
         base = op.dirname(index_path)
@@ -225,7 +233,9 @@ def open_checkpoint(uri: str, storage_options: dict[str, Any] | None = None, cac
             raise CheckpointNotFoundError(op.display(path), "shard named by the index does not exist"
                                           if named else "no such file", named) from None
         try:
-            return Shard(source, read_header(source, cache, max_header_size))
+            header, head = read_header(source, cache, max_header_size)
+            digest = expected_digest(posixpath.basename(path.replace(os.sep, "/"))) if content_addressed else None
+            return Shard(source, header, digest, head if digest else b"")
         except BaseException:
             source.close()
             raise

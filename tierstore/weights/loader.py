@@ -11,6 +11,9 @@ A piece lands in one of two ways:
 * **staged** — into a slot of a bounded ring (pinned with CUDA), then copied to its destination: a device
   buffer (non-blocking H2D overlapped with other reads), a parameter of another dtype or layout, or any
   destination when the range is also being cached (the cache needs the range contiguous).
+
+Pieces of a content-addressed (published) object are also fed, in file order, to its digest check
+(:mod:`.digest`), and such an object is read whole; a store that saw a version pass remembers it.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ..errors import InvalidInputError, InvalidTypeError, MissingKeyError
 from ..tensors import byte_alias
 from .cache import RangeCache
 from .checkpoint import Checkpoint, open_checkpoint
+from .digest import DigestCheck
 from .header import TensorInfo
 from .options import (
     CASTABLE,
@@ -122,6 +126,19 @@ class _Pipeline:
         self.concurrency = o.concurrency or (REMOTE_CONCURRENCY if remote else LOCAL_CONCURRENCY)
         self._ring: StagingRing | None = None
         self._pinned = staged_device and torch.cuda.is_available()
+        self.checks: dict[int, DigestCheck] = {}  # shard index -> the check of its digest
+        for i, s in enumerate(ckpt.shards):
+            if o.verify and s.digest and not (cache is not None and cache.verified(s.source, s.digest)):
+                self.checks[i] = DigestCheck(s.source.name, s.digest, s.source.size, s.head)
+
+    def plan(self, selected: set[str]) -> list[Group]:
+        assert self.o.block_size is not None  # resolved by _open
+        return plan(_shard_tensors(self.ckpt), selected, self.o.block_size, whole=self.cache is not None,
+                    complete=self.checks)
+
+    def reads(self, g: Group, segs: list[Segment]) -> bool:
+        """Whether a piece of ``g`` feeding ``segs`` must be read at all."""
+        return bool(segs) or self.cache is not None or g.shard in self.checks
 
     def ring(self) -> StagingRing:
         if self._ring is None:
@@ -136,15 +153,29 @@ class _Pipeline:
         contiguous range); staged otherwise."""
         source = self.ckpt.shards[g.shard].source
         cache = self.cache
+        check = self.checks.get(g.shard)
+
+        def feed(bufs: list[memoryview]) -> None:
+            if check is not None:
+                check.feed(p.start, bufs)
+
         direct = all(d.device.type == "cpu" for d, *_ in segs) and _tiles(p, segs) and (
             cache is None or len(segs) == 1)
         if direct and len(segs) == 1:
             dst, off, _, _ = segs[0]
             out = dst[off:off + p.nbytes]
-            return lambda: _read_into(source, p.start, out, cache)
+
+            def one() -> None:
+                _read_into(source, p.start, out, cache)
+                feed([out.numpy().data])
+            return one
         if direct:
             bufs = [d[off:off + hi - lo].numpy().data for d, off, lo, hi in segs]
-            return lambda: source.readv_into(p.start, bufs)
+
+            def several() -> None:
+                source.readv_into(p.start, bufs)
+                feed(bufs)
+            return several
 
         def staged() -> None:
             ring = self.ring()
@@ -152,6 +183,7 @@ class _Pipeline:
             try:
                 buf = slot[:p.nbytes]
                 _read_into(source, p.start, buf, cache)
+                feed([buf.numpy().data])
                 copy_segments(buf, segs)
             finally:
                 ring.release(slot)
@@ -197,7 +229,14 @@ class _Pipeline:
                         delivered += 1
                         yield item
             self.ckpt.check_unchanged()
+            for i in sorted({g.shard for g in groups} & set(self.checks)):
+                self.checks[i].final()
+                if self.cache is not None:
+                    s = self.ckpt.shards[i]
+                    self.cache.mark_verified(s.source, s.digest or "")
         finally:
+            for check in self.checks.values():
+                check.abort()  # pieces still waiting for their turn give up, so the pool can shut down
             for f in running:
                 f.cancel()
             pool.shutdown(wait=True, cancel_futures=True)
@@ -213,7 +252,8 @@ class _Pipeline:
                "bytes_planned": sum(g.nbytes for g in groups), "seconds": seconds,
                "source_reads": sum(s.source.reads for s in self.ckpt.shards),
                "source_bytes": sum(s.source.bytes_read for s in self.ckpt.shards),
-               "concurrency": self.concurrency, "block_size": self.o.block_size}
+               "concurrency": self.concurrency, "block_size": self.o.block_size,
+               "digests_checked": len({g.shard for g in groups} & set(self.checks))}
         if self.cache is not None:
             out.update(self.cache.stats())
         return out
@@ -260,10 +300,13 @@ def iter_tensors(uri: str | os.PathLike[str], device: str | torch.device = "cpu"
             group larger than the limit still loads, alone); ``dtype`` (cast F16/BF16/F32/F64 tensors
             to this float dtype; other dtypes are left alone); ``max_header_size``; ``stats`` (a dict
             filled with counters when the iteration ends); ``objects_url`` (where an index may name
-            shards besides its own directory: the ``objects_url`` given to :func:`publish`).
+            shards besides its own directory: the ``objects_url`` given to :func:`publish`); ``verify``
+            (default True: check every object of a published checkpoint against the digest in its name —
+            such an object is then read whole, and a store remembers a version that passed).
 
     Raises:
-        CheckpointError: a malformed or truncated file, index or header (names the file and tensor).
+        CheckpointError: a malformed or truncated file, index or header (names the file and tensor), or
+            a published object whose bytes do not match its name (raised by the iteration, before it ends).
         CheckpointNotFoundError: ``uri`` or a shard named by the index does not exist.
         MissingKeyError: a name in ``names`` is not in the checkpoint.
     """
@@ -271,14 +314,14 @@ def iter_tensors(uri: str | os.PathLike[str], device: str | torch.device = "cpu"
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError(f"device {device} requested but CUDA is not available")
-    ckpt, cache, block_size = _open(uri, store, storage_options, o)
+    ckpt, cache, _ = _open(uri, store, storage_options, o)
     try:
         selected = _select(ckpt, o.names)
     except BaseException:
         ckpt.close()
         raise
-    groups = plan(_shard_tensors(ckpt), selected, block_size, whole=cache is not None)
     pipe = _Pipeline(ckpt, o, cache, staged_device=device.type != "cpu")
+    groups = pipe.plan(selected)
 
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(o.dtype) if o.dtype is not None and t.dtype in CASTABLE and t.dtype != o.dtype else t
@@ -295,7 +338,7 @@ def iter_tensors(uri: str | os.PathLike[str], device: str | torch.device = "cpu"
                 tasks.append(pipe.piece_task(g, p, [(body, p.start - g.start, 0, p.nbytes)]))
             else:
                 segs = _segments(g, p, dests)
-                if segs or cache is not None:
+                if pipe.reads(g, segs):
                     tasks.append(pipe.piece_task(g, p, segs))
         return _Job(g, tasks, g.nbytes,
                     lambda: [(t.name, cast(_view(body, t.start - g.start, t))) for t in g.tensors])
@@ -345,7 +388,7 @@ def load_into(params: Mapping[str, torch.Tensor], uri: str | os.PathLike[str], s
     for name, p in params.items():
         if not isinstance(p, torch.Tensor):
             raise InvalidTypeError(f"params[{name!r}] is {type(p).__name__}, not a torch.Tensor")
-    ckpt, cache, block_size = _open(uri, store, storage_options, o)
+    ckpt, cache, _ = _open(uri, store, storage_options, o)
     try:
         missing = sorted(set(params) - set(ckpt.tensors))
         if missing and strict:
@@ -361,8 +404,8 @@ def load_into(params: Mapping[str, torch.Tensor], uri: str | os.PathLike[str], s
     except BaseException:
         ckpt.close()
         raise
-    groups = plan(_shard_tensors(ckpt), selected, block_size, whole=cache is not None)
     pipe = _Pipeline(ckpt, o, cache, staged_device=any(p.device.type != "cpu" for p in params.values()))
+    groups = pipe.plan(selected)
 
     def prepare(g: Group) -> _Job:
         dests, post, charge = {}, [], 0
@@ -375,8 +418,7 @@ def load_into(params: Mapping[str, torch.Tensor], uri: str | os.PathLike[str], s
                 dests[t.name] = tmp
                 post.append((p, tmp, t))
                 charge += t.nbytes
-        tasks = [pipe.piece_task(g, pc, segs) for pc in g.pieces
-                 if (segs := _segments(g, pc, dests)) or cache is not None]
+        tasks = [pipe.piece_task(g, pc, segs) for pc in g.pieces if pipe.reads(g, segs := _segments(g, pc, dests))]
 
         def finish() -> list[tuple[str, torch.Tensor]]:
             for p, tmp, t in post:

@@ -35,6 +35,7 @@ class Options:
     max_header_size: int | None = None
     stats: dict[str, Any] | None = None
     cache_writes: bool = True
+    verify: bool = True
     objects_url: str | list[str] | tuple[str, ...] | None = None
 
     @classmethod
@@ -54,6 +55,8 @@ class Options:
         if o.objects_url is not None and not (isinstance(o.objects_url, str) or (
                 isinstance(o.objects_url, (list, tuple)) and all(isinstance(u, str) for u in o.objects_url))):
             raise InvalidInputError(f"objects_url must be a URL or a list of URLs, got {o.objects_url!r}")
+        if not isinstance(o.verify, bool):
+            raise InvalidInputError(f"verify must be True or False, got {o.verify!r}")
         if o.dtype is not None and o.dtype not in CASTABLE:
             raise InvalidInputError(f"dtype must be one of {CASTABLE}, got {o.dtype!r}")
         return o

@@ -7,7 +7,9 @@ are yielded together once every byte of it is in. Each group is read as one or m
 
 Without a cache, only selected tensors are packed and gaps (unselected tensors) split groups, so a subset
 load reads only what it needs. With a cache, groups are formed over *every* tensor of the shard so the
-pieces — and hence the cache keys — are the same whatever subset is loaded.
+pieces — and hence the cache keys — are the same whatever subset is loaded. A shard whose digest is
+checked is read *complete* (every byte, in groups that may hold no selected tensor) once any of its tensors
+is selected.
 """
 
 from __future__ import annotations
@@ -61,18 +63,23 @@ def split(start: int, end: int, block_size: int) -> tuple[Piece, ...]:
 
 
 def plan_shard(shard: int, tensors: tuple[TensorInfo, ...], selected: Container[str], block_size: int,
-               whole: bool) -> list[Group]:
+               whole: bool, complete: bool = False) -> list[Group]:
     """Groups for one shard; ``tensors`` in file order, ``selected`` a set of names.
 
     Args:
         whole: pack every tensor (cache-friendly, subset-independent pieces) rather than only selected.
+        complete: read every byte of the shard if any of its tensors is selected.
     """
     groups: list[Group] = []
     members: list[TensorInfo] = []
+    if complete:
+        if not any(t.name in selected for t in tensors):
+            return groups
+        whole = True
 
     def close() -> None:
         chosen = tuple(t for t in members if t.name in selected)
-        if chosen:
+        if chosen or (complete and members):
             start, end = members[0].start, members[-1].end
             groups.append(Group(shard, start, end, chosen, split(start, end, block_size)))
         members.clear()
@@ -89,9 +96,9 @@ def plan_shard(shard: int, tensors: tuple[TensorInfo, ...], selected: Container[
 
 
 def plan(shard_tensors: list[tuple[TensorInfo, ...]], selected: Container[str], block_size: int,
-         whole: bool) -> list[Group]:
-    """Groups of every shard, shard by shard, in file order."""
+         whole: bool, complete: Container[int] = ()) -> list[Group]:
+    """Groups of every shard, shard by shard, in file order; shards in ``complete`` are read whole."""
     out: list[Group] = []
     for i, tensors in enumerate(shard_tensors):
-        out.extend(plan_shard(i, tensors, selected, block_size, whole))
+        out.extend(plan_shard(i, tensors, selected, block_size, whole, i in complete))
     return out

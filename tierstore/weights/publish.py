@@ -3,25 +3,25 @@
 ``publish(src, dst)`` streams ``src`` (anything :func:`iter_tensors` reads) and writes::
 
     dst/model.safetensors.index.json        HF-style index, metadata.format = "tierstore-cas/1"
-    <objects>/<blake2b-256 hex>.safetensors one valid safetensors file per tensor group
+    <objects>/blake3-<hex>.safetensors      one valid safetensors file per tensor group
 
 Large tensors get an object each; small ones (norms, biases) are grouped per layer. An object is named
-by the digest of its bytes, so an object that already exists (and still matches its name) is not written
-again: fine-tunes that share base layers, published to the same ``objects_url``, share those objects — and
-so their cached chunks in a store too (the range cache keys a file's bytes by the file's identity). Any safetensors
-reader can read each object; :func:`tierstore.weights.load` reads ``dst`` back bit-exactly.
+by the BLAKE3 digest of its bytes — checked by every load (:mod:`.digest`) — so an object that already
+exists (and still matches its name) is not written again: fine-tunes that share base layers, published
+to the same ``objects_url``, share those objects — and so their cached chunks in a store too (the range
+cache keys a file's bytes by the file's identity). Any safetensors reader can read each object;
+:func:`tierstore.weights.load` reads ``dst`` back bit-exactly.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import posixpath
 import re
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from ..errors import InvalidInputError
 from ..tensors import byte_view
 from ..tiers.layout import PUBLISH_PREFIX
 from .checkpoint import CAS_LAYOUT, INDEX_SUFFIX, open_checkpoint
+from .digest import object_name
 from .header import build_header
 from .loader import iter_tensors
 from .sources import filesystem, is_local, local_path
@@ -113,14 +114,6 @@ def _object(tensors: list[tuple[str, torch.Tensor]]) -> tuple[str, list[bytes | 
     header = build_header([(n, t.dtype, tuple(t.shape), t.numel() * t.element_size()) for n, t in tensors])
     chunks = [header] + [byte_view(t).numpy().data for _, t in tensors if t.numel()]
     return object_name(chunks), chunks
-
-
-def object_name(data: Iterable[bytes | memoryview]) -> str:
-    """The name of the object whose bytes are ``data`` (in order): their blake2b-256 digest."""
-    h = hashlib.blake2b(digest_size=32)
-    for block in data:
-        h.update(block)
-    return h.hexdigest() + ".safetensors"
 
 
 def publish(src: str | os.PathLike[str], dst_url: str, *, storage_options: dict[str, Any] | None = None,

@@ -93,7 +93,9 @@ class LocalFileSource(Source):
         st = os.fstat(self._fd)
         self.size = st.st_size
         self._version = _file_version(st)
-        self._identity = f"file\0{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}".encode()
+        # ctime too: a rewrite in place whose mtime was set back still changes it
+        self._identity = (f"file\0{os.path.realpath(path)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}"
+                          f"\0{st.st_ctime_ns}").encode()
 
     def identity(self) -> bytes:
         return self._identity
