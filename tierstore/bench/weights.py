@@ -8,6 +8,8 @@ Measures, on one synthetic Llama-like checkpoint (written once under ``--dir`` a
   every one filling the same preallocated parameters: safetensors ``load_file`` + copy, ``safe_open``
   per tensor, tierstore ``load_into`` (reads straight into the parameters), tierstore ``iter_tensors``
   + copy, Run:ai Model Streamer, fastsafetensors (no GDS), tensorizer (its own format, serialized once);
+* a published (content-addressed) copy, warm: with the digest check on and off, and a second load
+  through a store (host tier), which remembers the object versions that passed;
 * S3 (a local moto server behind :mod:`tierstore.bench.s3shim`: 20 ms to first byte, 90 MB/s per
   connection): the server's raw ceiling (concurrent ranged GETs straight to moto), one s3fs stream,
   tierstore without a store, and through a store (host + disk tiers): first load, then second load.
@@ -157,6 +159,32 @@ def _local(args, res: Results, paths, directory, params, only) -> None:
                 res.rows[-1]["note"] = "WRONG DATA in the parameters"
 
 
+def _published(args, res: Results, directory: str, params) -> None:
+    """What the digest check of a published checkpoint costs: the same load with it on and off, and the
+    second load through a store (which remembers the versions that passed)."""
+    import tierstore
+    import tierstore.weights as tw
+
+    pub = directory + "-published"
+    done = os.path.join(pub, ".complete-blake3")  # (objects published before had blake2b names)
+    if not os.path.exists(done):
+        shutil.rmtree(pub, ignore_errors=True)
+        print(f"publishing the checkpoint to {pub} (once) ...", flush=True)
+        tw.publish(directory, pub)
+        open(done, "w").close()
+    opts = {k: v for k, v in (("concurrency", args.concurrency), ("block_size", args.block_size)) if v}
+    with tierstore.open({"tiers": [{"kind": "host", "capacity": 2 * res.total + (64 << 20)}]}) as store:
+        rows = [("tierstore load_into, published: digest checked", {}),
+                ("tierstore load_into, published: verify=False", {"verify": False}),
+                ("tierstore load_into, published, store: 2nd load", {"store": store})]
+        for name, kw in rows:
+            for t in params.values():
+                t.zero_()
+            _run_row(res, "warm", name, lambda kw=kw: tw.load_into(params, pub, **opts, **kw), False, args.repeat)
+            if res.rows[-1]["gbps"] is not None and not _verify(directory, params):
+                res.rows[-1]["note"] = "WRONG DATA in the parameters"
+
+
 def _verify(uri, params) -> bool:
     """Check (untimed) that the last load left the checkpoint's bytes in every parameter."""
     from safetensors import safe_open
@@ -295,6 +323,8 @@ def run(args) -> int:
           f"{os.cpu_count()} CPUs", flush=True)
     res = Results(total)
     _local(args, res, paths, directory, params, only)
+    if only is None or any("published" in o for o in only):
+        _published(args, res, directory, params)
     if not args.no_s3:
         _s3(args, res, directory, params, size)
     targets = _targets(res)
