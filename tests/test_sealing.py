@@ -138,6 +138,13 @@ def _flip_payload(data: bytes, keys: dict) -> bytes:
     return reencode(data, payload=bytes(payload))  # checksum made valid again, seal left as it was
 
 
+def _damage_payload(data: bytes, keys: dict) -> bytes:
+    hdr = objformat.parse_header(data)
+    out = bytearray(data)
+    out[hdr.payload_offset + (len(data) - hdr.payload_offset) // 3] ^= 0x01  # checksum left stale: damage
+    return bytes(out)
+
+
 def _copy_from_other_key(data: bytes, keys: dict) -> bytes:
     other = keys["other"]
     return reencode(other, lambda h: h.update(key=keys["this"].hex()))
@@ -166,6 +173,7 @@ def _strip_seal(data: bytes, keys: dict) -> bytes:
 
 ATTACKS = {  # name: (rewrite the stored object, counter that must see it)
     "overwrite in place": (_flip_payload, "forged"),
+    "a damaged byte (checksum stale)": (_damage_payload, "corrupt"),  # the MAC stands for the checksum
     "copy a valid object to another key": (_copy_from_other_key, "forged"),
     "copy it byte for byte": (lambda data, keys: keys["other"], "corrupt"),  # the header names another key
     "truncate": (lambda data, keys: data[:-100], "corrupt"),

@@ -144,6 +144,11 @@ class Encoded:
         """The object's xxh3-128 checksum field (bytes 16-32 of the object)."""
         return bytes(memoryview(self.parts[0]).cast("B")[16:32])
 
+    def intact(self) -> bool:
+        """Whether the checksum field matches the header region and payload."""
+        first = memoryview(self.parts[0]).cast("B")
+        return checksum(first[PREFIX_SIZE:], self.parts[1:]) == self.checksum
+
     def tobytes(self) -> bytes:
         return b"".join(bytes(p) for p in self.parts)
 
@@ -426,15 +431,19 @@ def decompress(stored: Any, hdr: Header) -> torch.Tensor:
     return out
 
 
-def verified(buf: torch.Tensor | bytes | bytearray, expected_key: ChunkKey) -> Encoded:
+def verified(buf: torch.Tensor | bytes | bytearray, expected_key: ChunkKey, sealed_checked: bool = False) -> Encoded:
     """A whole object checked (header, size, checksum) but not decoded, as an :class:`Encoded`; raises
-    :class:`CorruptObjectError` if it is damaged."""
+    :class:`CorruptObjectError` if it is damaged. ``sealed_checked``: the caller opens a sealed object's
+    seal itself (its MAC covers what the checksum does), so a sealed object's checksum is not computed."""
     if not isinstance(buf, torch.Tensor):
         data = bytearray(buf)
         buf = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     mv = buf.numpy().data if buf.numel() else memoryview(b"")
     hdr = parse_header(mv, expected_key, object_size=len(mv))
-    verify(mv, hdr)
+    if not (sealed_checked and hdr.seal is not None):
+        verify(mv, hdr)
+    elif len(mv) != hdr.object_size:
+        raise CorruptObjectError(f"object is {len(mv)} bytes, header says {hdr.object_size}")
     return Encoded.of_object(buf, hdr)
 
 

@@ -25,26 +25,43 @@ from __future__ import annotations
 import hmac
 import struct
 from dataclasses import replace
+from typing import Any
 
 import blake3
 
 from .errors import ForgedObjectError
 from .keyring import Keyring
-from .objformat import MAGIC, PREFIX_SIZE, SEALED_VERSION, TAG_SIZE, Encoded, Seal, checksum, header_region
+from .objformat import (
+    MAGIC,
+    PREFIX_SIZE,
+    SEALED_VERSION,
+    TAG_SIZE,
+    Encoded,
+    Header,
+    Seal,
+    checksum,
+    header_region,
+)
 
 CONTEXT = b"tierstore sealed object v2\0"
 ALG = "blake3"
 _HEAD = struct.Struct("<8sII")  # magic, version, header length: the prefix before its checksum
 
 
-def _tag(key: bytes, head: memoryview, region: memoryview, payload: list[object]) -> bytes:
+def _begin(key: bytes, head: memoryview, region: memoryview) -> Any:
+    """The keyed hasher fed what the tag covers before the payload: context, prefix, header JSON."""
     h = blake3.blake3(key=key)
     h.update(CONTEXT)
     h.update(head)
     h.update(region)
+    return h
+
+
+def _tag(key: bytes, head: memoryview, region: memoryview, payload: list[object]) -> bytes:
+    h = _begin(key, head, region)
     for part in payload:
-        h.update(part)  # type: ignore[arg-type]  # buffers
-    return h.digest()
+        h.update(part)  # buffers
+    return bytes(h.digest())
 
 
 def seal(enc: Encoded, keyring: Keyring) -> Encoded:
@@ -62,21 +79,34 @@ def seal(enc: Encoded, keyring: Keyring) -> Encoded:
 
 
 def open_sealed(enc: Encoded, keyring: Keyring) -> None:
-    """Check a verified (checksummed) object's seal against ``keyring``; raise :class:`ForgedObjectError`
-    saying why it does not open. An unsealed object passes only under ``legacy: read``."""
-    name = enc.header.key.hex()
-    got = enc.header.seal
-    if got is None:
+    """Check a parsed object's seal against ``keyring``; raise :class:`ForgedObjectError` saying why it
+    does not open. An unsealed object passes only under ``legacy: read``."""
+    if enc.header.seal is None:
         if keyring.legacy == "read":
             return
-        raise ForgedObjectError(f"object {name} is not sealed (written without a key, or before sealing was "
-                                f"turned on: auth.legacy: read accepts those)")
-    key = keyring.mac_key(got.kid)
+        raise ForgedObjectError(f"object {enc.header.key.hex()} is not sealed (written without a key, or before "
+                                f"sealing was turned on: auth.legacy: read accepts those)")
+    h = start(enc.header, memoryview(enc.parts[0]).cast("B"), keyring)
+    for part in enc.parts[1:]:
+        h.update(part)
+    finish(enc.header, h)
+
+
+def start(hdr: Header, first: memoryview, keyring: Keyring) -> Any:
+    """The MAC of the sealed object whose bytes before the payload are ``first``, fed up to its payload: feed
+    the payload, then :func:`finish` (a reader can hash the payload as it reads it). Raises
+    :class:`ForgedObjectError` when the object is sealed with a key id ``keyring`` lacks."""
+    assert hdr.seal is not None
+    key = keyring.mac_key(hdr.seal.kid)
     if key is None:
-        raise ForgedObjectError(f"object {name} is sealed with key id {got.kid!r}, which this reader does not "
-                                f"hold (it holds {', '.join(keyring.keys)})")
-    first = memoryview(enc.parts[0]).cast("B")
-    want = _tag(key, first[:_HEAD.size], first[PREFIX_SIZE:len(first) - TAG_SIZE], enc.parts[1:])
-    if not hmac.compare_digest(want, got.tag):
-        raise ForgedObjectError(f"object {name}: its seal (key id {got.kid!r}) does not match its bytes "
-                                f"(altered, or sealed without the key)")
+        raise ForgedObjectError(f"object {hdr.key.hex()} is sealed with key id {hdr.seal.kid!r}, which this reader "
+                                f"does not hold (it holds {', '.join(keyring.keys)})")
+    return _begin(key, first[:_HEAD.size], first[PREFIX_SIZE:hdr.payload_offset - TAG_SIZE])
+
+
+def finish(hdr: Header, mac: Any) -> None:
+    """Compare the MAC fed by :func:`start` and the payload with the object's tag."""
+    assert hdr.seal is not None
+    if not hmac.compare_digest(mac.digest(), hdr.seal.tag):
+        raise ForgedObjectError(f"object {hdr.key.hex()}: its seal (key id {hdr.seal.kid!r}) does not match its "
+                                f"bytes (altered, or sealed without the key)")

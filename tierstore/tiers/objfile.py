@@ -12,6 +12,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import xxhash
@@ -90,7 +92,7 @@ def read_object(fd: int, st: os.stat_result, key: ChunkKey) -> TensorDict:
         UnsupportedObjectError: intact, but this reader cannot represent it.
         MemoryError: the object does not fit in memory now.
     """
-    buf, hdr = read_verified(fd, st, key)
+    buf, hdr, _ = read_verified(fd, st, key)
     hdr.require_supported()
     payload = buf[hdr.payload_offset:]
     if hdr.codec == "zstd":
@@ -100,22 +102,34 @@ def read_object(fd: int, st: os.stat_result, key: ChunkKey) -> TensorDict:
 
 def read_encoded(fd: int, st: os.stat_result, key: ChunkKey) -> objformat.Encoded:
     """The whole open object, verified but not decoded (what another tier that stores objects writes as is)."""
-    return objformat.Encoded.of_object(*read_verified(fd, st, key))
+    buf, hdr, _ = read_verified(fd, st, key)
+    return objformat.Encoded.of_object(buf, hdr)
 
 
-def read_verified(fd: int, st: os.stat_result, key: ChunkKey) -> tuple[torch.Tensor, objformat.Header]:
+def read_verified(fd: int, st: os.stat_result, key: ChunkKey, mac_for: Callable[[objformat.Header, memoryview], Any]
+                  | None = None) -> tuple[torch.Tensor, objformat.Header, Any]:
     """Read the whole open object into one fresh uint8 buffer, checking header, size and checksum on the way:
-    ``(buffer, header)``. Raises as :func:`read_object` (not :class:`UnsupportedObjectError`: nothing is decoded)."""
+    ``(buffer, header, mac)``. Raises as :func:`read_object` (not :class:`UnsupportedObjectError`: nothing is
+    decoded).
+
+    ``mac_for(header, bytes before the payload)`` may return a hasher (a sealed object's MAC, primed): the
+    payload is then fed to it as it is read, while in cache, instead of the checksum, and it comes back as
+    ``mac`` for the caller to check; otherwise ``mac`` is None and the checksum was checked."""
     head, hdr = read_header(fd, st, key)
     buf = objformat.alloc_bytes(st.st_size)
     mv = buf.numpy().data if st.st_size else memoryview(bytearray(0))
     mv[:len(head)] = head
-    h = xxhash.xxh3_128(memoryview(head)[objformat.PREFIX_SIZE:])
+    mac = mac_for(hdr, mv[:hdr.payload_offset]) if mac_for is not None else None
+    if mac is not None:
+        h = mac
+        h.update(mv[hdr.payload_offset:len(head)])
+    else:
+        h = xxhash.xxh3_128(memoryview(head)[objformat.PREFIX_SIZE:])
     os.lseek(fd, len(head), os.SEEK_SET)
     got = len(head) + read_into(fd, [mv[len(head):]], h)
     if got != st.st_size:
         raise CorruptObjectError(f"short read: {got} of {st.st_size} bytes")
-    if h.digest() != head[16:32]:
+    if mac is None and h.digest() != head[16:32]:
         raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
-    return buf, hdr
+    return buf, hdr, mac
 

@@ -549,26 +549,40 @@ class RemoteTier(Tier):
 
     def _read_verified(self, key: ChunkKey) -> tuple[objformat.Encoded, float]:
         """``key``'s whole object, checked (header, size, checksum and, with keys, its seal) but not decoded,
-        and its modification time (0 when unknown)."""
+        and its modification time (0 when unknown). With keys, a sealed object's MAC stands for its checksum
+        (on a mount it is computed as the object is read, while in cache)."""
         path = self._path(key)
-        if self._local:  # a mount: read like the disk tier (no symlinks, no FIFOs, sizes checked first)
-            fd, st = objfile.open_object(path)
-            try:
-                enc = objfile.read_encoded(fd, st, key)
-            finally:
-                os.close(fd)
-            modified = st.st_mtime
-        else:
-            raw, modified = self._read(path)
-            enc = objformat.verified(raw, key)
+        mac = None
+        try:
+            if self._local:  # a mount: read like the disk tier (no symlinks, no FIFOs, sizes checked first)
+                fd, st = objfile.open_object(path)
+                try:
+                    buf, hdr, mac = objfile.read_verified(fd, st, key, self._mac_for)
+                finally:
+                    os.close(fd)
+                enc, modified = objformat.Encoded.of_object(buf, hdr), st.st_mtime
+            else:
+                raw, modified = self._read(path)
+                enc = objformat.verified(raw, key, sealed_checked=self.keyring is not None)
+            if self.keyring is not None:
+                try:
+                    if mac is not None:
+                        sealing.finish(enc.header, mac)
+                    else:
+                        sealing.open_sealed(enc, self.keyring)
+                except ForgedObjectError:
+                    if enc.header.seal is not None and not enc.intact():  # damaged, not (only) forged
+                        raise CorruptObjectError(f"checksum mismatch for {key.hex()}") from None
+                    raise
+        except ForgedObjectError:
+            self._mark_refused(key, True)
+            raise
         if self.keyring is not None:
-            try:
-                sealing.open_sealed(enc, self.keyring)
-            except ForgedObjectError:
-                self._mark_refused(key, True)
-                raise
             self._mark_refused(key, False)
         return enc, modified
+
+    def _mac_for(self, hdr: objformat.Header, first: memoryview) -> Any:
+        return sealing.start(hdr, first, self.keyring) if self.keyring is not None and hdr.seal is not None else None
 
     def _mark_refused(self, key: ChunkKey, refused: bool) -> None:
         with self._cond:
