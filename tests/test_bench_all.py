@@ -69,7 +69,7 @@ def test_bench_all_quick_writes_report_and_plots(tmp_path, capsys):
                                              for p in ("load+scatter", "load_into", "load_into layerwise")]
     for row, got in zip(paged, results["sections"]["kv"]["paged_load"], strict=True):
         assert number(row[4]) == pytest.approx(1e3 * got["ttft_s"], abs=0.06)
-    targets = by_head[("target (issues 9, 17, 19, 21)", "measured", "ratio", "target", "")]
+    targets = by_head[("target (issues 9, 17, 19, 20, 21)", "measured", "ratio", "target", "")]
     assert any(r[0].startswith("gc of") and r[4] == "met" for r in targets)
     assert all(r["object_gets"] == 0 for r in results["sections"]["gc"])
     assert [r["instances"] for r in results["sections"]["fleet"]] == [2, 4]
@@ -77,6 +77,9 @@ def test_bench_all_quick_writes_report_and_plots(tmp_path, capsys):
     assert sum(r[0].startswith("put/get of") and "metrics on" in r[0] for r in targets) == 1
     m = results["sections"]["metrics"]
     assert m["on_s"] > 0 and m["off_s"] > 0 and m["scrapes"] > 0
+    assert sum("auth on ≥" in r[0] for r in targets) == 4  # remote and promoted-disk reads, file:// and S3
+    trust = by_head[("backend", "read", "auth off, ms", "auth on, ms", "on ÷ off", "target")]
+    assert [r[0] for r in trust] == ["file", "file", "s3", "s3"] and all(number(r[4]) > 0 for r in trust)
     assert targets and all(r[4] in ("met", "missed") for r in targets)
     assert sum(r[0].startswith("KV TTFT") for r in targets) == 4
     assert sum(r[0].startswith("get_many of") for r in targets) == 2  # promotion: retain, and a concurrent put

@@ -107,6 +107,11 @@ def run(args: argparse.Namespace) -> int:
         from . import metrics
         sections["metrics"] = metrics.measure(64, 4096, 21 if quick else 101)
 
+        step("trust: what sealing a shared tier costs a reader (file:// and S3)")
+        from . import trust
+        sections["trust"] = trust.measure(8 if quick else 32, (256 << 10) if quick else (4 << 20),
+                                          3 if quick else 15, workdir=tmp)
+
         step("gc: keeping a shared prefix within budget, requests vs object count")
         from . import gc
         sections["gc"] = gc.measure([1000] if quick else [1000, 10000], [1000] if quick else [1000, 10000, 100000],

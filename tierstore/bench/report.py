@@ -188,6 +188,12 @@ def _metrics(m: dict[str, Any]) -> str:
     return table(m)
 
 
+def _trust(t: dict[str, Any]) -> str:
+    from .trust import table
+
+    return table(t)
+
+
 def _targets(s: dict[str, Any]) -> str:
     rows: list[list[str]] = []
 
@@ -243,6 +249,16 @@ def _targets(s: dict[str, Any]) -> str:
         m = s["metrics"]
         add(f"put/get of {format_size(m['size'])} chunks, metrics on ≥ 0.97× off", f"{m['us_per_call_on']:.1f} µs "
             f"vs {m['us_per_call_off']:.1f} µs per call", m["on_vs_off"] / 0.97, 1.0)
+    if "trust" in s:
+        t = s["trust"]
+        n = f"{t['count']} × {format_size(t['size'])}"
+        for backend, b in t["backends"].items():
+            m = b["remote_get_many"]
+            add(f"{backend} remote get_many of {n}: auth on ≥ 0.9× off", f"{1e3 * m['on_s']:.0f} ms vs "
+                f"{1e3 * m['off_s']:.0f} ms", m["on_vs_off"] / 0.9, 1.0)
+            m = b["promoted_disk_load"]
+            add(f"disk load of {n} promoted from {backend}: auth on ≥ 0.95× off", f"{1e3 * m['on_s']:.1f} ms vs "
+                f"{1e3 * m['off_s']:.1f} ms", m["on_vs_off"] / 0.95, 1.0)
     for r in s.get("kv", {}).get("paged_load", []):
         if r["path"] != "load+scatter":
             add(f"KV TTFT {r['path']} vs load+scatter ({r['tier']}, {s['kv']['meta'].get('paged_tokens', '?')} "
@@ -253,7 +269,7 @@ def _targets(s: dict[str, Any]) -> str:
             _ratio(2.0, big["lookup_us_per_key"]), 1.0)
         add(f"index ≤ 200 B/key at {big['keys']:,} keys", f"{big['index_bytes_per_key']:.0f} B",
             _ratio(200.0, big["index_bytes_per_key"]), 1.0)
-    return md_table(["target (issues 9, 17, 19, 21)", "measured", "ratio", "target", ""], rows)
+    return md_table(["target (issues 9, 17, 19, 20, 21)", "measured", "ratio", "target", ""], rows)
 
 
 def write_report(results: dict[str, Any], out: str) -> list[str]:
@@ -276,6 +292,7 @@ def write_report(results: dict[str, Any], out: str) -> list[str]:
                 ("promotion", "Promotion and write-back as a reader sees them (S3 shim, 20 ms first byte)",
                  _promotion, None),
                 ("metrics", "What the Prometheus metrics cost the put/get path", _metrics, None),
+                ("trust", "What sealing a shared tier (auth) costs a reader", _trust, None),
                 ("gc", "Keeping a shared prefix within budget (gc --max-size, from listings only)", _gc, None),
                 ("fleet", "A fleet on one S3 prefix with a gc sidecar (instances are threads, each its own store)",
                  _fleet, None),
