@@ -269,3 +269,87 @@ def test_tenants_under_one_master_cannot_open_each_others_objects(prefix, keys_f
     derived = {kid: tenant_secret(s, "acme") for kid, s in read_keys_file(keys_file, "t").items()}
     with tierstore.open(config(url, options, write_keys(tmp_path / "acme", derived))) as store:
         assert torch.equal(store.get(key)["x"], torch.arange(4))
+
+
+# ---------------------------------------------------------------- encryption at rest (auth.encrypt)
+
+def _held(layers, raw: bytes) -> bool:
+    """Whether a 64-byte run of the KV's bytes appears in ``raw`` (the first layer, its middle)."""
+    flat = layers[0].reshape(-1).numpy().tobytes()
+    return flat[len(flat) // 2:len(flat) // 2 + 64] in raw
+
+
+@pytest.mark.parametrize("codec", ["none", "zstd"])
+def test_encrypted_objects_hide_the_kv_and_load_as_before(prefix, keys_file, codec):
+    url, options = prefix
+    genuine = kv_layers(11)
+    cfg = config(url, options, keys_file, encrypt=True)
+    cfg["tiers"][0]["compression"] = codec
+    keys = save(cfg, genuine)
+    attacker = CoWriter(url, options)
+    stored = {k: attacker.read(k) for k in keys}
+    plain = save(config(url + "-plain", options, keys_file), genuine)  # the same KV sealed, not encrypted
+    assert any(_held(genuine, CoWriter(url + "-plain", options).read(k)) for k in plain)
+    assert not any(_held(genuine, raw) for raw in stored.values())
+    hdr = objformat.parse_header(stored[keys[0]])
+    assert hdr.seal is not None and hdr.seal.enc is not None and hdr.seal.enc.alg == "aes-256-gcm"
+    for reader in (cfg, config(url, options, keys_file)):  # a reader that does not encrypt still decrypts
+        loaded, counts = load(reader)
+        assert loaded is not None and all(torch.equal(a, b) for a, b in zip(loaded, genuine, strict=True))
+        assert counts["forged"] == counts["corrupt"] == 0
+    with tierstore.open(cfg) as store:  # the same values put again: the same objects (a synthetic IV)
+        assert all(store.put_many(list(zip(keys, store.get_many(keys), strict=True))))
+        store.flush()
+    assert {k: attacker.read(k) for k in keys} == stored
+
+
+def test_an_encrypted_object_is_a_miss_without_keys_and_is_left_in_place(prefix, keys_file):
+    url, options = prefix
+    keys = save(config(url, options, keys_file, encrypt=True), kv_layers(12))
+    loaded, counts = load(config(url, options))  # a tier with no keys at all
+    assert loaded is None and counts["unsupported"] == len(keys) and counts["hits"] == 0
+    assert all(CoWriter(url, options).exists(k) for k in keys)
+
+
+def test_ciphertext_is_bound_to_its_identity(keys_file):
+    # the AEAD's associated data is the chunk key and key id: ciphertext under another identity does not
+    # decrypt, even for a writer who could make the MAC (the two checks are independent)
+    from tierstore import sealing
+    from tierstore.errors import ForgedObjectError
+    from tierstore.keyring import Keyring
+
+    ring = Keyring.from_options({"keys_file": keys_file, "encrypt": True})
+    a, b = ChunkKey.from_bytes(b"a"), ChunkKey.from_bytes(b"b")
+    sealed = sealing.seal(objformat.encode(a, {"x": torch.arange(1000.0)}), ring)
+    plain = sealing.decrypted(sealed, ring)
+    assert torch.equal(objformat.decode_encoded(plain)["x"], torch.arange(1000.0))
+    assert plain.header.seal is None and plain.intact()  # what local tiers keep: a plain, checksummed object
+    from dataclasses import replace
+    moved = objformat.Encoded(sealed.parts, replace(sealed.header, key=b))
+    with pytest.raises(ForgedObjectError, match="does not decrypt"):
+        sealing.decrypted(moved, ring)
+    flipped = bytearray(sealed.parts[1])
+    flipped[10] ^= 1
+    with pytest.raises(ForgedObjectError, match="does not decrypt"):
+        sealing.decrypted(objformat.Encoded([sealed.parts[0], flipped], sealed.header), ring)
+
+
+def test_promotion_from_an_encrypted_tier_keeps_plain_objects_locally(prefix, keys_file, tmp_path):
+    url, options = prefix
+    genuine = kv_layers(13)
+    keys = save(config(url, options, keys_file, encrypt=True), genuine)
+    remote = config(url, options, keys_file)["tiers"][0]
+    disk = {"kind": "disk", "path": str(tmp_path / "disk")}
+    with tierstore.open({"tiers": [disk, remote], "prefetch_policy": "retain"}) as store:
+        assert all(g is not None for g in store.get_many(keys))
+        store.flush()
+    with tierstore.open({"tiers": [disk]}) as store:  # the disk alone: plain objects it reads itself
+        loaded = KVCacheStore(store, NS, chunk_tokens=C).load(PROMPT)
+        assert loaded is not None and all(torch.equal(a, b) for a, b in zip(loaded, genuine, strict=True))
+        assert store.stats()["tiers"]["disk"]["hits"] == len(keys)
+
+
+def test_encrypt_must_be_a_boolean(keys_file):
+    with pytest.raises(tierstore.ConfigError, match="encrypt"):
+        tierstore.open({"tiers": [{"kind": "remote", "url": "memory://x",
+                                   "auth": {"keys_file": keys_file, "encrypt": "yes"}}]})

@@ -12,6 +12,9 @@ The first entry (or ``write_key``) seals new objects; every entry is accepted on
 without a flag day: add the new key below the old one everywhere, move it to the top (or name it in
 ``write_key``), and drop the old one once its objects are gone (``tierstore gc --older-than``).
 
+With ``encrypt: true`` the payload of every object written is also encrypted (AES-256-GCM, see
+:mod:`tierstore.sealing`), for tenants whose prompts must not be readable on shared storage.
+
 Per-tenant keys come from one master secret by HKDF-SHA256 (RFC 5869): with ``tenant: acme`` each secret
 is first replaced by ``HKDF(secret, info="tenant\\0acme")``. ``tierstore keygen --tenant acme`` prints the
 same derived entries, so a deployment can be given its tenant's keys without the master.
@@ -115,17 +118,24 @@ class Keyring:
 
     ``keys`` maps key ids to the secrets used (tenant-derived already, when a tenant is configured);
     ``write_id`` names the one that seals; ``legacy`` says whether unsealed objects (written before
-    sealing was turned on) are read (``"read"``) or refused as forged (``"refuse"``, the default).
+    sealing was turned on) are read (``"read"``) or refused as forged (``"refuse"``, the default);
+    ``encrypt`` whether objects written are also encrypted (objects read are decrypted either way).
     """
 
     keys: Mapping[str, bytes]
     write_id: str
     legacy: str = "refuse"
+    encrypt: bool = False
 
     def __post_init__(self) -> None:
-        # the MAC key of each id, one derivation away from its secret (a tenant's secret seals like a master)
+        # the MAC and encryption keys of each id, one derivation away from its secret (a tenant's secret
+        # seals like a master)
         mac_keys = {kid: hkdf_sha256(secret, b"object mac\0blake3") for kid, secret in self.keys.items()}
+        enc_keys = {kid: hkdf_sha256(secret, b"object encryption\0aes-256-gcm") for kid, secret in self.keys.items()}
         object.__setattr__(self, "_mac_keys", mac_keys)
+        object.__setattr__(self, "_enc_keys", enc_keys)
+        if not isinstance(self.encrypt, bool):
+            raise ConfigError(f"auth.encrypt: expected true or false, got {self.encrypt!r}")
         if self.write_id not in self.keys:
             raise ConfigError(f"auth.write_key: {self.write_id!r} is not among the keys ({', '.join(self.keys)})")
         if self.legacy not in LEGACY_POLICIES:
@@ -136,14 +146,20 @@ class Keyring:
         key: bytes | None = self._mac_keys.get(kid)  # type: ignore[attr-defined]
         return key
 
+    def encryption_key(self, kid: str) -> bytes | None:
+        """The 32-byte key objects sealed with ``kid`` are encrypted under; ``None`` for an unknown id."""
+        key: bytes | None = self._enc_keys.get(kid)  # type: ignore[attr-defined]
+        return key
+
     def __repr__(self) -> str:  # never print secrets
-        return f"Keyring(ids={list(self.keys)}, write_id={self.write_id!r}, legacy={self.legacy!r})"
+        return (f"Keyring(ids={list(self.keys)}, write_id={self.write_id!r}, legacy={self.legacy!r}, "
+                f"encrypt={self.encrypt})")
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], where: str = "auth") -> Keyring:
         """A keyring from a tier's ``auth`` options (see the module docstring); :class:`ConfigError` names
         what is wrong."""
-        known = {"keys_file", "keys_env", "write_key", "tenant", "legacy"}
+        known = {"keys_file", "keys_env", "write_key", "tenant", "legacy", "encrypt"}
         if not isinstance(options, Mapping):
             raise ConfigError(f"{where}: expected a mapping, got {type(options).__name__}")
         unknown = set(options) - known
@@ -173,7 +189,14 @@ class Keyring:
         write_id = options.get("write_key", next(iter(keys)))
         if not isinstance(write_id, str):
             raise ConfigError(f"{where}.write_key: expected a key id, got {write_id!r}")
-        return cls(keys, write_id, options.get("legacy", "refuse"))
+        encrypt = options.get("encrypt", False)
+        if encrypt is True:
+            try:
+                import cryptography  # noqa: F401
+            except ImportError:
+                raise ConfigError(f"{where}.encrypt needs the cryptography package: pip install "
+                                  f"'tierstore[encryption]'") from None
+        return cls(keys, write_id, options.get("legacy", "refuse"), encrypt)
 
 
 def add_keygen_arguments(p: Any) -> None:

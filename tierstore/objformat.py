@@ -12,8 +12,9 @@ Layout (all integers little-endian)::
 
 A **sealed** object (format version 2, written to shared tiers that have keys: :mod:`tierstore.sealing`)
 has the same layout; its header region ends with a 32-byte MAC tag (after the JSON's padding, so the
-payload stays aligned) and its JSON has ``"seal": {"alg": "blake3", "kid": <key id>}``. Version-1
-readers skip it as unsupported, without deleting it.
+payload stays aligned) and its JSON has ``"seal": {"alg": "blake3", "kid": <key id>}``; an encrypted one
+adds ``"enc": {"alg": "aes-256-gcm", "iv": <64 hex>, "tag": <32 hex>}`` to the seal, its payload being
+the ciphertext (same length). Version-1 readers skip it as unsupported, without deleting it.
 
 Header fields: ``key`` (64 hex chars, must equal the key asked for), ``codec`` (``none``|``zstd``),
 ``raw_size`` (payload bytes before compression), ``stored_size`` (S), ``tensors``: a list of
@@ -57,6 +58,7 @@ VERSION = 1
 SEALED_VERSION = 2
 TAG_SIZE = 32
 SEAL_ALGS = ("blake3",)
+ENCRYPTION_ALGS = ("aes-256-gcm",)
 #: versions above ours that a reader reports as unsupported (a newer writer); others are damage
 MAX_FUTURE_VERSION = 255
 PREFIX = struct.Struct("<8sII16s")
@@ -90,12 +92,34 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class Encryption:
+    """How a sealed object's payload is encrypted: the algorithm, its synthetic IV (from which the
+    object's key is derived) and the AEAD's tag."""
+
+    alg: str
+    iv: bytes
+    tag: bytes
+
+    def fields(self) -> dict[str, str]:
+        return {"alg": self.alg, "iv": self.iv.hex(), "tag": self.tag.hex()}
+
+
+@dataclass(frozen=True)
 class Seal:
-    """A sealed object's MAC: the algorithm, the id of the key it was made with, the tag itself."""
+    """A sealed object's MAC: the algorithm, the id of the key it was made with, the tag itself; and
+    whether (how) its payload is encrypted."""
 
     alg: str
     kid: str
     tag: bytes
+    enc: Encryption | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """The header JSON's ``seal`` field (the tag is not in it: it ends the header region)."""
+        out: dict[str, Any] = {"alg": self.alg, "kid": self.kid}
+        if self.enc is not None:
+            out["enc"] = self.enc.fields()
+        return out
 
 
 @dataclass(frozen=True)
@@ -203,9 +227,9 @@ def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[dict[str, Any]], 
 
 
 def _header_bytes(key: ChunkKey, codec: str, raw_size: int, stored_size: int,
-                  specs: list[dict[str, Any]], seal: Mapping[str, str] | None = None) -> bytes:
-    """The header region: JSON padded with spaces so the payload starts aligned; with ``seal`` (alg, kid)
-    it ends with :data:`TAG_SIZE` zero bytes where the tag goes."""
+                  specs: list[dict[str, Any]], seal: Mapping[str, Any] | None = None) -> bytes:
+    """The header region: JSON padded with spaces so the payload starts aligned; with ``seal`` (its JSON
+    fields) it ends with :data:`TAG_SIZE` zero bytes where the tag goes."""
     header: dict[str, Any] = {"key": key.hex(), "codec": codec, "raw_size": raw_size, "stored_size": stored_size,
                               "tensors": specs}
     tail = 0
@@ -217,7 +241,7 @@ def _header_bytes(key: ChunkKey, codec: str, raw_size: int, stored_size: int,
     return hbytes + b" " * pad + bytes(tail)
 
 
-def header_region(hdr: Header, seal: Mapping[str, str] | None = None) -> bytes:
+def header_region(hdr: Header, seal: Mapping[str, Any] | None = None) -> bytes:
     """The header region of an object with ``hdr``'s key, codec, sizes and tensors (sealed with a zero tag
     when ``seal`` is given): what an existing object's header is rewritten to, its payload unchanged."""
     specs = [{"name": s.name, "dtype": s.dtype_name, "shape": list(s.shape), "offset": s.offset,
@@ -328,7 +352,18 @@ def parse_header(buf: Any, expected_key: ChunkKey | None = None, object_size: in
 def _validate_seal(raw: Any, tag: bytes) -> Seal:
     if not isinstance(raw, dict) or raw.get("alg") not in SEAL_ALGS or not isinstance(raw.get("kid"), str):
         raise CorruptObjectError(f"sealed object has an invalid seal field: {str(raw)[:80]!r}")
-    return Seal(raw["alg"], raw["kid"], tag)
+    enc = raw.get("enc")
+    if enc is None:
+        return Seal(raw["alg"], raw["kid"], tag)
+    try:
+        if not isinstance(enc, dict) or enc.get("alg") not in ENCRYPTION_ALGS:
+            raise ValueError
+        iv, etag = bytes.fromhex(enc["iv"]), bytes.fromhex(enc["tag"])
+        if len(iv) != 32 or len(etag) != 16:
+            raise ValueError
+    except (ValueError, TypeError, KeyError):
+        raise CorruptObjectError(f"sealed object has an invalid encryption field: {str(enc)[:120]!r}") from None
+    return Seal(raw["alg"], raw["kid"], tag, Encryption(enc["alg"], iv, etag))
 
 
 def _int(raw: dict[str, Any], field: str, hi: int = MAX_RAW) -> int:

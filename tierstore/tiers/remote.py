@@ -62,7 +62,14 @@ from fsspec.implementations.local import LocalFileSystem
 
 from .. import objformat, sealing
 from ..config import check_tier_options
-from ..errors import ClosedError, ConfigError, CorruptObjectError, ForgedObjectError, InvalidInputError
+from ..errors import (
+    ClosedError,
+    ConfigError,
+    CorruptObjectError,
+    ForgedObjectError,
+    InvalidInputError,
+    UnsupportedObjectError,
+)
 from ..keyring import Keyring
 from ..keys import ChunkKey
 from ..tensors import TensorDict
@@ -574,6 +581,10 @@ class RemoteTier(Tier):
                     if enc.header.seal is not None and not enc.intact():  # damaged, not (only) forged
                         raise CorruptObjectError(f"checksum mismatch for {key.hex()}") from None
                     raise
+            if enc.header.seal is not None and enc.header.seal.enc is not None:
+                if self.keyring is None:
+                    raise UnsupportedObjectError(f"object {key.hex()} is encrypted and tier {self.name!r} has no keys")
+                enc = sealing.decrypted(enc, self.keyring)
         except ForgedObjectError:
             self._mark_refused(key, True)
             raise
