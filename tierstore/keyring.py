@@ -194,8 +194,8 @@ class Keyring:
             try:
                 import cryptography  # noqa: F401
             except ImportError:
-                raise ConfigError(f"{where}.encrypt needs the cryptography package: pip install "
-                                  f"'tierstore[encryption]'") from None
+                raise ConfigError(f"{where}.encrypt needs the cryptography package (tierstore's 'encryption' "
+                                  f"extra: pip install cryptography)") from None
         return cls(keys, write_id, options.get("legacy", "refuse"), encrypt)
 
 

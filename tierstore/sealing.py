@@ -155,7 +155,7 @@ def decrypted(enc: Encoded, keyring: Keyring) -> Encoded:
         ctx = _cipher(keyring, hdr.seal.kid, hdr.seal.enc.iv, hdr.seal.enc.tag).decryptor()
     except ImportError:
         raise UnsupportedObjectError(f"object {hdr.key.hex()} is encrypted; reading it needs the cryptography "
-                                     f"package (pip install 'tierstore[encryption]')") from None
+                                     f"package (tierstore's 'encryption' extra: pip install cryptography)") from None
     from cryptography.exceptions import InvalidTag
 
     ctx.authenticate_additional_data(_aad(hdr, hdr.seal.kid))
