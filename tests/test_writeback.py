@@ -347,3 +347,22 @@ def test_a_read_only_tier_serves_reads_and_is_never_written(tmp_path, order):
                 assert_same(s.get(key_of(i)), chunk(i, CHUNK))
     with DiskTier(path=shared, read_only=True) as view:
         assert view.keys() == [key_of(0)]  # nothing was written into the read-only directory
+
+
+def test_promotion_and_write_back_count_as_reads_of_the_tier_they_read(tmp_path):
+    # a chunk promoted out of the shared tier, and one written back out of the disk tier, are bytes read
+    # from those tiers (bytes_out, tierstore_read_bytes_total): shared-tier traffic must show
+    shared = {"kind": "remote", "url": (tmp_path / "shared").as_uri()}
+    with tierstore.open({"tiers": [shared]}) as writer:
+        assert writer.put(key_of(1), chunk(1))
+        writer.flush()
+    cfg = {"tiers": [{"kind": "disk", "path": str(tmp_path / "disk")}, shared], "prefetch_policy": "retain"}
+    with tierstore.open(cfg) as store:
+        disk, remote = store.tier("disk"), store.tier("remote")
+        assert_same(store.get(key_of(1)), chunk(1))  # read from the remote, promoted into the disk
+        store.flush()
+        assert remote.stats()["bytes_out"] == remote.used_bytes > 0
+        before = disk.stats()["bytes_out"]
+        assert store.put(key_of(2), chunk(2))
+        store.flush()  # written back: read out of the disk tier as its object
+        assert disk.stats()["bytes_out"] > before

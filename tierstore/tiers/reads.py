@@ -12,7 +12,7 @@ from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
@@ -23,6 +23,8 @@ from ..policy import LRUPolicy
 from ..telemetry import Latency
 from ..tensors import TensorDict, check_outs, fill_out
 from .claims import Claims
+
+R = TypeVar("R")
 
 #: outcomes of reading one object (see ``TierReads._read_checked``)
 OK, MISSING, CORRUPT, UNSUPPORTED, FORGED, ERROR = "ok", "missing", "corrupt", "unsupported", "forged", "error"
@@ -74,14 +76,17 @@ class TierReads:
     def borrowed(self, key: ChunkKey) -> Iterator[TensorDict | None]:
         """Pin ``key`` and yield its tensors without copying where the tier allows (read-only!).
 
-        An internal access: it does not count as a hit or change LRU order.
+        An internal access: it does not count as a hit or change LRU order (its bytes count as read).
         """
         (size,) = self.pin([key], touch=False)
         if size is None:
             yield None
             return
         try:
-            yield self._load_checked(key, size, "cpu", borrow=True)
+            tensors = self._load_checked(key, size, "cpu", borrow=True)
+            if tensors is not None:
+                self._count("bytes_out", size)
+            yield tensors
         finally:
             self.unpin([key])
 
@@ -91,27 +96,28 @@ class TierReads:
         An internal access like :meth:`borrowed` (no hit counted, LRU order unchanged), for copies that
         go to a tier whose eviction may need this one (promotion, write-back from a deeper tier).
         """
-        (size,) = self.pin([key], touch=False)
-        if size is None:
-            return None
-        try:
-            return self._load_checked(key, size, "cpu")
-        finally:
-            self.unpin([key])
+        return self._read_internally(key, lambda size: self._load_checked(key, size, "cpu"))
 
     def copy_encoded(self, key: ChunkKey) -> objformat.Encoded | None:
         """The stored object itself, verified but not decoded, or ``None`` (tiers that :attr:`stores_objects`:
         write-back hands it to another such tier as it is); holds no pin once it returns. An internal
         access like :meth:`copy_out`."""
+        return self._read_internally(key, lambda size: self._read_checked(
+            key, size, "cpu", reader=lambda: self._load_encoded(key, size))[0])
+
+    def _read_internally(self, key: ChunkKey, read: Callable[[int], R | None]) -> R | None:
+        """``read(size)`` with ``key`` pinned; its bytes count as read from this tier (promotion and
+        write-back traffic shows in ``bytes_out``), not as a hit."""
         (size,) = self.pin([key], touch=False)
         if size is None:
             return None
         try:
-            enc: objformat.Encoded | None = self._read_checked(key, size, "cpu",
-                                                                reader=lambda: self._load_encoded(key, size))[0]
-            return enc
+            result = read(size)
         finally:
             self.unpin([key])
+        if result is not None:
+            self._count("bytes_out", size)
+        return result
 
     def _load_encoded(self, key: ChunkKey, size: int) -> objformat.Encoded | None:
         """The stored object, verified, not decoded; ``None`` if it vanished. Raises like :meth:`_load`
