@@ -1,4 +1,4 @@
-"""``tierstore`` command line: demo, bench {tiers,kv,weights,peers,control,promotion,metrics,trust,gc,fleet,all,
+"""``tierstore`` command line: demo, bench {tiers,kv,weights,peers,control,promotion,metrics,trust,serve,gc,fleet,all,
 vllm}, stats, verify, gc, crashtest, keygen.
 
 Each verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
@@ -28,6 +28,7 @@ BENCHES = {
     "control": ("tierstore.bench.control", "lookup cost and index memory per key from 10k to 1M keys"),
     "promotion": ("tierstore.bench.promotion", "what promotion and write-back cost a reader (S3 shim)"),
     "metrics": ("tierstore.bench.metrics", "the put/get path with Prometheus metrics on vs off"),
+    "serve": ("tierstore.bench.serve", "multi-round QA TTFT per round and QPS against an OpenAI-compatible endpoint"),
     "trust": ("tierstore.bench.trust", "what sealing a shared tier (auth) costs a reader: file:// and S3"),
     "gc": ("tierstore.bench.gc", "gc of a shared prefix: requests vs object count (S3 and file://)"),
     "fleet": ("tierstore.bench.fleet", "8-64 instances on one S3 prefix with a gc sidecar: lookup cost vs N"),

@@ -1,0 +1,48 @@
+"""``tierstore bench serve``'s workload and statistics (the HTTP side runs against real vLLM servers in
+``make test-engines``: tests/engines/test_vllm_serve_bench.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tierstore.bench.serve import Record, Workload, hit_rates, percentile, summarize
+
+
+def test_the_workload_is_deterministic_and_shares_only_the_system_prompt():
+    w = Workload(users=3, rounds=2, system_words=40, history_words=30, question_words=5, seed=1)
+    assert w.system(0) == Workload(users=3, rounds=2, system_words=40, history_words=30, question_words=5,
+                                   seed=1).system(0)
+    assert w.system(0) != w.system(1)  # each sweep step on fresh conversations
+    assert w.opening(0, 0) != w.opening(0, 1) and w.question(0, 0, 1) != w.question(0, 0, 2)
+    assert len(w.system(0).split()) == 40 + 2 and len(w.opening(0, 2).split()) == 30 + 3
+    assert w.question(0, 1, 2).endswith("\nAnswer:")
+    with pytest.raises(ValueError, match="users"):
+        Workload(users=0)
+    with pytest.raises(ValueError, match="system_words"):
+        Workload(system_words=-1)
+
+
+def test_percentiles_interpolate():
+    assert percentile([], 0.5) is None
+    assert percentile([3.0], 0.99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5
+    assert percentile(list(map(float, range(101))), 0.9) == pytest.approx(90.0)
+
+
+def test_summary_per_round_and_rounds_after_the_first():
+    recs = [Record(1.0, u, r, 0.0, ttft_s=float(10 * r + u), latency_s=1.0) for u in range(3) for r in (1, 2, 3)]
+    recs.append(Record(1.0, 9, 2, 0.0, error="HTTP 500"))
+    rows = {(r["qps"], r["round"]): r for r in summarize(recs)}
+    assert rows[(1.0, "1")]["requests"] == 3 and rows[(1.0, "1")]["p50"] == 11.0
+    assert rows[(1.0, "2")]["errors"] == 1 and rows[(1.0, "2")]["requests"] == 4
+    assert rows[(1.0, "2+")]["requests"] == 7 and rows[(1.0, "2+")]["p50"] == 26.0
+
+
+def test_hit_rates_over_an_interval():
+    before = {"tierstore_kv_lookup_tokens_total": {"": 100.0}, "tierstore_kv_hit_tokens_total": {"host": 50.0},
+              "vllm:prefix_cache_queries_total": {"": 10.0}, "vllm:prefix_cache_hits_total": {"": 5.0}}
+    after = {"tierstore_kv_lookup_tokens_total": {"": 300.0},
+             "tierstore_kv_hit_tokens_total": {"host": 100.0, "remote": 100.0},
+             "vllm:prefix_cache_queries_total": {"": 110.0}, "vllm:prefix_cache_hits_total": {"": 30.0}}
+    assert hit_rates(before, after) == {"tierstore host": 0.25, "tierstore remote": 0.5, "vllm prefix cache": 0.25}
+    assert hit_rates({}, {}) == {}
