@@ -250,6 +250,52 @@ def test_cpu_backend_layout_is_read_as_the_backend_reads_it():
         paged_view(torch.zeros(4, BLOCK, 576), BLOCK, HEADS, DIM)
 
 
+def test_queued_saves_are_bounded_by_bytes_not_by_count(tmp_path, monkeypatch):
+    # review #5: a count of 64 queued saves is ~64 GiB at 8k-token prompts of an 8B model; the copies a
+    # worker holds for queued writes are bounded by save_memory bytes instead
+    import tierstore_vllm.worker as worker_mod
+
+    gate = threading.Event()
+    real = worker_mod.save_prefix
+    monkeypatch.setattr(worker_mod, "save_prefix", lambda kv, spec, layers: (gate.wait(30), real(kv, spec, layers))[1])
+    probe = Engine(tmp_path, tiers(tmp_path, "probe"), tp=1, engine_id="probe", caches_seed=1)
+    one_save = sum(t.numel() * t.element_size() for t in kv_of(probe, 0, A_BLOCKS))
+    probe.close()
+    e = Engine(tmp_path, tiers(tmp_path), tp=1, caches_seed=1, save_memory=one_save * 3 // 2)
+    (w,) = e.workers
+
+    def prefill(rid: str, prompt: list[int]) -> None:  # one step, the saver left to run in the background
+        plan = e.scheduler.build_plan(SchedulerOutput([NewRequestData(rid, prompt, (A_BLOCKS,), 0)],
+                                                      num_scheduled_tokens={rid: len(prompt)}))
+        assert len(plan.saves) == 1
+        w.bind(plan)
+        w.start_load()
+        for name in LAYER_NAMES:
+            w.wait_for_layer(name)
+            w.save_layer(name)
+        w.wait_for_save()
+
+    try:
+        for i in range(3):
+            prefill(f"r{i}", [i * 1000 + t for t in PROMPT])
+        assert w.counters["saves_dropped"] == 2  # the first is queued; the next two would go over the budget
+        gate.set()
+        w.drain(timeout=30)
+        assert w.counters["saved_tokens"] == HIT
+        prefill("r3", [3000 + t for t in PROMPT])  # room again
+        w.drain(timeout=30)
+        assert w.counters["saves_dropped"] == 2 and w.counters["saved_tokens"] == 2 * HIT
+    finally:
+        gate.set()
+        e.close()
+    tiny = Engine(tmp_path, tiers(tmp_path, "tiny"), tp=1, engine_id="tiny", caches_seed=1, save_memory=1)
+    try:  # a save larger than the whole budget still goes when nothing else is queued
+        assert tiny.serve(Request("big", PROMPT), A_BLOCKS) == 0
+        assert tiny.workers[0].counters["saved_tokens"] == HIT and tiny.workers[0].counters["saves_dropped"] == 0
+    finally:
+        tiny.close()
+
+
 def test_options_are_checked():
     with pytest.raises(ConfigError, match="unknown"):
         ConnectorOptions.parse({"config": {"tiers": []}, "chunk": 3})
@@ -259,6 +305,11 @@ def test_options_are_checked():
     assert opts.chunk_size(16) == 256 and opts.chunk_size(128) == 256 and opts.chunk_size(512) == 512
     with pytest.raises(ConfigError, match="multiple"):
         ConnectorOptions.parse({"config": {}, "chunk_tokens": 100}).chunk_size(16)
+    assert ConnectorOptions.parse({"config": {}, "save_memory": "256MiB"}).save_memory == 256 << 20
+    assert ConnectorOptions.parse({"config": {}}).save_memory == 1 << 30
+    for bad in ("lots", -1, 0, True):
+        with pytest.raises(ConfigError, match="save_memory"):
+            ConnectorOptions.parse({"config": {}, "save_memory": bad})
 
 
 def test_the_fakes_never_import_vllm():

@@ -106,7 +106,8 @@ class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
                                 tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size)
         store = open_store(rank_config(options.config, tp_rank, tp_size, pp_rank, pp_size))
         self._worker = WorkerSide(store, namespace, chunk_tokens=self._chunk_tokens, block_size=spec.block_size,
-                                  num_kv_heads=spec.num_kv_heads, head_size=spec.head_size)
+                                  num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
+                                  save_memory=options.save_memory)
         self._server = LookupServer(socket_path(options.socket_dir, engine_id, tp_rank, pp_rank),
                                     self._worker.answer)
         self._deltas = StatsDeltas(store, rank=f"tp{tp_rank}pp{pp_rank}")

@@ -14,6 +14,7 @@ from typing import Any
 from tierstore import engines
 from tierstore.config import read_config
 from tierstore.errors import ConfigError
+from tierstore.sizes import parse_size
 
 from .lookup import private_dir
 
@@ -21,7 +22,7 @@ log = logging.getLogger("tierstore_vllm")
 
 #: Keys of ``kv_connector_extra_config`` the connector understands.
 OPTION_KEYS = {"config", "chunk_tokens", "model_id", "revision", "lookup_timeout_s", "remote_wait_s",
-               "socket_dir", "load_failure_policy"}
+               "socket_dir", "load_failure_policy", "save_memory"}
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,10 @@ class ConnectorOptions:
     load_failure_policy:
         ``"recompute"`` (default): a chunk that vanished between lookup and load is recomputed, so the
         connector sets vLLM's ``kv_load_failure_policy`` to it; ``"fail"`` keeps vLLM's setting.
+    save_memory:
+        Bytes (or a size string) of KV a worker may hold copied out of the paged cache while its writes to
+        the store are queued (default 1 GiB); a save that would go over is dropped and counted
+        (``saves_dropped``), a prompt larger than the budget is saved when nothing else is queued.
     """
 
     config: dict[str, Any]
@@ -59,6 +64,7 @@ class ConnectorOptions:
     remote_wait_s: float = 5.0
     socket_dir: str | None = None
     load_failure_policy: str = "recompute"
+    save_memory: int = 1 << 30
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -83,7 +89,11 @@ class ConnectorOptions:
         if policy not in ("recompute", "fail"):
             raise ConfigError(f"kv_connector_extra_config.load_failure_policy must be 'recompute' or 'fail', "
                               f"got {policy!r}")
+        save_memory = parse_size(extra.get("save_memory", cls.save_memory), key="kv_connector_extra_config.save_memory")
+        if save_memory < 1:
+            raise ConfigError("kv_connector_extra_config.save_memory must be positive")
         return cls(config=config, load_failure_policy=policy, chunk_tokens=chunk, model_id=extra.get("model_id"),
+                   save_memory=save_memory,
                    revision=extra.get("revision"),
                    lookup_timeout_s=float(extra.get("lookup_timeout_s", cls.lookup_timeout_s)),
                    remote_wait_s=float(extra.get("remote_wait_s", cls.remote_wait_s)),

@@ -25,7 +25,8 @@ from .plan import LoadSpec, SaveSpec, StepPlan
 log = logging.getLogger("tierstore_vllm")
 
 #: Saves queued beyond this many are dropped (counted): a slow tier never holds the engine's memory.
-MAX_PENDING_SAVES = 64
+#: default bytes of KV copied out of the paged cache and not yet written to the store (``save_memory``)
+SAVE_MEMORY = 1 << 30
 #: tenants (``cache_salt`` values) whose KV cache objects a worker keeps; more are rebuilt on use
 TENANTS_KEPT = 64
 
@@ -62,8 +63,9 @@ class WorkerSide:
     """
 
     def __init__(self, store: tierstore.TieredStore, namespace: KVNamespace, *, chunk_tokens: int,
-                 block_size: int, num_kv_heads: int, head_size: int):
+                 block_size: int, num_kv_heads: int, head_size: int, save_memory: int = SAVE_MEMORY):
         self.store = store
+        self.save_memory = save_memory
         self.namespace = namespace.replace(chunk_tokens=chunk_tokens)
         self.chunk_tokens = chunk_tokens
         self.block_size = block_size
@@ -81,7 +83,7 @@ class WorkerSide:
         self._loads: list[tuple[LoadSpec, LayerwiseLoad | None]] = []
         self._gathered: dict[str, list[torch.Tensor]] = {}
         self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierstore-vllm-save")
-        self._pending_saves = 0
+        self._pending_bytes = 0  # of the copies queued saves hold (bounded by save_memory)
         self._state = threading.Lock()
         self._failed_blocks: set[int] = set()
         self.counters = dict.fromkeys(("lookups", "loaded_tokens", "load_failed_tokens", "saved_tokens",
@@ -227,14 +229,15 @@ class WorkerSide:
             layers = gathered.get(spec.req_id)
             if not layers or len(layers) != len(self._views):
                 continue
-            with self._state:
-                if self._pending_saves >= MAX_PENDING_SAVES:
+            size = sum(t.numel() * t.element_size() for t in layers)
+            with self._state:  # a save larger than the budget still goes when none is queued
+                if self._pending_bytes and self._pending_bytes + size > self.save_memory:
                     self.counters["saves_dropped"] += 1
                     continue
-                self._pending_saves += 1
-            self._saver.submit(self._save, spec, layers)
+                self._pending_bytes += size
+            self._saver.submit(self._save, spec, layers, size)
 
-    def _save(self, spec: SaveSpec, layers: list[torch.Tensor]) -> None:
+    def _save(self, spec: SaveSpec, layers: list[torch.Tensor], size: int) -> None:
         try:
             self._count("saved_tokens", save_prefix(self.kv(spec.tenant), spec, layers))
         except Exception as exc:  # a failed save is a future miss, never an engine error
@@ -242,7 +245,7 @@ class WorkerSide:
             log.warning("tierstore: save of %s failed: %r", spec.req_id, exc)
         finally:
             with self._state:
-                self._pending_saves -= 1
+                self._pending_bytes -= size
 
     def take_failed_blocks(self) -> set[int]:
         self._finish_loads()
