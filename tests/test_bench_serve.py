@@ -46,3 +46,18 @@ def test_hit_rates_over_an_interval():
              "vllm:prefix_cache_queries_total": {"": 110.0}, "vllm:prefix_cache_hits_total": {"": 30.0}}
     assert hit_rates(before, after) == {"tierstore host": 0.25, "tierstore remote": 0.5, "vllm prefix cache": 0.25}
     assert hit_rates({}, {}) == {}
+
+
+def test_configurations_compare_against_recompute_and_the_prefix_cache():
+    from tierstore.bench.serve import Result, compare
+
+    w = Workload(users=1, rounds=2)
+
+    def result(r1: float, r2: float, answer: str) -> Result:
+        return Result(w, "u", "m", [Record(1.0, 0, 1, 0.0, ttft_s=r1, latency_s=r1, text="a"),
+                                    Record(1.0, 0, 2, 0.0, ttft_s=r2, latency_s=r2, text=answer)])
+    text = compare({"recompute": result(4.0, 4.0, "b"), "prefix-cache": result(4.0, 2.0, "b"),
+                    "tierstore": result(4.0, 0.5, "c")})
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in text.splitlines()[2:]}
+    assert rows["tierstore"][3:6] == ["8.00×", "4.00×", "1"]  # 4 s / 0.5 s, 2 s / 0.5 s, one answer differs
+    assert rows["recompute"][3:6] == ["1.00×", "0.50×", "0"]

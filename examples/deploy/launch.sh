@@ -8,7 +8,9 @@
 #
 # Then send traffic to http://$HOST:$ROUTER_PORT/v1. Settings (environment):
 #   MODEL           the model both instances serve (required)
-#   SHARED          the shared tier's URL: file:///mount/path or s3://bucket/prefix (required)
+#   SHARED          the shared tier's URL: file:///mount/path or s3://bucket/prefix (required; "none": each
+#                   instance keeps only its own host and disk tiers)
+#   KV              "tierstore" (default) or "none": no KV connector (what the bench compares against)
 #   S3_ENDPOINT     an S3 endpoint URL (StorageGRID, MinIO ...); credentials come from the usual AWS
 #                   variables or files, never from this script
 #   AUTH_KEYS       a tierstore key file (tierstore keygen --out FILE): seal the shared tier's objects
@@ -25,7 +27,8 @@
 set -euo pipefail
 
 : "${MODEL:?set MODEL to the model both instances serve}"
-: "${SHARED:?set SHARED to the shared tier: file:///mount/path or s3://bucket/prefix}"
+: "${SHARED:?set SHARED to the shared tier: file:///mount/path, s3://bucket/prefix or none}"
+KV=${KV:-tierstore}
 HOST=${HOST:-127.0.0.1}
 PORT_A=${PORT_A:-8001}
 PORT_B=${PORT_B:-8002}
@@ -41,28 +44,34 @@ ROUTER_POLICY=${ROUTER_POLICY:-round_robin}
 READY_TIMEOUT=${READY_TIMEOUT:-900}
 
 case "$SHARED" in
-  file://*|s3://*) ;;
-  *) echo "SHARED must be a file:// or s3:// URL, got '$SHARED'" >&2; exit 2 ;;
+  file://*|s3://*|none) ;;
+  *) echo "SHARED must be a file:// or s3:// URL or none, got '$SHARED'" >&2; exit 2 ;;
+esac
+case "$KV" in
+  tierstore|none) ;;
+  *) echo "KV must be tierstore or none, got '$KV'" >&2; exit 2 ;;
 esac
 mkdir -p "$STATE_DIR"
 chmod 700 "$STATE_DIR"
 
 # One tierstore config per instance: its own disk directory, the same shared tier.
 write_config() {  # name
-  local remote="{\"kind\": \"remote\", \"url\": \"$SHARED\""
-  if [[ -n "${S3_ENDPOINT:-}" ]]; then
-    remote+=", \"storage_options\": {\"endpoint_url\": \"$S3_ENDPOINT\"}"
+  local remote=""
+  if [[ "$SHARED" != none ]]; then
+    remote=", {\"kind\": \"remote\", \"url\": \"$SHARED\""
+    if [[ -n "${S3_ENDPOINT:-}" ]]; then
+      remote+=", \"storage_options\": {\"endpoint_url\": \"$S3_ENDPOINT\"}"
+    fi
+    if [[ -n "${AUTH_KEYS:-}" ]]; then
+      remote+=", \"auth\": {\"keys_file\": \"$AUTH_KEYS\"}"
+    fi
+    remote+="}"
   fi
-  if [[ -n "${AUTH_KEYS:-}" ]]; then
-    remote+=", \"auth\": {\"keys_file\": \"$AUTH_KEYS\"}"
-  fi
-  remote+="}"
   cat > "$STATE_DIR/$1.json" <<EOF
 {
   "tiers": [
     {"kind": "host", "capacity": "$HOST_CAPACITY"},
-    {"kind": "disk", "path": "$STATE_DIR/disk-$1", "capacity": "$DISK_CAPACITY"},
-    $remote
+    {"kind": "disk", "path": "$STATE_DIR/disk-$1", "capacity": "$DISK_CAPACITY"}$remote
   ],
   "write_policy": "write_back",
   "prefetch_policy": "retain"
@@ -85,10 +94,14 @@ trap 'stop; exit 0' INT TERM
 trap stop EXIT
 
 start_server() {  # name port gpu
-  write_config "$1"
+  local kv=()
+  if [[ "$KV" == tierstore ]]; then
+    write_config "$1"
+    kv=(--kv-transfer-config "$(kv_transfer_config "$1")")
+  fi
   # shellcheck disable=SC2086  # VLLM_SERVE and ENGINE_ARGS are word lists
-  CUDA_VISIBLE_DEVICES=$3 $VLLM_SERVE "$MODEL" --host "$HOST" --port "$2" \
-    --kv-transfer-config "$(kv_transfer_config "$1")" ${ENGINE_ARGS:-} > "$STATE_DIR/$1.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=$3 $VLLM_SERVE "$MODEL" --host "$HOST" --port "$2" "${kv[@]}" ${ENGINE_ARGS:-} \
+    > "$STATE_DIR/$1.log" 2>&1 &
   pids+=("$!")
   echo "instance $1: pid $!, port $2, log $STATE_DIR/$1.log"
 }
@@ -112,7 +125,7 @@ $ROUTER --host "$HOST" --port "$ROUTER_PORT" --policy "$ROUTER_POLICY" ${ROUTER_
   --worker-urls "http://$HOST:$PORT_A" "http://$HOST:$PORT_B" > "$STATE_DIR/router.log" 2>&1 &
 pids+=("$!")
 wait_ready "http://$HOST:$ROUTER_PORT/health" "${pids[2]}" "the router"
-echo "ready: http://$HOST:$ROUTER_PORT/v1 (router, $ROUTER_POLICY) -> :$PORT_A, :$PORT_B; shared tier $SHARED"
+echo "ready: http://$HOST:$ROUTER_PORT/v1 (router, $ROUTER_POLICY) -> :$PORT_A, :$PORT_B; KV $KV, shared tier $SHARED"
 wait -n "${pids[@]}"  # one of them stopped: stop the others too
 echo "a process exited; stopping the deployment" >&2
 exit 1

@@ -7,35 +7,21 @@ equal a server's without the connector."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 from engine_helpers import ENGINE_TIMEOUT_S, ApiServer, prompt
 
+from tierstore.bench.deploy import CPU_ENGINE_ARGS, Deployment, router_binary
 from tierstore.testing.s3 import free_port
 
 pytest.importorskip("vllm")
 
-LAUNCH = Path(__file__).resolve().parents[2] / "examples" / "deploy" / "launch.sh"
-ENGINE_ARGS = ("--enforce-eager --max-model-len 1024 --dtype bfloat16 --max-num-seqs 4 --max-num-batched-tokens 1024 "
-               "--seed 0 --gpu-memory-utilization 0.15")
+ENGINE_ARGS = CPU_ENGINE_ARGS + " --max-model-len 1024 --max-num-batched-tokens 1024"
 PROMPT = prompt(7, 600)  # two 256-token chunks and a tail
-
-
-def router_binary() -> str:
-    found = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
-    if not os.access(found, os.X_OK):
-        pytest.skip("vllm-router is not installed (make engines-venv installs it)")
-    return found
 
 
 def complete(base: str, model: str, ids: list[int]) -> dict:
@@ -51,52 +37,6 @@ def counter(base: str, family: str) -> dict[str, float]:
         text = r.read().decode()
     return {m.group(1) or "": float(m.group(2))
             for m in re.finditer(rf"^{family}(\{{[^}}]*\}})? ([0-9.e+]+)$", text, re.M)}
-
-
-class Deployment:
-    def __init__(self, model: str, shared: str, state: Path, env: dict[str, str]):
-        self.ports = {"a": free_port(), "b": free_port(), "router": free_port()}
-        env = dict(os.environ, **env, MODEL=model, SHARED=shared, STATE_DIR=str(state),
-                   VLLM_SERVE=f"{sys.executable} -m vllm.entrypoints.openai.api_server --model",
-                   PORT_A=str(self.ports["a"]), PORT_B=str(self.ports["b"]), ROUTER_PORT=str(self.ports["router"]),
-                   ROUTER=router_binary(), ROUTER_ARGS=f"--prometheus-port {free_port()}",
-                   ENGINE_ARGS=ENGINE_ARGS, HOST_CAPACITY="64MiB", DISK_CAPACITY="256MiB",
-                   VLLM_CPU_KVCACHE_SPACE="1", READY_TIMEOUT=str(ENGINE_TIMEOUT_S))
-        self.state = state
-        self.proc = subprocess.Popen(["bash", str(LAUNCH)], env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        self.output: list[str] = []
-        deadline = time.monotonic() + 2 * ENGINE_TIMEOUT_S
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.output.append(line)
-            if line.startswith("ready:"):
-                break
-            if time.monotonic() > deadline:
-                break
-        if not self.output or not self.output[-1].startswith("ready:"):
-            self.close()
-            raise AssertionError("the deployment did not come up:\n" + "".join(self.output) + self.logs())
-
-    def url(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.ports[name]}"
-
-    def logs(self) -> str:
-        out = []
-        for name in ("a", "b", "router"):
-            log = self.state / f"{name}.log"
-            if log.exists():
-                out.append(f"--- {name}.log\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:]))
-        return "\n".join(out)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # the script stops the servers and the router
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -121,7 +61,10 @@ def test_the_guides_steps_4_and_5_through_the_router(tiny_model, tmp_path, share
     url, env, objects = shared
     with ApiServer(tiny_model, free_port(), log=tmp_path / "plain.log") as plain:
         expected = plain.complete(PROMPT, max_tokens=6)["choices"][0]["text"]
-    dep = Deployment(tiny_model, url, tmp_path / "deploy", env)
+    if router_binary() is None:
+        pytest.skip("vllm-router is not installed (make engines-venv installs it)")
+    dep = Deployment({**env, "MODEL": tiny_model, "SHARED": url, "ENGINE_ARGS": ENGINE_ARGS, "HOST_CAPACITY": "64MiB",
+                      "DISK_CAPACITY": "256MiB", "VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path / "deploy", ENGINE_TIMEOUT_S)
     try:
         first = complete(dep.url("router"), tiny_model, PROMPT)
         deadline = time.monotonic() + 60
@@ -140,5 +83,5 @@ def test_the_guides_steps_4_and_5_through_the_router(tiny_model, tmp_path, share
         print(dep.logs())
         raise
     finally:
-        dep.close()
-    assert dep.proc.returncode == 0
+        status = dep.close()
+    assert status == 0

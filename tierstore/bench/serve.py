@@ -12,6 +12,21 @@ words from a fixed vocabulary, so any model and tokenizer serve it. With ``--met
 ``/metrics``, once per engine) the token hit rate per tier is read from ``tierstore_kv_lookup_tokens_total``
 and ``tierstore_kv_hit_tokens_total`` before and after each QPS step, and vLLM's own prefix-cache hit rate
 from ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``.
+
+With ``--launch CONFIGS`` it starts the guide's deployment itself for each configuration in turn
+(``examples/deploy/launch.sh``: two API servers and ``vllm-router``, round robin), runs the same workload
+against each and compares them: TTFT per round against recompute and against vLLM's prefix cache alone,
+and whether every answer (temperature 0) equals the first configuration's. Configurations (vLLM's prefix
+cache stays on except in ``recompute``):
+
+* ``recompute``: no prefix cache of any kind;
+* ``prefix-cache``: vLLM's own prefix cache only;
+* ``tierstore``: + the TierstoreConnector, host and disk tiers per instance;
+* ``tierstore-shared``: + a ``file://`` shared tier (an NFS mount's stand-in) behind both instances.
+
+Without ``--model`` a random-weight Llama is built (``--layers``, ``--hidden``) so that prefill costs what
+a real model's does per token on this CPU; ``--kv-space`` (``VLLM_CPU_KVCACHE_SPACE``, GiB) sizes the
+engines' own KV cache below the working set, where offload starts to matter.
 """
 
 from __future__ import annotations
@@ -21,6 +36,7 @@ import http.client
 import json
 import random
 import re
+import statistics
 import threading
 import time
 import urllib.request
@@ -33,13 +49,30 @@ from urllib.parse import urlparse
 WORDS = ("tier", "cache", "shard", "page", "block", "layer", "token", "prefix", "store", "host", "disk", "remote",
          "flush", "evict", "promote", "write", "read", "model", "chunk", "key", "value", "batch", "queue", "engine",
          "router", "round", "user", "answer", "system", "prompt", "history")
+#: --launch configurations: launch.sh settings and extra engine arguments
+CONFIGS = {
+    "recompute": ({"KV": "none", "SHARED": "none"}, "--no-enable-prefix-caching"),
+    "prefix-cache": ({"KV": "none", "SHARED": "none"}, ""),
+    "tierstore": ({"KV": "tierstore", "SHARED": "none"}, ""),
+    "tierstore-shared": ({"KV": "tierstore", "SHARED": "file://{workdir}/shared"}, ""),
+}
 HIT_FAMILIES = ("tierstore_kv_lookup_tokens_total", "tierstore_kv_hit_tokens_total",
                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the OpenAI-compatible endpoint (a router)")
-    p.add_argument("--model", required=True, help="the served model name")
+    p.add_argument("--model", default=None, help="the served model name (with --launch: the model to serve; "
+                                                 "default a random Llama built under --workdir)")
+    p.add_argument("--launch", default=None, metavar="CONFIGS",
+                   help="start the deployment for each configuration in turn and compare them: comma-separated "
+                        f"from {', '.join(CONFIGS)} (needs vLLM, vllm-router and the repository checkout)")
+    p.add_argument("--workdir", default=None, help="with --launch: model, tiers and logs (default: a temp dir)")
+    p.add_argument("--layers", type=int, default=16, help="with --launch, the built model's layers (default 16)")
+    p.add_argument("--hidden", type=int, default=512, help="with --launch, the built model's width (default 512)")
+    p.add_argument("--kv-space", default="1", help="with --launch: VLLM_CPU_KVCACHE_SPACE in GiB (default 1)")
+    p.add_argument("--engine-args", default="--max-model-len 8192 --max-num-batched-tokens 8192",
+                   help="with --launch: more arguments for every engine")
     p.add_argument("--users", type=int, default=4, help="conversations (default 4)")
     p.add_argument("--rounds", type=int, default=4, help="rounds per conversation (default 4)")
     p.add_argument("--system-words", type=int, default=1000, help="shared system prompt, in words (default 1000)")
@@ -284,6 +317,71 @@ def table(res: Result) -> str:
     return "\n".join(lines)
 
 
+def compare(results: dict[str, Result]) -> str:
+    """Per configuration: TTFT P50 of round 1 and of rounds 2+, the ratios to ``recompute`` and to
+    ``prefix-cache`` (> 1: faster), and the answers that differ from the first configuration's."""
+    def p50(res: Result, round_: str) -> float | None:
+        rows = [r for r in summarize(res.records) if r["round"] == round_]
+        vals = [r["p50"] for r in rows if r["p50"] is not None]
+        return statistics.median(vals) if vals else None
+
+    def answers(res: Result) -> dict[tuple[float, int, int], str]:
+        return {(r.qps, r.user, r.round): r.text for r in res.records if r.error is None}
+
+    first = answers(next(iter(results.values())))
+    base = {name: p50(results[name], "2+") for name in ("recompute", "prefix-cache") if name in results}
+    lines = ["| configuration | TTFT P50 round 1 ms | TTFT P50 rounds 2+ ms | vs recompute | vs prefix cache | "
+             "answers differing | errors |", "|---|---|---|---|---|---|---|"]
+    for name, res in results.items():
+        r1, r2 = p50(res, "1"), p50(res, "2+")
+        mine = answers(res)
+        differ = sum(mine[k] != v for k, v in first.items() if k in mine)
+
+        def ratio(b: float | None, r2: float | None = r2) -> str:
+            return f"{b / r2:.2f}×" if b and r2 else "-"
+        lines.append(f"| {name} | {'-' if r1 is None else f'{1e3 * r1:.0f}'} | "
+                     f"{'-' if r2 is None else f'{1e3 * r2:.0f}'} | {ratio(base.get('recompute'))} | "
+                     f"{ratio(base.get('prefix-cache'))} | {differ} | "
+                     f"{sum(r.error is not None for r in res.records)} |")
+    return "\n".join(lines)
+
+
+def launch_and_measure(args: argparse.Namespace, w: Workload, rates: list[float]) -> dict[str, Result]:
+    """Each configuration of ``--launch`` in turn on a fresh deployment; the results by name."""
+    import tempfile
+    from pathlib import Path
+
+    from .deploy import CPU_ENGINE_ARGS, Deployment
+
+    names = [c.strip() for c in args.launch.split(",") if c.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or not names:
+        raise SystemExit(f"--launch: unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tierstore-serve-"))
+    model = args.model
+    if model is None:
+        from tierstore_vllm.bench import build_llama
+
+        heads = max(1, args.hidden // 64)  # head_dim 64: what vLLM's CPU attention supports
+        model = str(build_llama(workdir / "model", hidden=args.hidden, layers=args.layers, heads=heads,
+                                kv_heads=heads, intermediate=3 * args.hidden))
+    results = {}
+    for name in names:
+        settings, extra = CONFIGS[name]
+        env = {k: v.format(workdir=workdir / name) for k, v in settings.items()}
+        env.update(MODEL=model, VLLM_CPU_KVCACHE_SPACE=str(args.kv_space), HOST_CAPACITY="4GiB",
+                   DISK_CAPACITY="16GiB", ENGINE_ARGS=f"{CPU_ENGINE_ARGS} {args.engine_args} {extra}".strip())
+        print(f"  serve: {name}: starting two instances and the router ...", flush=True)
+        with Deployment(env, workdir / name) as dep:
+            try:
+                results[name] = measure(dep.url("router"), model, w, rates, [dep.url("a") + "/metrics",
+                                                                              dep.url("b") + "/metrics"], args.timeout)
+            except OSError as exc:  # an engine went away (its /metrics no longer answers)
+                raise SystemExit(f"{name}: {exc}\n{dep.logs()}") from None
+        print(table(results[name]), flush=True)
+    return results
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         rates = [float(q) for q in args.qps.split(",") if q.strip()]
@@ -296,6 +394,15 @@ def run(args: argparse.Namespace) -> int:
                      args.answer_tokens, args.seed)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    if args.launch:
+        results = launch_and_measure(args, w, rates)
+        print("\n" + compare(results))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({name: r.to_json() for name, r in results.items()}, f, indent=2)
+        return 1 if any(r.error for res in results.values() for r in res.records) else 0
+    if args.model is None:
+        raise SystemExit("--model: the served model name is needed (or --launch to start a deployment)")
     res = measure(args.url, args.model, w, rates, args.metrics_url, args.timeout)
     print(table(res))
     if args.json:
