@@ -90,9 +90,13 @@ def test_publish_default_objects_dir_dedupes_within(tmp_path):
     assert same(tw.load(str(tmp_path / "dst")), t)
 
 
+def largest_object(root: Path) -> Path:
+    return max((root / "objects").iterdir(), key=lambda p: p.stat().st_size)
+
+
 def alter_largest_object(root: Path, where: int = -1) -> Path:
     """Flip one data byte of the largest object under ``root/objects`` (its name no longer matches)."""
-    victim = max((root / "objects").iterdir(), key=lambda p: p.stat().st_size)
+    victim = largest_object(root)
     data = bytearray(victim.read_bytes())
     data[where] ^= 0xFF
     victim.write_bytes(bytes(data))
@@ -152,7 +156,7 @@ def test_a_changed_header_byte_fails_the_load_too(tmp_path):
     t = model(6)
     write_checkpoint(str(tmp_path / "src"), t)
     tw.publish(str(tmp_path / "src"), str(tmp_path / "dst"))
-    victim = max((tmp_path / "dst" / "objects").iterdir(), key=lambda p: p.stat().st_size)
+    victim = largest_object(tmp_path / "dst")
     data = victim.read_bytes()
     n = int.from_bytes(data[:8], "little")
     header = data[8:8 + n]
@@ -191,7 +195,7 @@ def test_a_checked_object_rewritten_in_place_with_its_old_mtime_is_checked_again
     tw.publish(str(tmp_path / "src"), str(tmp_path / "dst"))
     with tierstore.open({"tiers": [{"kind": "host", "capacity": "64MiB"}]}) as store:
         assert same(tw.load(str(tmp_path / "dst"), store=store), t)
-        victim = max((tmp_path / "dst" / "objects").iterdir(), key=lambda p: p.stat().st_size)
+        victim = largest_object(tmp_path / "dst")
         st = victim.stat()
         with open(victim, "r+b") as f:  # same inode, same size, mtime set back: only ctime tells
             f.seek(st.st_size - 1)

