@@ -303,6 +303,19 @@ def test_encrypted_objects_hide_the_kv_and_load_as_before(prefix, keys_file, cod
     assert {k: attacker.read(k) for k in keys} == stored
 
 
+def test_a_tier_reading_encrypted_objects_counts_their_stored_size(prefix, keys_file):
+    # what a cold read indexes (and counts as read) is the object as stored, not the plain copy it decrypts to
+    from tierstore.tiers.remote import RemoteTier
+
+    url, options = prefix
+    keys = save(config(url, options, keys_file, encrypt=True), kv_layers(14))
+    stored = sum(len(CoWriter(url, options).read(k)) for k in keys)
+    with RemoteTier(url=url, storage_options=options, list_on_open=False, touch_after=None,
+                    auth={"keys_file": keys_file}) as remote:
+        assert all(g is not None for g in remote.get_many(keys))
+        assert remote.used_bytes == remote.stats()["bytes_out"] == stored
+
+
 def test_an_encrypted_object_is_a_miss_without_keys_and_is_left_in_place(prefix, keys_file):
     url, options = prefix
     keys = save(config(url, options, keys_file, encrypt=True), kv_layers(12))

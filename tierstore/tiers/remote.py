@@ -554,10 +554,11 @@ class RemoteTier(Tier):
         data: bytes = self._io("cat_file", path)
         return data, 0.0
 
-    def _read_verified(self, key: ChunkKey) -> tuple[objformat.Encoded, float]:
-        """``key``'s whole object, checked (header, size, checksum and, with keys, its seal) but not decoded,
-        and its modification time (0 when unknown). With keys, a sealed object's MAC stands for its checksum
-        (on a mount it is computed as the object is read, while in cache)."""
+    def _read_verified(self, key: ChunkKey) -> tuple[objformat.Encoded, int, float]:
+        """``key``'s whole object, checked (header, size, checksum and, with keys, its seal) but not decoded
+        (an encrypted one decrypted into its plain object), its size as stored, and its modification time
+        (0 when unknown). With keys, a sealed object's MAC stands for its checksum (on a mount it is computed
+        as the object is read, while in cache)."""
         path = self._path(key)
         mac = None
         try:
@@ -581,6 +582,7 @@ class RemoteTier(Tier):
                     if enc.header.seal is not None and not enc.intact():  # damaged, not (only) forged
                         raise CorruptObjectError(f"checksum mismatch for {key.hex()}") from None
                     raise
+            stored = enc.size
             if enc.header.seal is not None and enc.header.seal.enc is not None:
                 if self.keyring is None:
                     raise UnsupportedObjectError(f"object {key.hex()} is encrypted and tier {self.name!r} has no keys")
@@ -590,7 +592,7 @@ class RemoteTier(Tier):
             raise
         if self.keyring is not None:
             self._mark_refused(key, False)
-        return enc, modified
+        return enc, stored, modified
 
     def _mac_for(self, hdr: objformat.Header, first: memoryview) -> Any:
         return sealing.start(hdr, first, self.keyring) if self.keyring is not None and hdr.seal is not None else None
@@ -607,13 +609,13 @@ class RemoteTier(Tier):
 
     def _read_object(self, key: ChunkKey, device: str | torch.device) -> tuple[TensorDict, int]:
         """``(tensors on device, object size)`` of ``key``'s object, read and checked."""
-        enc, modified = self._read_verified(key)
+        enc, stored, modified = self._read_verified(key)
         tensors = objformat.decode_encoded(enc)
         self._note_use(key, modified)
         device = torch.device(device)
         if device.type != "cpu":
             tensors = {name: t.to(device) for name, t in tensors.items()}
-        return tensors, enc.size
+        return tensors, stored
 
     def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
         return self._read_object(key, device)[0]
