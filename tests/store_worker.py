@@ -11,7 +11,7 @@ import sys
 import time
 
 import tierstore
-from tierstore.testing.tiers import chunk, key_of
+from tierstore.testing.data import chunk, key_of
 
 
 def main() -> int:

@@ -5,7 +5,7 @@ import torch
 
 import tierstore
 from tierstore.cli import main
-from tierstore.testing.tiers import chunk, key_of
+from tierstore.testing.data import chunk, key_of
 from tierstore.tiers.layout import object_relpath
 
 
@@ -107,7 +107,7 @@ def _owner(config_path, ready: str = "ready"):
     code = textwrap.dedent(f"""
         import time
         import tierstore
-        from tierstore.testing.tiers import chunk, key_of
+        from tierstore.testing.data import chunk, key_of
         store = tierstore.open({str(config_path)!r})
         store.put(key_of(9), chunk(9))
         store.flush()

@@ -16,7 +16,7 @@ import pytest
 
 import tierstore
 from tierstore.errors import LockedError
-from tierstore.testing.tiers import assert_same, chunk, key_of
+from tierstore.testing.data import assert_same, chunk, key_of
 from tierstore.tiers import dirlock
 from tierstore.tiers.disk import DiskTier
 from tierstore.tiers.layout import object_relpath, temp_name
@@ -180,7 +180,7 @@ def _child(code: str, env: dict[str, str]) -> subprocess.Popen:
 _ENGINE = """
     import sys, time
     import tierstore
-    from tierstore.testing.tiers import chunk, key_of
+    from tierstore.testing.data import chunk, key_of
     i = int(sys.argv[1]) if len(sys.argv) > 1 else {i}
     store = tierstore.open()  # the embedded default config
     store.put(key_of(i), chunk(i))

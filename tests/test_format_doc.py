@@ -8,7 +8,7 @@ import torch
 
 from tierstore import objformat
 from tierstore.keys import ChunkKey
-from tierstore.testing.tiers import reencode
+from tierstore.testing.data import reencode
 
 DOC = (Path(__file__).resolve().parents[1] / "docs" / "format.md").read_text()
 

@@ -16,7 +16,7 @@ import tierstore
 from tierstore import objformat
 from tierstore.cli import main
 from tierstore.errors import InvalidInputError
-from tierstore.testing.tiers import (
+from tierstore.testing.data import (
     assert_same,
     chunk,
     key_of,

@@ -12,7 +12,7 @@ from tierstore import objformat
 from tierstore.errors import CorruptObjectError, InvalidInputError, InvalidTypeError, UnsupportedObjectError
 from tierstore.keys import ChunkKey
 from tierstore.tensors import DTYPES
-from tierstore.testing.tiers import assert_same, sample_tensor
+from tierstore.testing.data import assert_same, sample_tensor
 
 KEY = ChunkKey.from_bytes(b"fmt")
 DTYPE_LIST = sorted(DTYPES.values(), key=str)

@@ -5,38 +5,47 @@ import random
 import pytest
 import torch
 
+import tierstore
+from tierstore.backends.memory import HostBackend
 from tierstore.pool import SlotPool
-from tierstore.testing.tiers import TierTests, key_of
-from tierstore.tiers.host import HostTier
+from tierstore.testing.backends import BackendTests
+from tierstore.testing.data import key_of
 
 
-class TestHostPoolSmallSlots(TierTests):
+class TestHostPoolSmallSlots(BackendTests):
     """The conformance suite on a pool with the default 64-byte slots."""
 
-    def make_tier(self, capacity):
-        return HostTier(capacity=capacity, pinned=False, pool=True)
+    def make_backend(self, capacity):
+        return HostBackend(capacity=capacity, pinned=False, pool=True)
+
+
+def _pooled(capacity):
+    return tierstore.open({"tiers": [{"kind": "host", "capacity": capacity, "pinned": False, "pool": True}]})
 
 
 def test_small_chunks_pack_densely():
-    t = HostTier(capacity=1 << 20, pinned=False, pool=True)
-    n = (1 << 20) // 64
-    for i in range(n):  # 8-byte chunks: one 64-byte slot each
-        assert t.put(key_of(i), {"x": torch.tensor([float(i)], dtype=torch.float64)})
-    assert len(t) == n and t.stats()["evictions"] == 0
-    assert t.used_bytes == t.capacity == 1 << 20
-    assert t.get(key_of(1234))["x"].item() == 1234.0
+    with _pooled(1 << 20) as s:
+        n = (1 << 20) // 64
+        assert s.put_many([(key_of(i), {"x": torch.tensor([float(i)], dtype=torch.float64)}) for i in range(n)]) \
+            == [True] * n  # 8-byte chunks: one 64-byte slot each
+        st = s.stats()["tiers"]["host"]
+        assert st["objects"] == n and st["evictions"] == 0
+        assert st["used_bytes"] == st["capacity_bytes"] == 1 << 20
+        assert s.get(key_of(1234))["x"].item() == 1234.0
 
 
 @pytest.mark.parametrize("nbytes", [4096, 4100, 5000, 12_345, 65_537, (1 << 20) + 8])
 def test_overhead_is_within_the_documented_bound(nbytes):
     capacity = 8 << 20
-    t = HostTier(capacity=capacity, pinned=False, pool=True)
+    s = _pooled(capacity)
     half = nbytes // 2
     data = {"k": torch.zeros(half, dtype=torch.uint8), "v": torch.zeros(nbytes - half, dtype=torch.uint8)}
     fit = 0
-    while t.put(key_of(fit), data) and t.stats()["evictions"] == 0:
+    while s.put(key_of(fit), data) and s.stats()["tiers"]["host"]["evictions"] == 0:
         fit += 1
-    charged = t.used_bytes / len(t)
+    st = s.stats()["tiers"]["host"]
+    s.close()
+    charged = st["used_bytes"] / st["objects"]
     assert charged <= nbytes + 2 * 63  # each tensor 64-byte aligned, nothing more
     assert charged / nbytes - 1 <= 0.125
     assert fit >= capacity // (nbytes + 2 * 63) - 1
@@ -68,17 +77,18 @@ def test_runs_coalesce_and_never_overlap():
 
 
 def test_a_fragmented_pool_evicts_until_a_long_run_is_free():
-    t = HostTier(capacity=64 << 10, pinned=False, pool=True)
-    small = {"x": torch.zeros(1000, dtype=torch.uint8)}  # 1024 bytes charged
-    for i in range(64):
-        assert t.put(key_of(i), small)
-    for i in range(0, 64, 2):
-        t.delete(key_of(i))  # half the pool free, in 1 KiB holes
-    assert t.pool.largest_free() == 1024
-    big = {"x": torch.arange(8000, dtype=torch.int32)}  # 32000 bytes: needs a long run
-    assert t.put(key_of(100), big)
-    assert torch.equal(t.get(key_of(100))["x"], big["x"])
-    assert t.used_bytes <= t.capacity
-    for i in range(1, 64, 2):  # survivors are intact or evicted, never overwritten
-        got = t.get(key_of(i))
-        assert got is None or not got["x"].any()
+    with _pooled(64 << 10) as s:
+        pool = s.tier("host").backend.pool
+        small = {"x": torch.zeros(1000, dtype=torch.uint8)}  # 1024 bytes charged
+        for i in range(64):
+            assert s.put(key_of(i), small)
+        s.delete([key_of(i) for i in range(0, 64, 2)])  # half the pool free, in 1 KiB holes
+        assert pool.largest_free() == 1024
+        big = {"x": torch.arange(8000, dtype=torch.int32)}  # 32000 bytes: needs a long run
+        assert s.put(key_of(100), big)
+        assert torch.equal(s.get(key_of(100))["x"], big["x"])
+        st = s.stats()["tiers"]["host"]
+        assert st["used_bytes"] <= st["capacity_bytes"]
+        for i in range(1, 64, 2):  # survivors are intact or evicted, never overwritten
+            got = s.get(key_of(i))
+            assert got is None or not got["x"].any()

@@ -8,7 +8,7 @@ import tierstore
 from tierstore import objformat
 from tierstore.errors import InvalidInputError, TierstoreError
 from tierstore.keys import ChunkKey
-from tierstore.testing.tiers import assert_same, key_of
+from tierstore.testing.data import assert_same, key_of
 from tierstore.tiers.disk import DiskTier
 from tierstore.tiers.host import HostTier
 

@@ -17,7 +17,7 @@ import torch
 
 import tierstore
 from tierstore.bench.s3shim import S3Shim
-from tierstore.testing.tiers import assert_same, chunk, key_of, run_threads
+from tierstore.testing.data import assert_same, chunk, key_of, run_threads
 from tierstore.tiers.layout import object_relpath
 from tierstore.tiers.remote import RemoteTier
 

@@ -20,7 +20,7 @@ import pytest
 import tierstore
 from tierstore.bench.s3shim import S3Shim
 from tierstore.errors import ClosedError
-from tierstore.testing.tiers import assert_same, chunk, key_of
+from tierstore.testing.data import assert_same, chunk, key_of
 from tierstore.tiers.remote import RemoteTier
 from tierstore.tiers.remote_storage import DEFAULT_TIMEOUT, S3_CLIENT_DEFAULTS
 

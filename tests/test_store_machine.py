@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import tierstore
-from tierstore.testing.tiers import assert_same, chunk, key_of
+from tierstore.testing.data import assert_same, chunk, key_of
 
 SIZES = (4000, 8000, 16000)
 N_KEYS = 14
@@ -103,8 +103,8 @@ def make_machine(remote_config):
 
         @invariant()
         def capacities_hold(self):
-            for t in self.store.tiers:
-                assert t.capacity is None or t.used_bytes <= t.capacity
+            for t in self.store.stats()["tiers"].values():
+                assert t["capacity_bytes"] is None or t["used_bytes"] <= t["capacity_bytes"]
 
         def teardown(self):
             self.store.close()

@@ -13,7 +13,7 @@ import torch
 import tierstore
 from tierstore import objformat
 from tierstore.errors import ConfigError, InvalidInputError, LockedError
-from tierstore.testing.tiers import TierTests, assert_same, chunk, key_of
+from tierstore.testing.data import TierTests, assert_same, chunk, key_of
 from tierstore.tiers import objfile, tier_class
 from tierstore.tiers.disk import DiskTier, ReadOnlyError
 from tierstore.tiers.layout import object_relpath, temp_name
@@ -307,7 +307,7 @@ def test_lock_is_per_process_and_dies_with_it(tmp_path):
     child = _child(f"""
         import sys, time
         from tierstore.tiers.disk import DiskTier
-        from tierstore.testing.tiers import chunk, key_of
+        from tierstore.testing.data import chunk, key_of
         t = DiskTier(path={str(root)!r})
         t.put(key_of(0), chunk(0))
         print("ready", flush=True)
@@ -344,7 +344,7 @@ def test_crash_mid_write_leaves_a_consistent_directory(tmp_path):
     child = _child(f"""
         import os, signal
         from tierstore.tiers.disk import DiskTier
-        from tierstore.testing.tiers import chunk, key_of
+        from tierstore.testing.data import chunk, key_of
         t = DiskTier(path={str(root)!r})
         for i in range(5):
             t.put(key_of(i), chunk(i, 1 << 18))
@@ -359,7 +359,7 @@ def test_crash_mid_write_leaves_a_consistent_directory(tmp_path):
     assert _tmp_files(root), "the killed writer should have left a temp file behind"
     child = _child(f"""
         from tierstore.tiers.disk import DiskTier
-        from tierstore.testing.tiers import chunk, key_of
+        from tierstore.testing.data import chunk, key_of
         t = DiskTier(path={str(root)!r})
         i = 10
         while True:

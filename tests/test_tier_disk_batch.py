@@ -9,7 +9,7 @@ import torch
 
 from tierstore import objformat
 from tierstore.errors import InvalidInputError
-from tierstore.testing.tiers import assert_same, chunk, key_of, run_threads
+from tierstore.testing.data import assert_same, chunk, key_of, run_threads
 from tierstore.tiers import objfile
 from tierstore.tiers.disk import DiskTier
 

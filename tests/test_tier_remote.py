@@ -21,7 +21,7 @@ import tierstore
 import tierstore.config
 from tierstore.errors import ConfigError, InvalidInputError
 from tierstore.testing.s3 import free_port, local_s3
-from tierstore.testing.tiers import TierTests, assert_same, chunk, key_of
+from tierstore.testing.data import TierTests, assert_same, chunk, key_of
 from tierstore.tiers.layout import object_relpath
 from tierstore.tiers.remote import RemoteTier
 
@@ -316,7 +316,7 @@ def test_cuda_device_read():
 
 CHILD = r"""
 import json, sys
-from tierstore.testing.tiers import chunk, key_of
+from tierstore.testing.data import chunk, key_of
 from tierstore.tiers.remote import RemoteTier
 
 out = []

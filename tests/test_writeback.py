@@ -21,10 +21,10 @@ import pytest
 
 import tierstore
 from tierstore import errors
-from tierstore.testing.tiers import assert_same, chunk, key_of
-from tierstore.tiers.base import Tier
-from tierstore.tiers.disk import DiskTier
-from tierstore.tiers.remote import RemoteTier
+from tierstore.backends.file import FileBackend
+from tierstore.backends.fsspec import FsspecBackend
+from tierstore.testing.data import assert_same, chunk, key_of
+from tierstore.transfers import Level
 
 REPO = Path(__file__).resolve().parents[1]
 CHUNK = 8000  # bytes per test chunk (two float32 tensors)
@@ -43,21 +43,19 @@ def in_writer() -> bool:
 
 
 @contextmanager
-def writer_stalled(tier: Tier) -> Iterator[tuple[threading.Event, threading.Event]]:
-    """The background writer into ``tier`` stops at its ``put_many`` until released; other callers pass.
-
-    Yields ``(arrived, release)``: ``arrived`` is set once the writer holds a batch (already read).
-    """
+def writer_stalled(tier: Level) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """The background writer into ``tier`` stops at its backend's ``write_many`` until released; other callers
+    pass. Yields ``(arrived, release)``: ``arrived`` is set once the writer holds a batch (already read)."""
     arrived, release = threading.Event(), threading.Event()
-    original = tier.put_many
+    original = tier.backend.write_many
 
-    def put_many(items, **kw):
+    def write_many(items):
         if in_writer():
             arrived.set()
             release.wait(10)
-        return original(items, **kw)
+        return original(items)
 
-    tier.put_many = put_many
+    tier.backend.write_many = write_many
     try:
         yield arrived, release
     finally:
@@ -66,31 +64,38 @@ def writer_stalled(tier: Tier) -> Iterator[tuple[threading.Event, threading.Even
 
 @contextmanager
 def writer_paused(store: tierstore.TieredStore) -> Iterator[threading.Event]:
-    """Background writers wait before they take up any key (so they claim and pin nothing) until released."""
-    owner, name = (store, "_write_down") if hasattr(store, "_write_down") else (store._wb, "_write")  # old: _write_down
-    release, original = threading.Event(), getattr(owner, name)
-    setattr(owner, name, lambda keys, level: (release.wait(10), original(keys, level))[1])
+    """Write-back takes up no key (so it holds no slot and pins nothing) until released."""
+    release, original = threading.Event(), store._writeback._due
+    store._writeback._due = lambda: original() if release.is_set() else None  # noqa: SLF001
     try:
         yield release
     finally:
         release.set()
+        store.residency.notify()
+
+
+def refusing(tier: Level, unless=lambda: False):
+    """``tier``'s backend refuses every write (unless ``unless()``); ``del tier.backend.write_many`` undoes it."""
+    original = tier.backend.write_many
+    tier.backend.write_many = lambda items: original(items) if unless() else [OSError("refused") for _ in items]
 
 
 def test_a_chunk_is_dirty_from_the_instant_a_tier_holds_it(tmp_path):
     """C1: an eviction between the top tier taking a chunk and put() returning must not drop it as clean."""
     with open_store(tmp_path, host=ONE) as s:
-        host = s.tier("host")
-        original = host.put_many
+        host = s.tier("host").backend
+        original = host.write_many
+        s._transfers.pin_wait = 0.3
 
-        def put_then_evict(items, **kw):
-            stored = original(items, **kw)
+        def put_then_evict(items):
+            stored = original(items)
             if items[0][0] == key_of(1):
-                host.put(key_of(2), chunk(2, CHUNK))  # another put evicts key 1 in the window
+                s.put(key_of(2), chunk(2, CHUNK))  # another put needs key 1's room in the window
             return stored
 
-        host.put_many = put_then_evict
+        host.write_many = put_then_evict
         s.put(key_of(1), chunk(1, CHUNK))
-        host.put_many = original
+        del host.write_many
         s.flush(timeout=30)
         assert_same(s.get(key_of(1)), chunk(1, CHUNK))
 
@@ -124,8 +129,9 @@ def test_eviction_never_skips_a_pending_middle_tier(tmp_path, eviction_write):
     """
     url = f"file://{tmp_path}/remote"
     n = 24
-    with RemoteTier(url=url) as other_engine:
-        assert all(other_engine.put_many([(key_of(i), chunk(i, CHUNK)) for i in range(n)]))
+    with FsspecBackend(url=url) as other_engine:
+        for i in range(n):
+            other_engine.write(key_of(i), chunk(i, CHUNK))
     config = {"tiers": [{"kind": "host", "capacity": 2 * 8192, "pinned": False},
                         {"kind": "disk", "path": str(tmp_path / "disk")},
                         {"kind": "remote", "url": url}], "on_pressure": "keep"}
@@ -135,39 +141,38 @@ def test_eviction_never_skips_a_pending_middle_tier(tmp_path, eviction_write):
             behind = writer_stalled(disk)  # the disk writer falls behind the remote's (probe 1.5)
         else:
             behind = writer_paused(s)  # every writer falls behind; the disk refuses eviction writes
-            original = disk.put_many
-            disk.put_many = lambda items, **kw: original(items, **kw) if in_writer() else [False] * len(items)
+            refusing(disk, unless=in_writer)
         with behind:
             for i in range(n):
                 s.put(key_of(i), chunk(i, CHUNK))
         s.flush(timeout=30)
-        assert [i for i in range(n) if not disk.contains(key_of(i), )] == []
+        assert [i for i in range(n) if "disk" not in s.holders(key_of(i))] == []
         for i in range(n):
-            assert_same(disk.get(key_of(i)), chunk(i, CHUNK))
+            assert_same(disk.backend.read(key_of(i)), chunk(i, CHUNK))
 
 
 def test_failed_write_back_is_retried_and_the_dirty_chunk_kept_meanwhile(tmp_path):
     """C6a: transient failures of the lower tier (raised or refused) lose nothing, even across evictions."""
     with open_store(tmp_path) as s:
         lower = s.tier("lower")
-        original, calls = lower.put_many, [0]
+        original, calls = lower.backend.write_many, [0]
 
-        def flaky(items, **kw):
+        def flaky(items):
             calls[0] += 1
             if calls[0] == 1:
-                raise OSError(errno.EIO, "injected transient failure")
+                raise OSError(errno.EIO, "injected transient failure")  # (a backend that breaks its contract)
             if calls[0] == 2:
-                return [False] * len(items)
-            return original(items, **kw)
+                return [OSError(errno.EIO, "refused") for _ in items]
+            return original(items)
 
-        lower.put_many = flaky
+        lower.backend.write_many = flaky
         with writer_paused(s):  # only evictions write for now: their first two writes fail
             for i in range(8):  # the host holds 3
                 s.put(key_of(i), chunk(i, CHUNK))
         s.flush(timeout=30)
         assert calls[0] > 2
         for i in range(8):
-            assert lower.contains(key_of(i)), i
+            assert "lower" in s.holders(key_of(i)), i
             assert_same(s.get(key_of(i)), chunk(i, CHUNK))
 
 
@@ -177,8 +182,7 @@ def test_flush_names_what_could_not_be_written_and_keeps_it_held(tmp_path, caplo
     s = open_store(tmp_path)
     s.close_timeout = 2
     lower = s.tier("lower")
-    original = lower.put_many
-    lower.put_many = lambda items, **kw: [False] * len(items)
+    refusing(lower)
     for i in range(3):
         s.put(key_of(i), chunk(i, CHUNK))
     with pytest.raises(errors.WriteBackError) as info:
@@ -194,11 +198,11 @@ def test_flush_names_what_could_not_be_written_and_keeps_it_held(tmp_path, caplo
     with pytest.raises(errors.WriteBackError) as info:  # still failing: reported again until written
         s.flush(timeout=30)
     assert info.value.failed == {key_of(i): ("lower",) for i in range(3)}
-    lower.put_many = original
+    del lower.backend.write_many
     assert s.put(key_of(3), chunk(3, CHUNK))  # the tier is back: a put lands, and the retries flush grants succeed
     s.flush(timeout=30)
-    assert all(s.where(key_of(i)) is not None and lower.contains(key_of(i)) for i in range(4))
-    lower.put_many = lambda items, **kw: [False] * len(items)
+    assert all(s.where(key_of(i)) is not None and "lower" in s.holders(key_of(i)) for i in range(4))
+    refusing(lower)
     s.put(key_of(4), chunk(4, CHUNK))
     with caplog.at_level(logging.WARNING, logger="tierstore"):
         s.close()  # never raises for write-back failures: one warning names what it abandoned
@@ -210,23 +214,23 @@ def test_flush_names_what_could_not_be_written_and_keeps_it_held(tmp_path, caplo
 def test_close_waits_for_a_put_in_flight(tmp_path):
     """C.2: a put that passed the open check while close() starts is still flushed, not left behind."""
     s = open_store(tmp_path, lower="disk")
-    host = s.tier("host")
-    original, landed = host.put_many, threading.Event()
+    host = s.tier("host").backend
+    original, landed = host.write_many, threading.Event()
 
-    def slow(items, **kw):
-        stored = original(items, **kw)
+    def slow(items):
+        stored = original(items)
         landed.set()
         time.sleep(0.3)  # close() begins while this put is between the host tier and its return
         return stored
 
-    host.put_many = slow
+    host.write_many = slow
     putter = threading.Thread(target=s.put, args=(key_of(1), chunk(1, CHUNK)))
     putter.start()
     assert landed.wait(10)
     s.close()
     putter.join(10)
-    with DiskTier(path=tmp_path / "disk") as disk:
-        assert_same(disk.get(key_of(1)), chunk(1, CHUNK))
+    with FileBackend(path=tmp_path / "disk") as disk:
+        assert_same(disk.read(key_of(1)), chunk(1, CHUNK))
 
 
 def test_close_is_idempotent_and_thread_safe_under_load(tmp_path):
@@ -262,8 +266,8 @@ def test_close_is_idempotent_and_thread_safe_under_load(tmp_path):
         th.join(30)
     assert not any(th.is_alive() for th in threads)
     assert not unexpected, unexpected
-    with DiskTier(path=tmp_path / "disk") as disk:
-        missing = [i for i in acknowledged if not disk.contains(key_of(i))]
+    with FileBackend(path=tmp_path / "disk") as disk:
+        missing = [i for i in acknowledged if disk.stat_many([key_of(i)])[0] is None]
     assert acknowledged and missing == []
 
 
@@ -273,11 +277,11 @@ def test_a_store_never_closed_is_flushed_at_interpreter_exit(tmp_path):
                         {"kind": "disk", "path": str(tmp_path / "disk")}]}
     code = textwrap.dedent(f"""
         import time, tierstore
-        from tierstore.testing.tiers import chunk, key_of
+        from tierstore.testing.data import chunk, key_of
         s = tierstore.open({config!r})
-        disk = s.tier("disk")
-        original = disk.put_many
-        disk.put_many = lambda items, **kw: (time.sleep(0.05), original(items, **kw))[1]  # a slow lower tier
+        disk = s.tier("disk").backend
+        original = disk.write_many
+        disk.write_many = lambda items: (time.sleep(0.05), original(items))[1]  # a slow lower tier
         for i in range(40):
             s.put(key_of(i), chunk(i, {CHUNK}))
         print("exiting without close", flush=True)
@@ -285,9 +289,9 @@ def test_a_store_never_closed_is_flushed_at_interpreter_exit(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
-    with DiskTier(path=tmp_path / "disk") as disk:
-        assert [i for i in range(40) if not disk.contains(key_of(i))] == []
-        assert_same(disk.get(key_of(39)), chunk(39, CHUNK))
+    with FileBackend(path=tmp_path / "disk") as disk:
+        assert [i for i in range(40) if disk.stat_many([key_of(i)])[0] is None] == []
+        assert_same(disk.read(key_of(39)), chunk(39, CHUNK))
 
 
 def test_prefetch_does_not_wait_on_its_own_pin(tmp_path):
@@ -297,15 +301,14 @@ def test_prefetch_does_not_wait_on_its_own_pin(tmp_path):
                                   {"kind": "device", "device": "cpu", "name": "lower", "capacity": ONE}],
                         "prefetch_policy": "transient"})
     with s:
-        for t in s.tiers:
-            t.pin_wait = 0.5
+        s._transfers.pin_wait = 0.5
         s.put(key_of(1), chunk(1, CHUNK))  # B
         s.flush(timeout=30)
         with writer_paused(s):  # A stays dirty in the host, unpinned
             s.put(key_of(2), chunk(2, CHUNK))  # A evicts the clean B from the host
             assert s.where(key_of(1)) == "lower"
             assert s.prefetch([key_of(1)]).result(timeout=30) == 1
-        assert s.tier("lower").stats()["skipped"] == 0  # A's write below never gave up waiting on B's pin
+        assert s.stats()["tiers"]["lower"]["skipped"] == 0  # A's write below never gave up waiting on B's pin
         assert s.where(key_of(1)) == "host"
         assert_same(s.get(key_of(2)), chunk(2, CHUNK))  # A was written below before it left the host
 
@@ -315,12 +318,11 @@ def test_prefetch_surfaces_failures(tmp_path):
     with open_store(tmp_path) as s:
         s.put(key_of(1), chunk(1, CHUNK))
 
-        def broken(keys, probe=True):
-            raise RuntimeError("injected tier bug")
+        def broken(keys, levels=None):
+            raise RuntimeError("injected control plane bug")
 
-        s.tier("lower").contains_many = broken
-        s.tier("host").contains_many = broken
-        with pytest.raises(RuntimeError, match="injected tier bug"):
+        s.residency.locate = broken
+        with pytest.raises(RuntimeError, match="injected control plane bug"):
             s.prefetch([key_of(1), key_of(2)]).result(timeout=30)
         assert s.stats()["prefetch_errors"] == 2
 
@@ -329,8 +331,8 @@ def test_prefetch_surfaces_failures(tmp_path):
 def test_a_read_only_tier_serves_reads_and_is_never_written(tmp_path, order):
     """C10: a read_only disk tier inside a store: gets, promotions, puts and evictions never raise."""
     shared = tmp_path / "shared"
-    with DiskTier(path=shared) as owner:
-        owner.put(key_of(0), chunk(0, CHUNK))
+    with FileBackend(path=shared) as owner:
+        owner.write(key_of(0), chunk(0, CHUNK))
     ro = {"kind": "disk", "path": str(shared), "read_only": True, "name": "shared"}
     host = {"kind": "host", "capacity": 2 * 8192, "pinned": False}
     lower = {"kind": "device", "device": "cpu", "name": "lower", "capacity": "4MiB"}
@@ -345,8 +347,8 @@ def test_a_read_only_tier_serves_reads_and_is_never_written(tmp_path, order):
         if order == "read_only_on_top":
             for i in range(1, 6):
                 assert_same(s.get(key_of(i)), chunk(i, CHUNK))
-    with DiskTier(path=shared, read_only=True) as view:
-        assert view.keys() == [key_of(0)]  # nothing was written into the read-only directory
+    with FileBackend(path=shared, read_only=True) as view:
+        assert [f.key for f in view.list()] == [key_of(0)]  # nothing was written into the read-only directory
 
 
 def test_promotion_and_write_back_count_as_reads_of_the_tier_they_read(tmp_path):
@@ -358,11 +360,11 @@ def test_promotion_and_write_back_count_as_reads_of_the_tier_they_read(tmp_path)
         writer.flush()
     cfg = {"tiers": [{"kind": "disk", "path": str(tmp_path / "disk")}, shared], "prefetch_policy": "retain"}
     with tierstore.open(cfg) as store:
-        disk, remote = store.tier("disk"), store.tier("remote")
         assert_same(store.get(key_of(1)), chunk(1))  # read from the remote, promoted into the disk
         store.flush()
-        assert remote.stats()["bytes_out"] == remote.used_bytes > 0
-        before = disk.stats()["bytes_out"]
+        remote = store.stats()["tiers"]["remote"]
+        assert remote["bytes_out"] == remote["used_bytes"] > 0
+        before = store.stats()["tiers"]["disk"]["bytes_out"]
         assert store.put(key_of(2), chunk(2))
         store.flush()  # written back: read out of the disk tier as its object
-        assert disk.stats()["bytes_out"] > before
+        assert store.stats()["tiers"]["disk"]["bytes_out"] > before

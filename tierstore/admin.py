@@ -26,12 +26,15 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from .errors import ConfigError, LockedError
+from .backends import prefix_gc
+from .errors import ConfigError, CorruptObjectError, ForgedObjectError, LockedError, UnsupportedObjectError
 from .sizes import format_size, parse_duration, parse_size
-from .tiers import prefix_gc
-from .tiers.base import Tier
+
+if TYPE_CHECKING:
+    from .backends.base import Backend
 
 #: objects read per batch while verifying
 _BATCH = 64
@@ -89,35 +92,47 @@ def add_stats_arguments(p: argparse.ArgumentParser) -> None:
                         "(a node exporter's textfile collector, e.g. /var/lib/node_exporter/tierstore.prom)")
 
 
+@dataclass
+class Persistent:
+    """A persistent tier of the config opened for inspection: its name, kind, capacity and backend."""
+
+    name: str
+    kind: str
+    capacity: int | None
+    backend: Backend
+    read_only: bool = False
+
+
 @contextmanager
-def open_persistent_tiers(config: Any, writable: bool, list_on_open: bool = True) -> Iterator[list[Tier]]:
+def open_persistent_tiers(config: Any, writable: bool) -> Iterator[list[Persistent]]:
     """The config's disk (each directory it may use) and remote tiers, closed on exit.
 
     ``writable=False`` opens disk directories read-only without their lock. ``writable=True`` takes
     each lock and raises :class:`LockedError` (after closing what it opened) if a process holds one.
     """
+    from .backends.file import FileBackend
+    from .backends.fsspec import FsspecBackend
     from .config import parse_config
-    from .tiers.disk import DiskTier
-    from .tiers.remote import RemoteTier
 
     cfg = parse_config(config)
     with ExitStack() as stack:
-        tiers: list[Tier] = []
+        tiers: list[Persistent] = []
         for tc in cfg.tiers:
             if tc.kind == "disk":
                 opts = {k: v for k, v in tc.options.items() if k not in ("instances", "capacity")}
                 base = opts.pop("path")
+                owned_read_only = tc.options.get("read_only", False)
                 for i in range(tc.options.get("instances", 1)):
                     path = base if i == 0 else f"{base}.{i}"
-                    if os.path.isdir(path):  # capacity None: an inspection never trims
-                        opts["read_only"] = tc.options.get("read_only", False) or not writable
-                        tiers.append(stack.enter_context(DiskTier(
-                            name=tc.name if i == 0 else f"{tc.name}.{i}", path=path, **opts)))
+                    if os.path.isdir(path):
+                        opts["read_only"] = owned_read_only or not writable
+                        name = tc.name if i == 0 else f"{tc.name}.{i}"
+                        tiers.append(Persistent(name, "disk", tc.options.get("capacity"),
+                                                stack.enter_context(FileBackend(name=name, path=path, **opts)),
+                                                read_only=owned_read_only))
             elif tc.kind == "remote":
-                opts = dict(tc.options)
-                if not list_on_open:  # the caller lists itself (gc): one listing, not two
-                    opts["list_on_open"] = False
-                tiers.append(stack.enter_context(RemoteTier(name=tc.name, **opts)))
+                tiers.append(Persistent(tc.name, "remote", None,
+                                        stack.enter_context(FsspecBackend(name=tc.name, **tc.options))))
         yield tiers
 
 
@@ -134,9 +149,16 @@ def _refuse(exc: LockedError, verb: str) -> int:
     return 2
 
 
+def tier_stats(tier: Persistent) -> dict[str, Any]:
+    """What ``tierstore stats`` shows of one tier, from a listing of its storage."""
+    listed = list(tier.backend.list())
+    return {"kind": tier.kind, "objects": len(listed), "used_bytes": sum(f.size for f in listed),
+            "capacity_bytes": tier.capacity, **tier.backend.stats()}
+
+
 def run_stats(args: argparse.Namespace) -> int:
     with open_persistent_tiers(args.config, writable=False) as tiers:
-        st = {"tiers": {t.name: t.stats() for t in tiers}}
+        st = {"tiers": {t.name: tier_stats(t) for t in tiers}}
     if args.prometheus is not None:
         from .metrics import StoreCollector, exposition, write_textfile
 
@@ -155,22 +177,48 @@ def run_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_objects(tier: Tier, repair: bool) -> dict[str, int]:
+def check_objects(tier: Persistent, repair: bool) -> dict[str, int]:
     """Read every object of ``tier`` once: counts of ``ok``, ``corrupt``, ``unsupported`` (a newer format
     or a dtype this torch lacks: always kept, a newer reader needs it), ``forged`` (a tier with keys could
     not open it: always kept, it may belong to another trust domain), ``missing`` (vanished since
     listed) and ``unreadable`` (I/O errors: not judged). With ``repair`` corrupt objects are deleted (not
-    from a disk directory the config marks ``read_only``: it belongs to someone else)."""
-    repair = repair and not getattr(tier, "read_only", False)
-    keys = tier.keys()
+    from a disk directory the config marks ``read_only``: it belongs to someone else, nor from a view
+    opened read-only)."""
+    backend = tier.backend
+    repair = repair and not tier.read_only and backend.capabilities.writable
+    keys = [f.key for f in backend.list()]
     counts = {"objects": len(keys), "ok": 0, "corrupt": 0, "unsupported": 0, "forged": 0, "missing": 0,
               "unreadable": 0, "removed": 0}
     for i in range(0, len(keys), _BATCH):
-        for outcome in tier.verify_many(keys[i:i + _BATCH], repair=repair):
-            counts["unreadable" if outcome == "error" else outcome] += 1
-    # read-only views never remove; a writable disk directory is only opened to repair
-    counts["removed"] = counts["corrupt"] if repair else 0
+        batch = keys[i:i + _BATCH]
+        corrupt = []
+        for key, got in zip(batch, backend.read_objects(batch), strict=True):
+            outcome = _outcome(got)
+            counts[outcome] += 1
+            if outcome == "corrupt":
+                corrupt.append(key)
+        if repair and corrupt:
+            counts["removed"] += sum(err is None for err in backend.delete_many(corrupt))
     return counts
+
+
+def _outcome(got: Any) -> str:
+    """``ok``, ``missing``, ``corrupt``, ``forged``, ``unsupported`` or ``unreadable`` for one object read."""
+    if got is None or isinstance(got, FileNotFoundError):
+        return "missing"
+    if isinstance(got, ForgedObjectError):
+        return "forged"
+    if isinstance(got, UnsupportedObjectError):
+        return "unsupported"
+    if isinstance(got, CorruptObjectError):
+        return "corrupt"
+    if isinstance(got, BaseException):
+        return "unreadable"
+    try:
+        got.value.header.require_supported()  # a dtype this torch lacks: only decoding would find it
+    except UnsupportedObjectError:
+        return "unsupported"
+    return "ok"
 
 
 def run_verify(args: argparse.Namespace) -> int:
@@ -219,16 +267,16 @@ def run_gc(args: argparse.Namespace) -> int:
 
 
 def _gc_pass(args: argparse.Namespace) -> tuple[int, dict[str, dict[str, Any]]]:
-    from .tiers.remote import RemoteTier
+    from .backends.fsspec import FsspecBackend
 
     result: dict[str, dict[str, Any]] = {}
     lines = []
     try:
-        with open_persistent_tiers(args.config, writable=True, list_on_open=False) as tiers:
+        with open_persistent_tiers(args.config, writable=True) as tiers:
             for tier in tiers:
-                if isinstance(tier, RemoteTier):
+                if isinstance(tier.backend, FsspecBackend):
                     started = time.monotonic()
-                    done = tier.collect_garbage(max_size=args.max_size, older_than=args.older_than,
+                    done = tier.backend.collect_garbage(max_size=args.max_size, older_than=args.older_than,
                                                 grace=args.grace, stale_after=args.stale_after)
                     r = result[tier.name] = {
                         "objects": done.objects, "bytes": done.bytes, "removed_objects": done.removed_objects,

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .errors import ConfigError
+from .residency import Pressure
 from .sizes import parse_size
-from .tiers.layout import PERMISSIONS
+from .backends.layout import PERMISSIONS
 from .urls import check_endpoint, check_url
 
 E = TypeVar("E", bound=enum.Enum)
@@ -34,13 +35,6 @@ class WritePolicy(str, enum.Enum):
 class PrefetchPolicy(str, enum.Enum):
     RETAIN = "retain"
     TRANSIENT = "transient"
-
-
-class Pressure(str, enum.Enum):
-    """What a full tier does with a dirty chunk no tier below can take now (``on_pressure``)."""
-
-    DROP = "drop"  #: evict it and count it (a cache: KV can be recomputed, weights fetched again)
-    KEEP = "keep"  #: keep it; the put that needed the room skips the tier
 
 
 _STORE_KEYS = {"tiers", "write_policy", "prefetch_policy", "max_in_flight", "close_timeout", "on_pressure", "metrics"}
@@ -322,13 +316,21 @@ def _parse_tier(entry: Any, where: str) -> TierConfig:
     if not isinstance(entry, Mapping):
         raise ConfigError(f"{where}: expected a mapping, got {type(entry).__name__}")
     kind = entry.get("kind")
-    if kind not in TIER_OPTIONS:
-        raise ConfigError(f"{where}.kind: unknown tier kind {kind!r} (one of {', '.join(TIER_OPTIONS)})")
     options = {k: v for k, v in entry.items() if k not in ("kind", "name")}
-    missing = _REQUIRED.get(kind, set()) - set(options)
-    if missing:
-        raise ConfigError(f"{where}: a {kind} tier needs {', '.join(sorted(missing))}")
-    options = check_tier_options(kind, options, where)
+    if kind in TIER_OPTIONS:
+        missing = _REQUIRED.get(kind, set()) - set(options)
+        if missing:
+            raise ConfigError(f"{where}: a {kind} tier needs {', '.join(sorted(missing))}")
+        options = check_tier_options(kind, options, where)
+    else:  # a registered third-party backend checks its own options; capacity is the store's
+        from .backends import backend_class, known_kinds
+
+        if not isinstance(kind, str) or kind not in known_kinds():
+            raise ConfigError(f"{where}.kind: unknown tier kind {kind!r} (one of {', '.join(known_kinds())})")
+        capacity = _capacity(options.pop("capacity", None), f"{where}.capacity")
+        options = backend_class(kind).check_options(options, where)
+        if capacity is not None:
+            options["capacity"] = capacity
     name = entry.get("name", kind)
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{where}.name: expected a non-empty string")

@@ -156,8 +156,8 @@ class _Key:
 
 
 class _Level:
-    __slots__ = ("copies", "counts", "evicting", "evicting_bytes", "pins", "ready", "reserved", "retry_at",
-                 "retry_heap", "space", "spec", "used")
+    __slots__ = ("copies", "counts", "evicting", "evicting_bytes", "failing", "pins", "ready", "reserved",
+                 "retry_at", "retry_heap", "space", "spec", "used")
 
     def __init__(self, spec: LevelSpec) -> None:
         self.spec = spec
@@ -172,6 +172,7 @@ class _Level:
         self.retry_heap: list[tuple[float, int, ChunkKey]] = []
         self.space = _SpaceLimit()
         self.counts = {"evictions": 0, "writeback_done": 0, "writeback_failed": 0, "writeback_dropped": 0}
+        self.failing = False  # a write into it kept failing, and none has succeeded since
 
 
 class _SpaceLimit:
@@ -207,6 +208,8 @@ class Residency:
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._keys: dict[ChunkKey, _Key] = {}
+        #: bumped by every change of state that may let a waiter go on (see :meth:`wait_for_change`)
+        self.changes = 0
         self._gens = itertools.count(1)
         self._seq = itertools.count()
         self.deletes = 0  #: deletes finished so far (a probe indexes what it found only if none ended meanwhile)
@@ -230,8 +233,23 @@ class Residency:
                 self._cond.wait(poll if remaining is None else min(poll, remaining))
 
     def notify(self) -> None:
+        """Wake whoever waits on a change of state (a caller changed something the residency does not see)."""
         with self._cond:
-            self._cond.notify_all()
+            self._changed()
+
+    def _changed(self) -> None:
+        self.changes += 1
+        self._cond.notify_all()
+
+    def wait_for_change(self, seen: int, timeout: float) -> None:
+        """Wait until :attr:`changes` differs from ``seen`` (read before looking at the state), or ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self.changes == seen:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._cond.wait(remaining)
 
     # ------------------------------------------------------------------ generations and copies
     def next_gen(self) -> int:
@@ -294,19 +312,24 @@ class Residency:
         lv.used -= old & _SIZE_MASK
         return True
 
-    def found(self, level: int, key: ChunkKey, size: int, deletes: int) -> bool:
+    def found(self, level: int, key: ChunkKey, size: int, deletes: int) -> int | None:
         """A probe or read of a shared level found ``key`` stored there, unindexed: index it, unless a delete
         ended since the probe began (``deletes`` was :attr:`deletes` then), the key is being mutated there or
-        deleted, or its value here may be older than the current one. Whether it was indexed."""
+        deleted, or its value here may be older than the current one. The generation it was indexed with, or
+        ``None``."""
         with self._lock:
             lv = self.levels[level]
             rec = self._keys.get(key)
-            if deletes != self.deletes or key in lv.copies:
-                return False
+            if deletes != self.deletes:
+                return None
+            packed = lv.copies.get(key)
+            if packed is not None:
+                return packed >> _SIZE_BITS if self._current(key, packed) else None
             if rec is not None and (rec.deleting or level in rec.busy or rec.gen != UNKNOWN or level in rec.pending):
-                return False
-            self._put_copy(lv, key, _pack(self._gen_of(key), size))
-            return True
+                return None
+            gen = self._gen_of(key)
+            self._put_copy(lv, key, _pack(gen, size))
+            return gen
 
     def lost(self, level: int, key: ChunkKey, gen: int, remove: bool) -> bool:
         """A read found the copy of generation ``gen`` missing or damaged: forget it (unless it was replaced
@@ -325,7 +348,7 @@ class Residency:
                 return True
             self._drop_copy(lv, key)
             self._tidy(key)
-            self._cond.notify_all()
+            self._changed()
             return False
 
     def claim_stale(self, key: ChunkKey, level: int) -> bool:
@@ -349,7 +372,7 @@ class Residency:
             if rec is not None:
                 rec.busy.pop(level, None)
             self._tidy(key)
-            self._cond.notify_all()
+            self._changed()
 
     # ------------------------------------------------------------------ reads, pins
     def locate(self, keys: Sequence[ChunkKey], levels: Iterable[int] | None = None) -> list[int | None]:
@@ -402,7 +425,7 @@ class Residency:
                     pins.pop(h.key, None)
                     freed = True
             if freed:
-                self._cond.notify_all()
+                self._changed()
 
     def probe_levels(self, key: ChunkKey) -> list[int]:
         """Shared levels where ``key`` may be stored by another process with its current value (to probe)."""
@@ -412,6 +435,12 @@ class Residency:
                 return []
             return [i for i, lv in enumerate(self.levels) if lv.spec.shared and key not in lv.copies
                     and (rec is None or i not in rec.pending)]
+
+    def current_gen(self, key: ChunkKey, level: int) -> int | None:
+        """The generation of ``level``'s copy of ``key`` when it holds the current value, else ``None``."""
+        with self._lock:
+            packed = self.levels[level].copies.get(key)
+            return packed >> _SIZE_BITS if packed is not None and self._current(key, packed) else None
 
     def holds_current(self, key: ChunkKey, level: int, gen: int) -> bool:
         """Whether ``level`` still holds generation ``gen`` of ``key`` as its current value."""
@@ -458,17 +487,18 @@ class Residency:
                 lv.reserved += need
                 return Room(reserved=need)
             deficit = over - lv.evicting_bytes
+            blocked: list[bool] = [False]
             if deficit > 0:
-                victims = self._select_victims(level, deficit, key)
+                victims = self._select_victims(level, deficit, key, blocked)
                 if victims:
                     return Room(victims=tuple(victims))
-            return Room(wait=bool(lv.evicting_bytes or lv.reserved or lv.pins))
+            return Room(wait=bool(lv.evicting_bytes or lv.reserved or lv.pins or blocked[0]))
 
     def release(self, level: int, reserved: int) -> None:
         """Give back bytes reserved for a write that stored nothing (its slot stays with the caller)."""
         with self._lock:
             self.levels[level].reserved -= reserved
-            self._cond.notify_all()
+            self._changed()
 
     def commit_write(self, key: ChunkKey, level: int, gen: int, size: int, reserved: int, *,
                      put: bool = False, queue: bool = True) -> list[int]:
@@ -483,8 +513,8 @@ class Residency:
             rec = self._record(key)
             rec.busy.pop(level, None)
             lv.reserved -= reserved
+            lv.failing = False
             self._put_copy(lv, key, _pack(gen, size))
-            self._clear_retry(lv, key)
             stale_above: list[int] = []
             if gen > rec.gen and put:
                 rec.gen = gen
@@ -500,15 +530,16 @@ class Residency:
                 stale_above = [j for j in range(level) if key in self.levels[j].copies and self.levels[j].spec.writable]
             elif gen == rec.gen and level in rec.pending:
                 del rec.pending[level]
+                self._clear_retry(lv, key)
                 lv.counts["writeback_done"] += 1
             self._tidy(key)
-            self._cond.notify_all()
+            self._changed()
             return stale_above
 
     def abort_write(self, key: ChunkKey, level: int, gen: int, reserved: int = 0, failed: bool = False) -> bool:
         """The write of ``gen`` into ``level`` stored nothing: release its slot and bytes. ``failed``: a
         pending level's write failed (it is retried with back-off, counted). Returns whether this failure made
-        the level *failing* for the key (worth one log line)."""
+        the level *failing*, when it was not already (worth one log line, until a write to it succeeds)."""
         first_failing = False
         with self._lock:
             lv = self.levels[level]
@@ -521,9 +552,10 @@ class Residency:
                     lv.counts["writeback_failed"] += 1
                     delay = min(self.retry_delay * 2 ** (attempts - 1), self.max_retry_delay)
                     self._retry_later(lv, key, self.clock() + delay, replace=True)
-                    first_failing = attempts == self.fast_retries
+                    first_failing = attempts == self.fast_retries and not lv.failing
+                    lv.failing = lv.failing or attempts >= self.fast_retries
                 self._tidy(key)
-            self._cond.notify_all()
+            self._changed()
         return first_failing
 
     def _retry_later(self, lv: _Level, key: ChunkKey, at: float, replace: bool = False) -> None:
@@ -546,7 +578,10 @@ class Residency:
             return cap
         return space if cap is None else min(space, cap)
 
-    def _select_victims(self, level: int, deficit: int, exclude: ChunkKey | None) -> list[Victim]:
+    def _select_victims(self, level: int, deficit: int, exclude: ChunkKey | None,
+                        blocked: list[bool] | None = None) -> list[Victim]:
+        """Victims worth ``deficit`` bytes, least recently used first; ``blocked[0]`` is set when a candidate was
+        passed over because a write of it below is in flight (room will come: wait)."""
         lv = self.levels[level]
         victims: list[Victim] = []
         freed = 0
@@ -561,7 +596,9 @@ class Residency:
             gen = packed >> _SIZE_BITS
             down = self._down_target(key, level, gen)
             if down is False:
-                continue  # dirty, nowhere to go now, and the policy keeps it
+                if blocked is not None and rec is not None and any(j > level for j in rec.busy):
+                    blocked[0] = True
+                continue  # dirty, not to be saved now (being written below, or the policy keeps it)
             size = packed & _SIZE_MASK
             self._record(key).busy[level] = REMOVING
             lv.evicting[key] = size
@@ -572,8 +609,9 @@ class Residency:
 
     def _down_target(self, key: ChunkKey, level: int, gen: int, tried: Iterable[int] = ()) -> int | None | bool:
         """Where a victim must be written before it goes: a level (dirty), ``None`` (clean: it may go), or
-        ``False`` (dirty, no level below can take it now, and it must stay). Under ``drop`` a dirty victim with
-        nowhere to go is dropped (``None``), its pending levels recorded as dropped."""
+        ``False`` (dirty and must stay: a write of it below is in flight, or no level below can take it now
+        and the policy keeps it). Under ``drop`` a dirty victim with nowhere to go is dropped (``None``), its
+        pending levels recorded as dropped."""
         rec = self._keys.get(key)
         if rec is None or gen != rec.gen:
             return None  # clean everywhere, or an older value
@@ -585,10 +623,13 @@ class Residency:
                 packed = lv.copies.get(key)
                 if packed is not None and packed >> _SIZE_BITS == gen:
                     return None
+        in_flight = False
         for j in below:
-            if j not in tried and j not in rec.busy and not self._backing_off(rec, key, j):
+            if j in rec.busy:
+                in_flight = True  # being written there now: it will be saved (keep it until then)
+            elif j not in tried and not self._backing_off(rec, key, j):
                 return j
-        if self.pressure is Pressure.KEEP:
+        if in_flight or self.pressure is Pressure.KEEP:
             return False
         for j in range(level + 1, len(self.levels)):
             packed = self.levels[j].copies.get(key)
@@ -605,6 +646,31 @@ class Residency:
             self._clear_retry(lv, key)
             lv.counts["writeback_dropped"] += 1
             _remember(self._dropped, key, j)
+
+    def choose(self, key: ChunkKey, level: int) -> Victim | None:
+        """``level``'s copy of ``key`` as a victim (an eviction asked for by name), under the rules any victim
+        follows; ``None`` if there is none, or it is pinned, busy, or dirty with nowhere to go that keeps it."""
+        with self._lock:
+            lv = self.levels[level]
+            packed = lv.copies.get(key)
+            rec = self._keys.get(key)
+            if (packed is None or key in lv.pins or key in lv.evicting
+                    or (rec is not None and (level in rec.busy or rec.deleting))):
+                return None
+            gen, size = packed >> _SIZE_BITS, packed & _SIZE_MASK
+            down = self._down_target(key, level, gen)
+            if down is False:
+                return None
+            self._record(key).busy[level] = REMOVING
+            lv.evicting[key] = size
+            lv.evicting_bytes += size
+            return Victim(key, level, size, gen, down if isinstance(down, int) else None)
+
+    def reclaim(self, key: ChunkKey, level: int, size: int) -> list[Victim]:
+        """Victims worth ``size`` more bytes of ``level`` for a write of ``key`` that has its bytes reserved but
+        found no contiguous room (a fragmented memory pool): evicting neighbours frees runs that merge."""
+        with self._lock:
+            return self._select_victims(level, size, key)
 
     def written_down_failed(self, victim: Victim, tried: Iterable[int]) -> int | None | bool:
         """The write of ``victim`` to its ``down`` level (and ``tried`` ones) failed: the next level to try,
@@ -643,7 +709,7 @@ class Residency:
         if rec is not None:
             rec.busy.pop(victim.level, None)
         self._tidy(victim.key)
-        self._cond.notify_all()
+        self._changed()
 
     # ------------------------------------------------------------------ ENOSPC
     def space_full(self, level: int) -> float:
@@ -672,7 +738,7 @@ class Residency:
             sp.bytes = None if free is None else max(sp.bytes, lv.used + lv.reserved + free)
             sp.recheck_at = self.clock() + sp.backoff
             sp.lifted = True
-            self._cond.notify_all()
+            self._changed()
 
     def space_stored(self, level: int) -> None:
         """A write fit after the limit was raised: the storage has room again (the back-off starts over)."""
@@ -731,7 +797,7 @@ class Residency:
                 rec.busy[level] = rec.gen
                 writes.append(Write(key, level, rec.gen, source, src.copies[key] & _SIZE_MASK))
             if stale or writes:
-                self._cond.notify_all()
+                self._changed()
             return writes, stale
 
     def _take_due_retries(self, lv: _Level) -> None:
@@ -793,7 +859,7 @@ class Residency:
                 rec.pending[j] = 0
                 lv.ready[key] = None
             self._tidy(key)
-            self._cond.notify_all()
+            self._changed()
 
     # ------------------------------------------------------------------ promotion
     def begin_promote(self, key: ChunkKey, source: int, gen: int, target: int) -> bool:
@@ -855,7 +921,7 @@ class Residency:
             self._dropped.pop(key, None)
             self.deletes += 1
             self._tidy(key)
-            self._cond.notify_all()
+            self._changed()
             return held
 
     # ------------------------------------------------------------------ flush
@@ -871,7 +937,7 @@ class Residency:
                         lv = self.levels[j]
                         lv.retry_at.pop(key, None)
                         lv.ready[key] = None
-            self._cond.notify_all()
+            self._changed()
             return FlushState(watched)
 
     def flush_settled(self, state: FlushState) -> bool:

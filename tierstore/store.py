@@ -1,22 +1,33 @@
-"""The tiered store: ordered tiers, write-back, promotion, and the public ``tierstore.open``.
+"""The tiered store — the facade over the control plane, the data plane and the backends — and ``tierstore.open``.
 
-The batched methods are the implementation; the single-key ones wrap them. Every public call runs under
-one lifecycle guard (:mod:`tierstore.lifecycle`). Write-back bookkeeping lives in :mod:`tierstore.writeback`,
-promotion in :mod:`tierstore.promotion`:
+Four parts, each one concept (``docs/design.md`` draws who may call whom):
 
-* **put**: ``write_back`` lands a chunk in the highest tier that takes it and marks it dirty for the
-  tiers below, which writer threads fill in batches; ``write_through`` writes every tier before returning.
-* **dirty eviction**: each tier asks :meth:`WriteBack.before_evict` before it drops a victim; a dirty one
-  is written below first, then kept or dropped as ``on_pressure`` says.
-* **reads**: each key from the highest tier holding its current value; under ``retain`` what came from
-  below is admitted to the top tier once it is in the caller's hands, and the tiers in between are filled
-  by write-back.
-* **close**: refuses new calls, waits for running ones, flushes with a deadline and never raises for
-  write-back failures; a store still open at interpreter exit is closed then (bounded by the same deadline).
+* :mod:`tierstore.residency` — *where every chunk lives*: copies per level with their generations, LRU order,
+  byte budgets, pins, pending write-backs, one storage mutation per key and level. Pure, no I/O.
+* :mod:`tierstore.backends` — *plain storage* per level (memory, a disk directory, any fsspec URL), registered
+  by kind, described by capability flags.
+* :mod:`tierstore.transfers` — *every move of bytes* as a job: batched reads, landings with their evictions,
+  write-back, promotion.
+* this module — the public API. Batched methods are the implementation and the single-key ones wrap them;
+  every call runs under one lifecycle guard (:mod:`tierstore.lifecycle`).
+
+What a call does:
+
+* **put**: ``write_back`` lands a chunk in the highest level that takes it, and the levels below it are
+  written in the background; ``write_through`` writes every level before returning (one that refuses is
+  retried by write-back). ``put`` says whether some level took the chunk.
+* **get**: each key from the highest level holding its current value, never an older one; under ``retain``
+  what came from below is promoted to the top by a job once the caller has its bytes.
+* **pressure**: a level full of chunks that are not yet written below evicts them after writing them down;
+  when no level below can take them (a remote outage), ``on_pressure: drop`` drops them (counted, named by
+  ``flush``) and ``keep`` keeps them (the put that needed the room skips the level).
+* **close**: refuses new calls, waits for running ones, flushes with a deadline and never raises for write-back
+  failures; a store still open at interpreter exit is closed then.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import threading
@@ -29,16 +40,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .backends import backend_class
+from .backends.base import Backend
 from .config import MetricsConfig, PrefetchPolicy, Pressure, StoreConfig, WritePolicy, parse_config
 from .errors import ClosedError, InvalidInputError, InvalidTypeError, TierTimeoutError, WriteBackError
 from .keys import ChunkKey, check_key
 from .lifecycle import Lifecycle, track, untrack
-from .objformat import validate_chunk
-from .promotion import Promoter
+from .objformat import Encoded, validate_chunk
+from .residency import Hold, LevelSpec, Residency
 from .telemetry import Counters, Latency
 from .tensors import TensorDict, check_outs
-from .tiers import Tier, tier_class
-from .writeback import STAT_KEYS, FlushReport, WriteBack
+from .transfers import FlushReport, Level, Promoter, Transfers, WriteBack
 
 if TYPE_CHECKING:
     from .metrics import MetricsServer
@@ -47,9 +59,9 @@ log = logging.getLogger("tierstore")
 
 #: seconds ``close()`` (and the flush at interpreter exit) waits for write-back by default
 CLOSE_TIMEOUT = 10.0
-#: first window of keys past the local run that ``lookup`` probes on shared tiers at once (doubles per round)
+#: first window of keys past the local run that ``lookup`` probes on shared levels at once (doubles per round)
 LOOKUP_WINDOW = 32
-#: threads of the executor behind the ``*_async`` methods (each call fans out further on the tiers' pools)
+#: threads of the executor behind the ``*_async`` methods (each call fans out further on the backends' pools)
 ASYNC_WORKERS = 4
 
 Item = tuple[ChunkKey, Mapping[str, torch.Tensor]]
@@ -73,7 +85,7 @@ class Pin:
 
     keys: tuple[ChunkKey, ...]
     ready: int
-    _held: list[tuple[Tier, list[ChunkKey]]] = field(default_factory=list, repr=False)
+    _held: list[Hold] = field(default_factory=list, repr=False)
 
 
 class TieredStore:
@@ -82,30 +94,37 @@ class TieredStore:
     Build one with :func:`tierstore.open`. All methods are thread-safe; no lock is held across I/O.
     Read-only tiers serve reads and are never written. Batches never raise for one key: a miss is
     ``None``/``False``; only a malformed call or a closed store raises.
+
+    Attributes:
+        tiers: the levels, fastest first (:class:`~tierstore.transfers.Level`: ``name``, ``kind``,
+            ``backend``, ``capacity``).
+        residency: the control plane (:class:`~tierstore.residency.Residency`).
     """
 
-    def __init__(self, tiers: Sequence[Tier], write_policy: WritePolicy = WritePolicy.WRITE_BACK,
+    def __init__(self, levels: Sequence[Level], write_policy: WritePolicy = WritePolicy.WRITE_BACK,
                  prefetch_policy: PrefetchPolicy = PrefetchPolicy.RETAIN, max_in_flight: int = 8,
                  close_timeout: float = CLOSE_TIMEOUT, on_pressure: Pressure = Pressure.DROP,
                  metrics: MetricsConfig | None = None):
-        self.tiers: tuple[Tier, ...] = tuple(tiers)
+        self.tiers: tuple[Level, ...] = tuple(levels)
         self.write_policy = WritePolicy(write_policy)
         self.prefetch_policy = PrefetchPolicy(prefetch_policy)
         self.on_pressure = Pressure(on_pressure)
         self.max_in_flight = max_in_flight
         self.close_timeout = close_timeout
-        self._by_name = {t.name: t for t in self.tiers}
-        self._shared_levels = [level for level, t in enumerate(self.tiers) if level and t.shared]
+        self._by_name = {lv.name: lv for lv in self.tiers}
+        self._shared = [lv.index for lv in self.tiers if lv.index and lv.shared]
         self._lock = threading.Lock()
         self._counts = {"puts": 0, "gets": 0, "hits": 0, "misses": 0}
         self.latency = Latency()  # seconds per get_many / put_many / locate call, as the caller sees them
         self.counters = Counters()  # what the layers above count in this store (KV tokens, weight bytes)
+        self.residency = Residency([LevelSpec(lv.name, lv.capacity, lv.writable, lv.shared) for lv in self.tiers],
+                                   self.on_pressure)
+        self._transfers = Transfers(self.tiers, self.residency)
+        self._adopt()
         self._life = Lifecycle()
         self._closed = threading.Event()
-        self._wb = WriteBack(self.tiers, max_in_flight, self.on_pressure)
-        for t in self.tiers:
-            t.before_evict = self._wb.before_evict
-        self._promoter = Promoter(self.tiers, self._wb, max_in_flight, self._life.call)
+        self._writeback = WriteBack(self._transfers, max_in_flight)
+        self._promoter = Promoter(self._transfers, max_in_flight)
         self._async_pool = ThreadPoolExecutor(ASYNC_WORKERS, thread_name_prefix="tierstore-batch")
         #: the ``/metrics`` server when the config asks for one (``metrics.port`` is the port it got)
         self.metrics: MetricsServer | None = None
@@ -115,10 +134,34 @@ class TieredStore:
             try:
                 self.metrics = MetricsServer(self, metrics.port, metrics.host)
             except BaseException:
-                self._wb.stop(1.0)
+                self._writeback.stop(1.0)
                 self._async_pool.shutdown(wait=False)
                 raise
         track(self)
+
+    @classmethod
+    def from_backends(cls, backends: Sequence[Backend | tuple[Backend, int | None]], **options: Any) -> TieredStore:
+        """A store over backends opened by the caller, fastest first: each a backend, or ``(backend,
+        capacity)``; tiers are named after the backends' ``name`` (else their ``kind``). ``options`` are the
+        constructor's (``write_policy``, ``prefetch_policy``, ``on_pressure`` …). The store closes them."""
+        levels = []
+        for i, entry in enumerate(backends):
+            backend, capacity = entry if isinstance(entry, tuple) else (entry, None)
+            if backend.capacity is not None:
+                capacity = backend.capacity if capacity is None else min(capacity, backend.capacity)
+            levels.append(Level(i, getattr(backend, "name", None) or backend.kind, backend.kind, backend, capacity))
+        return cls(levels, **options)
+
+    def _adopt(self) -> None:
+        """Index what the persistent levels hold (least recently used first) and trim any that holds more than
+        its budget (a capacity lowered since, or files placed there by hand)."""
+        for lv in self.tiers:
+            if lv.caps.persistent and lv.backend.list_on_open:
+                self.residency.adopt(lv.index, ((f.key, f.size) for f in lv.backend.list()))
+            if lv.writable:
+                deadline = time.monotonic() + 60.0
+                for victim in self.residency.trim(lv.index):
+                    self._transfers.evict(victim, deadline)
 
     # ------------------------------------------------------------------ writes
     def put_many(self, items: Iterable[Item]) -> list[bool]:
@@ -152,101 +195,104 @@ class TieredStore:
         return self._put_valid([(key, tensors)], [0])[0]
 
     def _put_valid(self, items: list[Item], valid: list[int]) -> list[bool]:
-        """Store ``items[i]`` for each validated ``i``; per item whether some tier took it."""
         start = perf_counter()
         try:
-            return self._put_checked(items, valid)
+            with self._life.call(acknowledges=True):
+                self._count(puts=len(valid))
+                ok = self._land_puts(items, valid)
         finally:
             self.latency.since("put", start)
+        refused = sum(1 for i in valid if not ok[i])
+        if refused:
+            log.warning("put_many: no tier accepted %d of %d chunks", refused, len(valid))
+        return ok
 
-    def _put_checked(self, items: list[Item], valid: list[int]) -> list[bool]:
-        with self._life.call(acknowledges=True):
-            self._count(puts=len(valid))
-            # one item at a time per key (dirty before held, one write of a key at a time), on the top
-            # tier's parallelism
-            stored = self.tiers[0]._map(lambda i: self._put_claimed(*items[i]), valid)
-            ok = [False] * len(items)
-            for i, s in zip(valid, stored, strict=True):
-                ok[i] = s
-            refused = len(valid) - sum(stored)
-            if refused:
-                log.warning("put_many: no tier accepted %d of %d chunks", refused, len(valid))
-            return ok
-
-    def _put_claimed(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
-        """Store one validated chunk under its key's claim; whether some tier took it."""
+    def _land_puts(self, items: list[Item], valid: list[int]) -> list[bool]:
+        """Each valid item into the highest level that takes it (``write_back``) or into every level
+        (``write_through``); per item whether some level holds it (or a newer put of its key superseded it)."""
         through = self.write_policy is WritePolicy.WRITE_THROUGH
-        with self._wb.claim(key):
-            self._wb.begin_put(key)  # dirty before any tier holds it
-            landed, stale = False, []
-            try:
-                for level, tier in enumerate(self.tiers):
-                    if tier.read_only:
-                        if through:  # asked like every tier: it skips the chunk and counts that
-                            tier.put_many([(key, tensors)])
-                        continue
-                    if not through:
-                        self._wb.landing(key, level)
-                    # a tier that refuses keeps its value for now: if no tier takes the chunk, that stays the
-                    # key's value; if one does, what a refusing tier holds is older and must not be read
-                    ok = tier.put_many([(key, tensors)], keep_on_failure=True)[0]
-                    landed |= ok
-                    if through:  # every tier now; one below the top that refuses is retried by write-back
-                        self._wb.wrote(key, level, ok)  # meanwhile (and skipped by reads)
-                        if not ok and level == 0:
-                            stale.append(tier)
-                    elif ok:
-                        break
-                    else:
-                        stale.append(tier)
-                if landed:
-                    for tier in stale:
-                        tier.delete(key)
-            finally:
-                self._wb.end_put(key, landed)
-            return landed
+        gens = {i: self.residency.next_gen() for i in valid}
+        ok = [False] * len(items)
+        todo = list(valid)
+        for lv in self.tiers:
+            if not todo:
+                break
+            if not lv.writable:
+                continue
+            landed = self._transfers.land_many(lv.index, [(items[i][0], gens[i], items[i][1]) for i in todo],
+                                               put=True, queue=not through)
+            rest = []
+            for i, outcome in zip(todo, landed, strict=True):
+                if outcome is not False:
+                    ok[i] = True
+                if outcome is False or (through and outcome):
+                    rest.append(i)
+            todo = rest
+        return ok
 
     def delete(self, keys: ChunkKey | Sequence[ChunkKey]) -> int:
-        """Remove ``keys`` from every tier this store writes (pending write-back included); returns how
-        many were held somewhere. A shared tier that cannot be reached keeps its copy."""
+        """Remove ``keys`` from every tier this store writes (pending write-back included); returns how many
+        were held somewhere. A shared tier that cannot be reached keeps its copy."""
         keys = _check_keys([keys] if isinstance(keys, ChunkKey) else keys)
+        res = self.residency
         with self._life.call():
             n = 0
             for k in dict.fromkeys(keys):
-                with self._wb.claim(k):
-                    n += any([t.delete(k) for t in self.tiers if not t.read_only])
-                    self._wb.forget(k)  # after the tiers: a read that began meanwhile admits nothing
+                res.wait_until(lambda k=k: True if res.begin_delete(k) else None)
+                levels = res.wait_until(lambda k=k: res.delete_ready(k))
+                assert levels is not None
+                for level in levels:
+                    lv = self.tiers[level]
+                    (err,) = lv.backend.delete_many([k])
+                    if err is not None:
+                        lv.failures.report("delete", "could not delete %s: %s", k.hex(), err)
+                n += res.end_delete(k) > 0
+            return n
+
+    def evict(self, keys: ChunkKey | Sequence[ChunkKey], tier: str) -> int:
+        """Remove ``keys``' copies from tier ``tier`` as an eviction would (a chunk not yet written below is
+        written there first; a pinned or busy one stays); returns how many copies went. The other tiers keep
+        theirs: a demotion, not a delete."""
+        keys = _check_keys([keys] if isinstance(keys, ChunkKey) else keys)
+        level = self.tier(tier).index
+        with self._life.call():
+            n = 0
+            deadline = time.monotonic() + self._transfers.pin_wait
+            for k in dict.fromkeys(keys):
+                victim = self.residency.choose(k, level)
+                if victim is not None:
+                    n += self._transfers.evict(victim, deadline)
             return n
 
     def flush(self, timeout: float | None = None) -> FlushReport:
         """Wait until write-back has brought every chunk put so far to every tier below it.
 
-        A write that fails is retried with back-off while the chunk is held; ``flush`` first grants
-        failing writes a fresh round of retries. A chunk counts as safely written below once a ``flush``
-        that began after its ``put`` returns without raising and without naming it in ``dropped``.
+        A write that fails is retried with back-off while the chunk is held; ``flush`` first grants failing
+        writes a fresh round of retries. A chunk counts as safely written below once a ``flush`` that began
+        after its ``put`` returns without raising and without naming it in ``dropped``.
 
         Returns:
-            a :class:`~tierstore.writeback.FlushReport`: the chunks the ``drop`` pressure policy gave up
+            a :class:`~tierstore.transfers.FlushReport`: the chunks the ``drop`` pressure policy gave up
             (named by every flush until the key is put again).
         Raises:
-            WriteBackError: some chunks could not be written; ``failed`` maps each key to the names of
-                the tiers it did not reach (still retried while held), ``dropped`` is as in the report.
+            WriteBackError: some chunks could not be written; ``failed`` maps each key to the names of the
+                tiers it did not reach (still retried while held), ``dropped`` is as in the report.
             TierTimeoutError: ``timeout`` seconds passed with writes still in progress.
         """
         with self._life.call():
-            return self._wb.flush(timeout)
+            return self._writeback.flush(timeout)
 
     # ------------------------------------------------------------------ reads
     def get_many(self, keys: Sequence[ChunkKey], *, out: Outs | None = None,
                  device: str | torch.device = "cpu") -> list[TensorDict | None]:
         """Each key's tensors from the highest tier holding it, or ``None`` (a miss, never wrong data).
 
-        With ``out`` (one caller-owned mapping per key, names/shapes/dtypes as stored), ``out[i]`` is
-        filled and returned for a hit; an ``out[i]`` that does not match its chunk yields ``None`` and a
-        warning. ``out`` tensors that overlap one another or carry the conjugate/negative bit raise
-        :class:`~tierstore.InvalidInputError` before any I/O. Under ``retain`` the hits from lower tiers
-        are admitted to the top tier before this returns (the tiers in between follow in the background).
-        Duplicate keys each get their own result.
+        With ``out`` (one caller-owned mapping per key, names/shapes/dtypes as stored), ``out[i]`` is filled
+        and returned for a hit; an ``out[i]`` that does not match its chunk yields ``None`` and a warning.
+        ``out`` tensors that overlap one another or carry the conjugate/negative bit raise
+        :class:`~tierstore.InvalidInputError` before any I/O. Under ``retain`` the hits from lower tiers are
+        promoted to the top tier by a background job once this returns. Duplicate keys each get their own
+        result.
         """
         results = self._read_many(keys, out, device)
         for i, r in enumerate(results):
@@ -282,87 +328,70 @@ class TieredStore:
             if len(out) != len(keys):
                 raise InvalidInputError(f"out has {len(out)} entries for {len(keys)} keys")
             check_outs(out)
+        top = self._transfers.top
+        retain = self.prefetch_policy is PrefetchPolicy.RETAIN and top is not None
+        # objects read from a shared level are decoded here, so a promotion writes them without reading again
+        objects = [lv.index for lv in self.tiers if retain and lv.shared and lv.caps.objects and lv.index > top]
         with self._life.call():
-            retain = self.prefetch_policy is PrefetchPolicy.RETAIN and len(self.tiers) > 1
-            token = self._wb.read_begin() if retain else 0
-            try:
-                results, admit = self._read_levels(keys, out, device, retain)
-                if admit:
-                    self._promoter.admit(admit, token)
-            finally:
-                if retain:
-                    self._wb.read_end(token)
+            values, source = self._transfers.read(keys, out, device, objects_from=objects)
+            results: list[Any] = []
+            admit: list[tuple[ChunkKey, int, int, Encoded | None]] = []
+            seen: set[ChunkKey] = set()
+            for k, value, src in zip(keys, values, source, strict=True):
+                obj = None
+                if isinstance(value, tuple):
+                    value, obj = value
+                results.append(value)
+                if retain and src is not None and src[0] > top and src[1] >= 0 and k not in seen:  # type: ignore[operator]
+                    seen.add(k)
+                    admit.append((k, src[0], src[1], obj))
+            self._note_use_below(keys, source)
+            if admit:
+                self._promoter.admit(admit)
         hits = sum(isinstance(r, dict) for r in results)
         self._count(gets=len(keys), hits=hits, misses=len(keys) - hits)
         return results
 
-    def _read_levels(self, keys: list[ChunkKey], out: Outs | None, device: str | torch.device, retain: bool
-                     ) -> tuple[list[TensorDict | InvalidInputError | None], dict[ChunkKey, tuple[int, TensorDict]]]:
-        """Read each key from the first tier holding its current value; also the hits below the top."""
-        results: list[TensorDict | InvalidInputError | None] = [None] * len(keys)
-        hit_level: list[int | None] = [None] * len(keys)
-        admit: dict[ChunkKey, tuple[int, TensorDict]] = {}
-        todo = list(range(len(keys)))
-        for level, tier in enumerate(self.tiers):
-            if not todo:
-                break
-            # skip tiers that may hold an older value; checked per level (an eviction writes below first)
-            stale = self._wb.stale_at([keys[i] for i in todo], level)
-            rest = [i for i, s in zip(todo, stale, strict=True) if s]
-            todo = [i for i, s in zip(todo, stale, strict=True) if not s]
-            sub = [keys[i] for i in todo]
-            got: Sequence[Any] = (tier.get_many(sub, device=device) if out is None
-                                  else tier.fill_many(sub, [out[i] for i in todo]))
-            for i, r in zip(todo, got, strict=True):
-                if r is None:
-                    rest.append(i)
-                    continue
-                results[i] = r
-                if isinstance(r, dict):
-                    hit_level[i] = level
-                    if level and retain:
-                        admit.setdefault(keys[i], (level, r))
-            todo = rest
-        self._note_use_below(keys, hit_level)
-        return results, admit
-
-    def _note_use_below(self, keys: list[ChunkKey], hit_level: list[int | None]) -> None:
-        """Tell each shared tier which keys a tier above it served: their objects there are in use too."""
-        for level in self._shared_levels:
-            above = [k for k, h in zip(keys, hit_level, strict=True) if h is not None and h < level]
+    def _note_use_below(self, keys: list[ChunkKey], source: list[tuple[int, int] | None]) -> None:
+        """Tell each shared level which keys a level above it served: their objects there are in use too."""
+        for level in self._shared:
+            above = [k for k, s in zip(keys, source, strict=True) if s is not None and s[0] < level]
             if above:
-                self.tiers[level].note_use(above)
+                self.tiers[level].backend.note_use(above)
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        """Whether some tier holds each key; shared tiers are probed concurrently for keys the local
-        indexes lack."""
+        """Whether some tier holds each key; shared tiers are probed concurrently for keys the index lacks."""
         keys = _check_keys(keys)
         with self._life.call():
-            return self._held(keys, probe=True)
+            return [f is not None for f in self._levels(keys, probe=True)]
 
     def contains(self, key: ChunkKey) -> bool:
         return self.contains_many([check_key(key)])[0]
 
-    def _levels(self, keys: list[ChunkKey], probe: bool, tiers: Sequence[Tier] | None = None) -> list[int | None]:
-        """Per key, the level of the first of ``tiers`` (default: all) holding its current value, or ``None``;
-        each tier is asked only for the keys not found above it. ``probe=False`` checks the in-memory indexes
-        only."""
-        found: list[int | None] = [None] * len(keys)
-        for level, tier in enumerate(self.tiers):
-            if tiers is not None and tier not in tiers:
+    def _levels(self, keys: list[ChunkKey], probe: bool, local: bool = False) -> list[int | None]:
+        """Per key, the first level holding its current value, or ``None``: from the index, then (``probe``)
+        asking the shared levels about the keys it lacks. ``local``: levels that are not shared only."""
+        res = self.residency
+        levels = [lv.index for lv in self.tiers if not (local and lv.shared)]
+        found = res.locate(keys, levels)
+        if not probe or local:
+            return found
+        token = res.deletes
+        for level in self._shared_levels():
+            lv = self.tiers[level]
+            ask = [i for i, f in enumerate(found) if f is None and level in res.probe_levels(keys[i])]
+            if not ask:
                 continue
-            rest = [i for i, f in enumerate(found) if f is None]
-            if not rest:
-                break
-            stale = self._wb.stale_at([keys[i] for i in rest], level)
-            rest = [i for i, s in zip(rest, stale, strict=True) if not s]
-            for i, hit in zip(rest, tier.contains_many([keys[i] for i in rest], probe=probe), strict=True):
-                if hit:
+            start = perf_counter()
+            sizes = lv.backend.stat_many([keys[i] for i in ask])
+            lv.latency.since("lookup", start)
+            for i, size in zip(ask, sizes, strict=True):
+                if size is not None and res.found(level, keys[i], size, token) is not None:
                     found[i] = level
         return found
 
-    def _held(self, keys: list[ChunkKey], probe: bool, tiers: Sequence[Tier] | None = None) -> list[bool]:
-        return [f is not None for f in self._levels(keys, probe, tiers)]
+    def _shared_levels(self) -> list[int]:
+        return [lv.index for lv in self.tiers if lv.shared]
 
     def lookup(self, keys: Sequence[ChunkKey], *, probe: bool = True) -> int:
         """Length of the leading run of ``keys`` held by some tier (see :meth:`locate`)."""
@@ -372,20 +401,18 @@ class TieredStore:
         """Name of the highest tier holding each key of the leading run of ``keys`` that some tier holds
         (the run's length is :meth:`lookup`'s answer).
 
-        The in-memory indexes are checked first (no I/O); keys past that run are probed on shared tiers
-        in concurrent windows (32, 64, ... keys), so a cold prefix costs a few round trips, not one per key.
-        ``probe=False`` stops at the indexes: no I/O at all (what a caller on an engine's forward thread
-        wants); ``local`` asks only the tiers that are not shared (no I/O either).
+        The index is checked first (no I/O); keys past that run are probed on shared tiers in concurrent
+        windows (32, 64, ... keys), so a cold prefix costs a few round trips, not one per key. ``probe=False``
+        stops at the index: no I/O at all (what a caller on an engine's forward thread wants); ``local`` asks
+        only the tiers that are not shared (no I/O either).
         """
         start = perf_counter()
         keys = _check_keys(keys)
-        tiers = [t for t in self.tiers if not t.shared] if local else None
-        probe = probe and not local
         with self._life.call():
-            found = self._levels(keys, probe=False, tiers=tiers)
+            found = self._levels(keys, probe=False, local=local)
             n = _leading(found)
             window = LOOKUP_WINDOW
-            while probe and n < len(keys):
+            while probe and not local and n < len(keys):
                 end = min(len(keys), n + window)
                 missing = [i for i in range(n, end) if found[i] is None]
                 for i, level in zip(missing, self._levels([keys[i] for i in missing], probe=True), strict=True):
@@ -400,15 +427,15 @@ class TieredStore:
     def readiness(self, keys: Sequence[ChunkKey], *, promote: bool = True) -> Readiness:
         """How much of ``keys`` can be loaded now, without any I/O on the caller's thread.
 
-        ``ready``: the leading run held in local (not shared) tiers, from their indexes. ``pending``: the
-        run after it that is being promoted now. With ``promote``, a background job probes the shared tiers
-        for the keys after ``ready`` and promotes the run they hold; those keys are pending meanwhile.
+        ``ready``: the leading run held in local (not shared) tiers, from the index. ``pending``: the run after
+        it that is being promoted now. With ``promote``, a background job probes the shared tiers for the keys
+        after ``ready`` and promotes the run they hold; those keys are pending meanwhile.
         """
         keys = _check_keys(keys)
         with self._life.call():
             ready = len(self.locate(keys, local=True))
             rest = keys[ready:]
-            if promote and rest and any(t.shared for t in self.tiers):
+            if promote and rest and self._shared_levels():
                 self._promoter.promote_shared(rest, self.lookup)
             return Readiness(ready, self._promoter.pending(rest) if rest else 0)
 
@@ -416,17 +443,21 @@ class TieredStore:
         """Name of the highest tier holding ``key``'s current value, or ``None``."""
         check_key(key)
         with self._life.call():
-            for level, tier in enumerate(self.tiers):
-                if not self._wb.stale_at([key], level)[0] and tier.contains(key):
-                    return tier.name
-            return None
+            (level,) = self._levels([key], probe=True)
+            return None if level is None else self.tiers[level].name
+
+    def holders(self, key: ChunkKey) -> list[str]:
+        """Names of every tier whose index holds ``key``'s current value, fastest first (no I/O)."""
+        check_key(key)
+        with self._life.call():
+            return [lv.name for lv in self.tiers if self.residency.current_gen(key, lv.index) is not None]
 
     def prefetch(self, keys: Iterable[ChunkKey]) -> Future[int]:
         """Promote ``keys`` toward the top tier in the background, at most ``max_in_flight`` at a time.
 
-        The returned future resolves to the number of keys now held by the top tier. If a promotion
-        raised, the future raises the first such exception once all keys are done (each one is also
-        logged and counted in ``stats()["prefetch_errors"]``).
+        The returned future resolves to the number of keys now held by the top tier. If a promotion raised,
+        the future raises the first such exception once all keys are done (each one is also logged and
+        counted in ``stats()["prefetch_errors"]``).
         """
         keys = [check_key(k) for k in keys]
         with self._life.call():
@@ -434,30 +465,19 @@ class TieredStore:
 
     # ------------------------------------------------------------------ pins
     def pin(self, keys: Sequence[ChunkKey]) -> Pin:
-        """Hold each key in the highest tier whose index has its current value against eviction (no I/O),
-        until :meth:`release` (engine-style prepare/complete around a load). ``Pin.ready`` is the leading
-        run pinned."""
+        """Hold each key in the highest tier holding its current value against eviction (no I/O), until
+        :meth:`release` (engine-style prepare/complete around a load). ``Pin.ready`` is the leading run
+        pinned."""
         keys = _check_keys(keys)
         with self._life.call():
-            todo = list(dict.fromkeys(keys))
-            pinned: set[ChunkKey] = set()
-            held: list[tuple[Tier, list[ChunkKey]]] = []
-            for level, tier in enumerate(self.tiers):
-                if not todo:
-                    break
-                fresh = [k for k, s in zip(todo, self._wb.stale_at(todo, level), strict=True) if not s]
-                got = [k for k, size in zip(fresh, tier.pin(fresh), strict=True) if size is not None]
-                if got:
-                    held.append((tier, got))
-                    pinned.update(got)
-                    todo = [k for k in todo if k not in pinned]
-            return Pin(tuple(keys), _leading([k in pinned for k in keys]), held)
+            holds = self.residency.pin(list(dict.fromkeys(keys)))
+            pinned = {h.key for h in holds if h is not None}
+            return Pin(tuple(keys), _leading([k in pinned for k in keys]), [h for h in holds if h is not None])
 
     def release(self, pin: Pin) -> None:
         """Give back what :meth:`pin` held (a second release does nothing)."""
         held, pin._held = pin._held, []
-        for tier, keys in held:
-            tier.unpin(keys)
+        self.residency.unpin(held)
 
     # ------------------------------------------------------------------ async forms
     def get_many_async(self, keys: Sequence[ChunkKey], *, out: Outs | None = None,
@@ -490,16 +510,17 @@ class TieredStore:
     # ------------------------------------------------------------------ admin
     def stats(self) -> dict[str, Any]:
         """Per-tier counters and sizes plus the store's own totals (what a dashboard needs)."""
-        self._life.check_fork()  # the parent's threads may have held the tiers' locks at the fork
-        dirty, per_level = self._wb.stats()
-        tiers = {t.name: {**t.stats(), **{k: per_level[i][k] for k in STAT_KEYS}} for i, t in enumerate(self.tiers)}
+        self._life.check_fork()  # the parent's threads may have held the locks at the fork
+        tiers = {lv.name: {**lv.snapshot(), **self.residency.level_stats(lv.index)} for lv in self.tiers}
         with self._lock:
             counts = {**self._counts, **self._promoter.counts}
-        return {"tiers": tiers, "pending_writeback": dirty, **counts, "counters": self.counters.snapshot(),
-                "write_policy": self.write_policy.value,
-                "prefetch_policy": self.prefetch_policy.value, "on_pressure": self.on_pressure.value}
+        return {"tiers": tiers, "pending_writeback": self.residency.dirty(), **counts,
+                "counters": self.counters.snapshot(), "jobs": self._transfers.jobs.summary(),
+                "write_policy": self.write_policy.value, "prefetch_policy": self.prefetch_policy.value,
+                "on_pressure": self.on_pressure.value}
 
-    def tier(self, name: str) -> Tier:
+    def tier(self, name: str) -> Level:
+        """The level named ``name`` (its ``backend``, ``capacity``, ``kind``)."""
         return self._by_name[name]
 
     def _count(self, **deltas: int) -> None:
@@ -511,9 +532,9 @@ class TieredStore:
         """Refuse new calls, wait for running ones, flush for up to ``timeout`` seconds in all (default
         ``close_timeout``), then stop and close the tiers.
 
-        Never raises for write-back failures or the deadline: it logs one warning naming what it
-        abandoned (a write still running past the deadline raises :class:`~tierstore.ClosedError` to its
-        caller instead of acknowledging). Idempotent and thread-safe; a second caller waits for the first.
+        Never raises for write-back failures or the deadline: it logs one warning naming what it abandoned
+        (a write still running past the deadline raises :class:`~tierstore.ClosedError` to its caller instead
+        of acknowledging). Idempotent and thread-safe; a second caller waits for the first.
         """
         if self._life.forked_from is not None:
             return  # inherited across a fork: the parent closes it
@@ -525,10 +546,13 @@ class TieredStore:
         try:
             self._promoter.stop()
             self._flush_for_close(deadline)
-            self._wb.stop(max(0.1, deadline - time.monotonic()))
+            self._writeback.stop(max(0.1, deadline - time.monotonic()))
             self._async_pool.shutdown(wait=False, cancel_futures=True)
-            for t in self.tiers:
-                t.close(timeout=max(0.1, deadline - time.monotonic()))
+            for lv in self.tiers:
+                try:
+                    lv.backend.close()
+                except Exception as exc:  # noqa: BLE001 - close the others anyway
+                    log.warning("close: tier %s: %s", lv.name, exc)
         finally:
             if self.metrics is not None:
                 self.metrics.close()
@@ -537,7 +561,7 @@ class TieredStore:
 
     def _flush_for_close(self, deadline: float) -> None:
         try:
-            report = self._wb.flush(max(0.0, deadline - time.monotonic()))
+            report = self._writeback.flush(max(0.0, deadline - time.monotonic()))
             if report.dropped:
                 log.info("close: %d chunks were dropped under pressure since the last flush", len(report.dropped))
         except WriteBackError as exc:
@@ -552,7 +576,7 @@ class TieredStore:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<TieredStore {' > '.join(t.name for t in self.tiers)} {self.write_policy.value}>"
+        return f"<TieredStore {' > '.join(lv.name for lv in self.tiers)} {self.write_policy.value}>"
 
 
 def _check_keys(keys: Sequence[ChunkKey]) -> list[ChunkKey]:
@@ -569,16 +593,24 @@ def _leading(found: Sequence[object], start: int = 0) -> int:
     return len(found)
 
 
-def build_tiers(config: StoreConfig) -> list[Tier]:
-    tiers: list[Tier] = []
+def build_levels(config: StoreConfig) -> list[Level]:
+    """One :class:`~tierstore.transfers.Level` per tier entry, its backend opened (closed again on failure)."""
+    levels: list[Level] = []
     try:
-        for tc in config.tiers:
-            tiers.append(tier_class(tc.kind)(name=tc.name, **tc.options))
+        for i, tc in enumerate(config.tiers):
+            cls = backend_class(tc.kind)
+            options = dict(tc.options)
+            capacity = options.pop("capacity", None)
+            if "capacity" in inspect.signature(cls.__init__).parameters:
+                options["capacity"] = capacity
+            backend = cls(name=tc.name, **options)
+            cap = backend.capacity if backend.capacity is not None else capacity
+            levels.append(Level(i, tc.name, tc.kind, backend, cap))
     except BaseException:
-        for t in tiers:
-            t.close()
+        for lv in levels:
+            lv.backend.close()
         raise
-    return tiers
+    return levels
 
 
 def open(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> TieredStore:  # noqa: A001 - public name
@@ -588,11 +620,11 @@ def open(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Ti
     naming it before any tier touches storage.
     """
     cfg = parse_config(config)
-    tiers = build_tiers(cfg)
+    levels = build_levels(cfg)
     try:
-        return TieredStore(tiers, cfg.write_policy, cfg.prefetch_policy, cfg.max_in_flight, cfg.close_timeout,
+        return TieredStore(levels, cfg.write_policy, cfg.prefetch_policy, cfg.max_in_flight, cfg.close_timeout,
                            cfg.on_pressure, cfg.metrics)
     except BaseException:
-        for t in tiers:
-            t.close()
+        for lv in levels:
+            lv.backend.close()
         raise

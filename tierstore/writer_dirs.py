@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from .store import TieredStore
-from .tiers.disk import DiskTier
 
 log = logging.getLogger("tierstore")
 
@@ -56,7 +55,7 @@ def _disk_bases(config: Mapping[str, Any]) -> list[tuple[int, Path]]:
 def announce(config: Mapping[str, Any], store: TieredStore, key: str | None = None) -> None:
     """Record, for each disk tier of ``config``, the directory ``store`` (the writer rank's) opened."""
     key = key or engine_key()
-    taken = [Path(t.path).name for t in store.tiers if isinstance(t, DiskTier)]
+    taken = [Path(t.backend.path).name for t in store.tiers if t.kind == "disk"]
     for _, base in _disk_bases(config):
         # "" when the writer runs without it (every candidate locked): the readers then need not wait
         name = next((n for n in taken if _one_of(n, base)), "")

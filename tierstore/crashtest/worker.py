@@ -19,13 +19,15 @@ import threading
 import time
 import traceback
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NoReturn
 
 import torch
 
+from ..backends import Hit
 from ..config import WritePolicy
 from ..keys import ChunkKey
+from ..residency import Room
 from ..store import TieredStore
 from ..store import open as open_store
 from ..tensors import TensorDict, byte_alias
@@ -79,8 +81,8 @@ def observe(store: TieredStore, keys: list[ChunkKey]) -> dict[str, Observed]:
     found: dict[str, Observed] = {}
     for tier in store.tiers:
         if tier.kind in DURABLE_KINDS:
-            found[tier.name] = {k.hex(): None if data is None else content_digest(data)
-                                for k, data in zip(keys, tier.get_many(keys), strict=True)}
+            found[tier.name] = {k.hex(): content_digest(got.value) if isinstance(got, Hit) else None
+                                for k, got in zip(keys, tier.backend.read_many(keys), strict=True)}
     return found
 
 
@@ -116,8 +118,7 @@ def run_worker(spec: WorkerSpec) -> None:
         sys.setswitchinterval(spec.switch_interval)
     store = open_store(spec.config)
     if spec.sabotage == "drop-dirty":
-        for tier in store.tiers:
-            tier.before_evict = None  # evict without asking write-back: dirty chunks vanish
+        _evict_without_writing_down(store)
     if spec.flaky_remote:
         _refuse_some_writes(store.tier("remote"), spec.flaky_remote, random.Random(spec.seed))
     keys = [crash_key(i) for i in range(spec.keys)]
@@ -131,21 +132,30 @@ def run_worker(spec: WorkerSpec) -> None:
     _Writer(store, spec, keys).run()
 
 
+def _evict_without_writing_down(store: TieredStore) -> None:
+    """Sabotage: victims are evicted as if clean, dirty or not (their write-downs never happen)."""
+    reserve = store.residency.reserve
+
+    def sabotaged(key: ChunkKey, level: int, size: int) -> Room:
+        room = reserve(key, level, size)
+        return replace(room, victims=tuple(replace(v, down=None) for v in room.victims))
+
+    store.residency.reserve = sabotaged  # type: ignore[method-assign]
+
+
 def _refuse_some_writes(tier: Any, share: float, rng: random.Random) -> None:
-    """Make ``tier`` refuse about ``share`` of the chunks written to it (as a remote under an outage does),
-    tensors and encoded objects alike."""
-    for name in ("put_many", "put_objects"):
-        setattr(tier, name, _flaky(getattr(tier, name), share, rng))
+    """Make ``tier``'s backend refuse about ``share`` of the chunks written to it (as a remote under an outage
+    does), tensors and encoded objects alike."""
+    backend = tier.backend
+    write = backend.write_many
 
-
-def _flaky(write: Any, share: float, rng: random.Random) -> Any:
-    def flaky(items: Any, **kw: Any) -> list[bool]:
+    def flaky(items: Any) -> list[BaseException | None]:
         items = list(items)
         take = [rng.random() >= share for _ in items]
-        stored = iter(write([item for item, t in zip(items, take, strict=True) if t], **kw) if any(take) else [])
-        return [next(stored) if t else False for t in take]
+        stored = iter(write([item for item, t in zip(items, take, strict=True) if t]) if any(take) else [])
+        return [next(stored) if t else OSError("refused (crash test: a flaky remote)") for t in take]
 
-    return flaky
+    backend.write_many = flaky
 
 
 class _Writer:

@@ -28,7 +28,7 @@ import torch
 
 from ..errors import InvalidInputError
 from ..tensors import byte_view
-from ..tiers.layout import PUBLISH_PREFIX
+from ..backends.layout import PUBLISH_PREFIX
 from .checkpoint import CAS_LAYOUT, INDEX_SUFFIX, open_checkpoint
 from .digest import object_name
 from .header import build_header

@@ -1,8 +1,8 @@
-"""The ``remote`` tier: chunk objects under any fsspec URL, shared by every process that opens it.
+"""The ``remote`` backend: chunk objects under any fsspec URL, shared by every process that opens it.
 
 ``s3://bucket/prefix`` (s3fs), ``file:///mnt/nfs/kv`` (a shared mount), ``memory://`` (tests), ``gs://`` …
 Each chunk is one self-describing, checksummed object (:mod:`tierstore.objformat`) at
-``<root>/ab/<hex>.tso`` (:mod:`tierstore.tiers.layout`).
+``<root>/ab/<hex>.tso`` (:mod:`tierstore.backends.layout`).
 
 Rules this tier keeps:
 
@@ -14,24 +14,22 @@ Rules this tier keeps:
   ``mode="create"`` — and an object holding another value is replaced in one atomic step (a plain PUT;
   temp file + ``os.replace``). A reader never sees part of an object, and two processes publishing the
   same value at once is harmless.
-* **Sharing.** The index is rebuilt by listing at open (``list_on_open``); keys missing from the index are
+* **Sharing.** The store's index is rebuilt by listing at open (``list_on_open``); keys missing from it are
   looked up in storage every time — negative results are never cached, since another process may publish
   a key at any moment. A lookup costs one HEAD per such key (concurrently); a read needs no HEAD at all:
-  its GET is the lookup (a ``404`` is the miss) and a hit joins the index (``reads_probe``).
-* **Bounded, concurrent batches.** ``put_many``/``get_many``/probes fan their per-key work out over a
-  thread pool of ``max_in_flight`` workers shared by all callers of the tier; the base class keeps the
-  accounting, pins and counters.
-* **Degrade, don't fail.** Any storage or network error on a read is a miss, on a write a skipped put; it
-  is counted (``errors``) and logged once. A damaged object is a counted miss (``corrupt``), one this
-  reader cannot represent (newer format, unknown dtype) a counted miss (``unsupported``); neither is
-  deleted by a reader (``shared = True``): this process forgets it, and ``tierstore verify --repair``
-  removes damaged ones.
+  its GET is the lookup (a ``404`` is the miss: ``probe_on_read``).
+* **Bounded, concurrent batches.** Batched writes, reads and lookups fan their per-key work out over a
+  thread pool of ``max_in_flight`` workers shared by all callers of the backend.
+* **Degrade, don't fail.** Any storage or network error is the item's result (the store counts a miss or a
+  skipped write). A damaged object, or one this reader cannot represent (newer format, unknown dtype), is
+  never deleted by a reader (``shared``): the store forgets it, and ``tierstore verify --repair`` removes
+  damaged ones.
 * **Never stuck.** Every storage request has a deadline (``timeout``, 5 s by default) and a sick
   endpoint makes the tier fail fast for a back-off (:mod:`tierstore.tiers.remote_storage`); ``close()``
   waits for in-flight requests at most ``timeout``. Local paths (``file://``) block as the mount does:
   use NFS ``soft`` mounts with ``timeo``.
 * **No capacity.** The prefix is shared, so a per-process LRU over it would delete other writers' fresh
-  objects (it did: review C5). The tier never evicts; :meth:`RemoteTier.collect_garbage`
+  objects. Nothing evicts here; :meth:`FsspecBackend.collect_garbage`
   (``tierstore gc --max-size / --older-than``, :mod:`.prefix_gc`) keeps the prefix within a budget for
   every writer alike, from a listing, least recently used first.
 * **Last use without a coordinator.** A read that finds its object last modified more than
@@ -39,13 +37,14 @@ Rules this tier keeps:
   object is copied onto itself (one request, no bytes through the client), a mount's file gets
   ``utime``. Every reader sees the fresh time on its next read and skips, so an object costs about one
   extra request per ``touch_after`` seconds across the fleet, and the listing's time is its last use.
-  Hits in tiers above count too (:meth:`RemoteTier.note_use`, scheduled by :mod:`.last_use`).
+  Hits in tiers above count too (:meth:`FsspecBackend.note_use`, scheduled by :mod:`.last_use`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import errno
+import logging
 import os
 import re
 import threading
@@ -72,12 +71,15 @@ from ..errors import (
 )
 from ..keyring import Keyring
 from ..keys import ChunkKey
-from ..tensors import TensorDict
+from ..telemetry import Failures
+from ..tensors import fill_out
 from . import listing, objfile, prefix_gc
-from .base import Tier
+from .base import Backend, Capabilities, Chunk, Hit, Listed, Prepared, ReadResult, results_of
+from .guarded import DEFAULT_TIMEOUT, GuardedStorage, read_s3_object, read_s3_range, with_client_defaults
 from .last_use import UseClock
 from .layout import PERMISSIONS, PUBLISH_PREFIX, TMP_SUFFIX, key_from_name, object_relpath
-from .remote_storage import DEFAULT_TIMEOUT, GuardedStorage, read_s3_object, read_s3_range, with_client_defaults
+
+log = logging.getLogger("tierstore")
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -87,7 +89,7 @@ _NO_LINK = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EX
 
 #: seconds after which a read refreshes its object's modification time (its last use, for ``gc --max-size``)
 TOUCH_AFTER_S = 600.0
-#: keys whose objects this process could not open that it remembers (see ``RemoteTier._refused``)
+#: keys whose objects this process could not open that it remembers (see ``FsspecBackend._refused``)
 REFUSED_KEPT = 65536
 #: paths removed per request by ``collect_garbage`` (S3 DeleteObjects takes at most 1,000)
 _DELETE_BATCH = 1000
@@ -107,7 +109,7 @@ def _join(enc: objformat.Encoded) -> bytearray:
     return buf
 
 
-class RemoteTier(Tier):
+class FsspecBackend(Backend):
     """Chunks as write-once objects under an fsspec URL, shared between processes and nodes.
 
     Parameters
@@ -146,19 +148,17 @@ class RemoteTier(Tier):
     """
 
     kind = "remote"
-    reads_probe = True
-    stores_objects = True
     #: seconds the listing at open may take (at least ``timeout``); a prefix too large to list in that
     #: time starts with an empty index that fills as lookups find objects (or use ``list_on_open=False``)
     list_timeout: float = 30.0
-    shared = True
 
     def __init__(self, name: str | None = None, capacity: None = None, url: str | None = None,
                  storage_options: Mapping[str, Any] | None = None, compression: str | None = None,
                  max_in_flight: int = 32, list_on_open: bool = True, timeout: float = DEFAULT_TIMEOUT,
                  permissions: str = "private", touch_after: float | None = TOUCH_AFTER_S,
                  auth: Mapping[str, Any] | None = None):
-        where = f"remote tier {name or self.kind!r}"
+        self.name = name or self.kind
+        where = f"remote tier {self.name!r}"
         check_tier_options("remote", {"url": url, "capacity": capacity, "compression": compression,
                                       "max_in_flight": max_in_flight, "storage_options": storage_options,
                                       "list_on_open": list_on_open, "timeout": timeout,
@@ -168,10 +168,16 @@ class RemoteTier(Tier):
         # keys whose object failed to open here: absent to lookups (no HEAD), so the next save replaces a
         # forgery instead of skipping a key that looks held; a read or put that succeeds clears the mark
         self._refused: OrderedDict[ChunkKey, None] = OrderedDict()
-        super().__init__(name, None)
+        self._lock = threading.Lock()
+        self.failures = Failures(log, f"tier {self.name}: ")
+        self._touches = 0
+        self._closed = False
         self._dir_mode, self._file_mode = PERMISSIONS[permissions]
         self.url: str = url  # type: ignore[assignment]  # checked above
         self.codec = compression or "none"
+        self.capabilities = Capabilities(objects=True, shared=True, persistent=True, probe_on_read=True,
+                                         codec=self.codec)
+        self.list_on_open = list_on_open
         self.max_in_flight = max_in_flight
         self.timeout = float(timeout)
         options = with_client_defaults(self.url, storage_options or {}, connections=max_in_flight)
@@ -191,9 +197,7 @@ class RemoteTier(Tier):
         self._in_flight: set[Future[Any]] = set()  # pool tasks not finished yet (close waits for them)
         self.touch_after = touch_after
         self._uses = UseClock(touch_after or 0.0)  # when to refresh which object's last use
-        if list_on_open:
-            self._rebuild_index()
-        else:
+        if not list_on_open:
             self.storage.start_client()
 
     # ------------------------------------------------------------------ paths and plumbing
@@ -203,15 +207,16 @@ class RemoteTier(Tier):
     def _mark_worker(self) -> None:
         self._worker.active = True
 
-    def _map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-        """``[fn(x) for x in items]``, run on the tier's pool (inline inside a pool worker: no deadlock)."""
+    def _map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R | BaseException]:
+        """``[fn(x) for x in items]`` on the backend's pool (inline inside a pool worker: no deadlock), each
+        item's exception its result; raises :class:`ClosedError` if a racing close dropped queued work."""
         items = list(items)
         if len(items) <= 1 or self.max_in_flight == 1 or getattr(self._worker, "active", False):
-            return [fn(x) for x in items]
+            return results_of(fn, items)
         futures = []
         try:
             for x in items:
-                future = self._pool.submit(fn, x)
+                future = self._pool.submit(results_of, fn, [x])
                 self._in_flight.add(future)
                 future.add_done_callback(self._in_flight.discard)
                 futures.append(future)
@@ -220,27 +225,29 @@ class RemoteTier(Tier):
                 future.cancel()
             raise ClosedError(f"tier {self.name!r} is closed") from None
         try:
-            return [f.result() for f in futures]
+            return [f.result()[0] for f in futures]
         except concurrent.futures.CancelledError:  # queued work dropped by a racing close()
             raise ClosedError(f"tier {self.name!r} is closed") from None
 
     def _log_down(self, exc: BaseException, seconds: float) -> None:
-        self._fail("down", "%s unreachable (%s: %s); requests fail fast for %.1fs at a time",
-                       self.url, type(exc).__name__, exc, seconds)
+        self.failures.report("down", "%s unreachable (%s: %s); requests fail fast for %.1fs at a time",
+                             self.url, type(exc).__name__, exc, seconds)
 
-    # ------------------------------------------------------------------ index
-    def _rebuild_index(self) -> None:
-        """Register every finished object under the root, least recently modified first."""
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"tier {self.name!r} is closed")
+
+    # ------------------------------------------------------------------ listing
+    def list(self) -> Iterator[Listed]:
+        """Every finished object under the root, least recently modified first; a listing that fails gives
+        nothing (counted, logged: the index then fills as lookups find objects)."""
         try:
-            found = [(f.mtime, key, f.size) for f in self._walk() if (key := self._own_name(f.rel, temp=False))]
+            found = [Listed(key, f.size, f.mtime) for f in self._walk() if (key := self._own_name(f.rel, temp=False))]
         except OSError as exc:
-            self._count("errors")
-            self._fail("list", "listing %s failed (%s); starting with an empty index", self.url, exc)
-            return
-        found.sort(key=lambda f: f[0])
-        with self._cond:
-            for _, key, size in found:
-                self._index_add(key, size)
+            self.failures.report("list", "listing %s failed (%s); starting with an empty index", self.url, exc)
+            return iter(())
+        found.sort(key=lambda f: f.mtime)
+        return iter(found)
 
     def _walk(self) -> Iterator[listing.Listed]:
         """Every file under the root, page by page (:mod:`.listing`): each S3 page has its own deadline
@@ -305,11 +312,6 @@ class RemoteTier(Tier):
                               if not (os.path.islink(e.path) or os.path.islink(os.path.dirname(e.path)))]
         for i in range(0, len(decided.remove), _DELETE_BATCH):
             self._remove([e.path for e in decided.remove[i:i + _DELETE_BATCH]])
-        gone = [e.key for e in decided.remove if e.key is not None]
-        with self._cond:
-            for key in gone:
-                if key in self._lru and key not in self._claims.busy and not self._claims.pinned(key):
-                    self._lru.remove(key)
         return decided
 
     def _own_name(self, rel: str, temp: bool) -> ChunkKey | None:
@@ -379,11 +381,13 @@ class RemoteTier(Tier):
             else:
                 self._io("touch", path, truncate=False)
             self._uses.refreshed(key, time.time())
-            self._count("touches")
+            with self._lock:
+                self._touches += 1
         except FileNotFoundError:
             pass  # removed meanwhile (a gc): nothing to refresh
         except Exception as exc:  # a refresh is best effort: the object is still there and still valid
-            self._fail("touch", "could not refresh the last use of %s (%s: %s)", key.hex(), type(exc).__name__, exc)
+            self.failures.report("touch", "could not refresh the last use of %s (%s: %s)", key.hex(),
+                                 type(exc).__name__, exc)
 
     def _head(self, path: str) -> Mapping[str, Any]:
         """One S3 HEAD of ``path`` (``fs.info`` would add a LIST for every miss)."""
@@ -403,13 +407,16 @@ class RemoteTier(Tier):
         except PermissionError as exc:
             # S3 answers a HEAD of a missing key with 403, not 404, when the caller may not list the bucket
             # (least-privilege credentials): a miss, not an error storm. A real denial shows on GET/PUT.
-            self._fail("head-403", "lookup of %s denied (%s): treating as a miss; grant s3:ListBucket to "
-                           "tell misses from denials", self.url, exc)
+            self.failures.report("head-403", "lookup of %s denied (%s): treating as a miss; grant s3:ListBucket "
+                                 "to tell misses from denials", self.url, exc)
             return None
         return info["size"] if info.get("type", "file") == "file" else None
 
-    def _probe(self, keys: Sequence[ChunkKey]) -> list[int | None]:
-        with self._cond:
+    def stat_many(self, keys: Sequence[ChunkKey]) -> list[int | None]:
+        """Sizes of the objects stored for ``keys`` (a HEAD each, concurrently); ``None`` for a key that has
+        none, whose object this reader refused (forged), or whose lookup failed (counted)."""
+        self._check_open()
+        with self._lock:
             refused = {k for k in keys if k in self._refused}
 
         def one(key: ChunkKey) -> int | None:
@@ -418,21 +425,24 @@ class RemoteTier(Tier):
             try:
                 return self._stat(key)
             except OSError as exc:
-                self._count("errors")
-                self._fail("probe", "lookup failed (%s); treating as a miss", exc)
+                self.failures.report("probe", "lookup failed (%s); treating as a miss", exc)
                 return None
 
-        return self._map(one, keys)
+        return [None if isinstance(r, BaseException) else r for r in self._map(one, keys)]
 
-    # ------------------------------------------------------------------ data plane
-    def _prepare(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor] | objformat.Encoded
-                 ) -> tuple[objformat.Encoded, int]:
-        enc = objformat.as_encoded(key, tensors, self.codec)
+    # ------------------------------------------------------------------ writes
+    def prepare(self, key: ChunkKey, chunk: Chunk) -> Prepared:
+        enc = objformat.as_encoded(key, chunk, self.codec)
         if self.keyring is not None:
             enc = sealing.seal(enc, self.keyring)
-        return enc, enc.size
+        return Prepared(enc, enc.size)
 
-    def _store(self, key: ChunkKey, payload: objformat.Encoded, size: int) -> None:
+    def write_many(self, items: Sequence[tuple[ChunkKey, Prepared]]) -> list[BaseException | None]:
+        self._check_open()
+        return [r if isinstance(r, BaseException) else None
+                for r in self._map(lambda item: self._store(item[0], item[1].payload), items)]
+
+    def _store(self, key: ChunkKey, payload: objformat.Encoded) -> None:
         path = self._path(key)
         try:
             if self._stored_checksum(path) == payload.checksum:
@@ -489,8 +499,8 @@ class RemoteTier(Tier):
                 # an fs without mode=: check, then write. A writer racing in between may have its object
                 # replaced by ours, whole (pipe_file publishes at once); both are valid values of the key
                 self._create_mode = False
-                self._fail("create-mode", "%s has no create-only writes; checking existence first",
-                               type(self.fs).__name__)
+                self.failures.report("create-mode", "%s has no create-only writes; checking existence first",
+                                     type(self.fs).__name__)
         if self._io("exists", path):
             raise FileExistsError(path)
         self._io("pipe_file", path, data)
@@ -598,7 +608,7 @@ class RemoteTier(Tier):
         return sealing.start(hdr, first, self.keyring) if self.keyring is not None and hdr.seal is not None else None
 
     def _mark_refused(self, key: ChunkKey, refused: bool) -> None:
-        with self._cond:
+        with self._lock:
             if refused:
                 self._refused[key] = None
                 self._refused.move_to_end(key)
@@ -607,46 +617,78 @@ class RemoteTier(Tier):
             else:
                 self._refused.pop(key, None)
 
-    def _read_object(self, key: ChunkKey, device: str | torch.device) -> tuple[TensorDict, int]:
-        """``(tensors on device, object size)`` of ``key``'s object, read and checked."""
-        enc, stored, modified = self._read_verified(key)
-        tensors = objformat.decode_encoded(enc)
-        self._note_use(key, modified)
-        device = torch.device(device)
-        if device.type != "cpu":
-            tensors = {name: t.to(device) for name, t in tensors.items()}
-        return tensors, stored
+    def _read_object(self, key: ChunkKey) -> Hit | None:
+        """``key``'s object, verified, decoded into tensors (views over its buffer when uncompressed), with its
+        stored size; ``None`` if there is none."""
+        got = self._read_encoded(key)
+        return None if got is None else Hit(objformat.decode_encoded(got.value), got.size)
 
-    def _load(self, key: ChunkKey, size: int, device: str | torch.device, borrow: bool = False) -> TensorDict | None:
-        return self._read_object(key, device)[0]
-
-    def _load_encoded(self, key: ChunkKey, size: int) -> objformat.Encoded | None:
-        return self._read_verified(key)[0]
-
-    def _fetch(self, key: ChunkKey, device: str | torch.device) -> tuple[TensorDict, int] | None:
+    def _read_encoded(self, key: ChunkKey) -> Hit | None:
+        """``key``'s object, verified, not decoded, with its stored size; ``None`` if there is none (or S3
+        denied the read: a missing key without s3:ListBucket)."""
         try:
-            return self._read_object(key, device)
+            enc, stored, modified = self._read_verified(key)
         except FileNotFoundError:
             return None
         except PermissionError as exc:
             if not self._s3:
                 raise
             # as for a HEAD (see _stat): S3 answers 403 for a missing key without s3:ListBucket
-            self._fail("get-403", "read of %s denied (%s): treating as a miss; grant s3:ListBucket to "
-                           "tell misses from denials", self.url, exc)
+            self.failures.report("get-403", "read of %s denied (%s): treating as a miss; grant s3:ListBucket to "
+                                 "tell misses from denials", self.url, exc)
             return None
+        self._note_use(key, modified)
+        return Hit(enc, stored)
 
-    def _drop(self, key: ChunkKey) -> None:
+    def read_many(self, keys: Sequence[ChunkKey], device: str | torch.device = "cpu") -> list[ReadResult]:
+        self._check_open()
+        device = torch.device(device)
+
+        def one(key: ChunkKey) -> Hit | None:
+            hit = self._read_object(key)
+            if hit is not None and device.type != "cpu":
+                hit = Hit({n: t.to(device) for n, t in hit.value.items()}, hit.size)
+            return hit
+
+        return self._map(one, keys)
+
+    def read_into_many(self, keys: Sequence[ChunkKey], outs: Sequence[Mapping[str, torch.Tensor]]) -> list[ReadResult]:
+        self._check_open()
+
+        def one(item: tuple[ChunkKey, Mapping[str, torch.Tensor]]) -> Hit | None:
+            hit = self._read_object(item[0])
+            return None if hit is None else Hit(fill_out(item[1], hit.value), hit.size)
+
+        return self._map(one, list(zip(keys, outs, strict=True)))
+
+    def read_objects(self, keys: Sequence[ChunkKey]) -> list[ReadResult]:
+        self._check_open()
+        return self._map(self._read_encoded, keys)
+
+    def delete_many(self, keys: Sequence[ChunkKey]) -> list[BaseException | None]:
+        self._check_open()
+        return [r if isinstance(r, BaseException) else None for r in self._map(self._remove_one, keys)]
+
+    def _remove_one(self, key: ChunkKey) -> None:
         try:
             self._io("rm_file", self._path(key))
         except FileNotFoundError:
             pass
 
-    def _close(self) -> None:
+    def close(self) -> None:
         """Stop the pool without waiting for stuck work: queued tasks are cancelled and running ones are
         given at most ``timeout`` seconds (their requests end by then on asynchronous filesystems)."""
+        if self._closed:
+            return
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
         concurrent.futures.wait(self._in_flight.copy(), timeout=self.timeout)
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "url": self.url, "compression": self.codec, "backoff_s": self.storage.backoff}
+        with self._lock:
+            touches = self._touches
+        return {"url": self.url, "compression": self.codec, "backoff_s": self.storage.backoff,
+                "touches": touches, "failures": self.failures.counts()}
+
+    def __repr__(self) -> str:
+        return f"<FsspecBackend {self.name!r} {self.url}>"

@@ -1,4 +1,4 @@
-"""The disk tier's batched read path: many objects straight into caller-owned tensors.
+"""The disk backend's batched read path: many objects straight into caller-owned tensors.
 
 **Careful read** (first read of a key, and whenever anything looks different): ``open``
 (``O_NOFOLLOW``), ``fstat`` (a regular file of exactly the size its header states), header parsed and
@@ -22,7 +22,6 @@ and into no more slices than there are cores (see :data:`CORES`).
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import threading
 from collections.abc import Mapping
@@ -33,14 +32,16 @@ import torch
 import xxhash
 
 from .. import objformat
-from ..errors import CorruptObjectError, InvalidInputError
+from ..errors import CorruptObjectError
 from ..iov import IOV_MAX, read_into
 from ..keys import ChunkKey
-from ..tensors import TensorDict
+from ..tensors import fill_out
 from . import objfile
+from .base import Hit
 
 if TYPE_CHECKING:
-    from .disk import DiskTier
+    from .base import ReadResult
+    from .file import FileBackend
 
 #: remembered read plans (a few hundred bytes each)
 PLANS = 16384
@@ -54,7 +55,6 @@ ONE_READ = 1 << 20
 #: 256 KiB objects 35% and 4 MiB ones ~15% slower than 2)
 CORES = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
-Work = tuple[ChunkKey, int, Mapping[str, torch.Tensor]]
 _P = objformat.PREFIX_SIZE
 
 
@@ -119,48 +119,53 @@ class Plan:
 
 
 class BatchedReader:
-    """Reads batches of objects of one :class:`~tierstore.tiers.disk.DiskTier` into ``out`` tensors."""
+    """Reads batches of objects of one :class:`~tierstore.backends.file.FileBackend` into ``out`` tensors."""
 
-    def __init__(self, tier: DiskTier):
-        self.tier = tier
+    def __init__(self, backend: FileBackend):
+        self.backend = backend
         self._plans: dict[ChunkKey, Plan] = {}  # read without the lock (one dict lookup); written under it
         self._lock = threading.Lock()
 
-    def load_many_into(self, work: list[Work]) -> list[TensorDict | InvalidInputError | None]:
-        tier = self.tier
-        threads = min(tier.io_threads, len(work), CORES)
-        results: list[TensorDict | InvalidInputError | None] = [None] * len(work)
+    def read_many_into(self, keys: list[ChunkKey], outs: list[Mapping[str, torch.Tensor]]) -> list[ReadResult]:
+        """Each object into its ``out``, one slice of the batch per I/O thread; per item ``out`` as a dict,
+        ``None`` (no such object) or the exception (damaged, unsupported, an ``out`` that does not fit)."""
+        n = len(keys)
+        threads = min(self.backend.io_threads, n, CORES)
+        results: list[ReadResult] = [None] * n
 
         def run(first: int) -> None:
-            for i in range(first, len(work), threads):
-                key, size, out = work[i]
-                if self._read_planned(key, out):  # verified: nothing to classify
-                    results[i] = dict(out)
+            for i in range(first, n, threads):
+                key, out = keys[i], outs[i]
+                size = self._read_planned(key, out)
+                if size:  # verified: nothing to classify
+                    results[i] = Hit(dict(out), size)
                     continue
                 try:
-                    results[i] = tier._load_checked(key, size, "cpu", out=out,
-                                                    reader=functools.partial(self._read_carefully, key, out))
-                except InvalidInputError as exc:
+                    results[i] = self.read_into(key, out)
+                except Exception as exc:  # noqa: BLE001 - the item's result
                     results[i] = exc
 
-        tier._map(run, range(threads))
+        if threads <= 1:
+            run(0)
+        else:
+            self.backend.run_on_pool(run, threads)
         return results
 
-    def _read_planned(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> bool:
-        """Read ``key``'s object as its plan says into ``out``; ``True`` only when a plan exists and the read
-        is verified (see module doc)."""
+    def _read_planned(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> int:
+        """Read ``key``'s object as its plan says into ``out``; its size when a plan exists and the read is
+        verified, else 0 (see module doc)."""
         plan = self._plans.get(key)  # no lock: one dict lookup
         if plan is None:
-            return False
+            return 0
         segments = plan.segments(out)
         if segments is None or len(segments) + 2 > IOV_MAX:
-            return False
+            return 0
         scratch = bytearray(len(plan.head))
         beyond = bytearray(1)  # a byte past the planned size: a longer file fills it
         try:
             fd = objfile.open_for_read(plan.path)  # a FIFO or directory fails the read below, a symlink the open
         except OSError:
-            return False
+            return 0
         try:
             if plan.size <= ONE_READ:
                 got = os.preadv(fd, [scratch, *segments, beyond], 0)
@@ -171,44 +176,53 @@ class BatchedReader:
                 h = xxhash.xxh3_128()
                 got = read_into(fd, [scratch, *segments, beyond], h, skip=_P)
             if got != plan.size or scratch != plan.head or h.digest() != plan.head[16:32]:
-                return False
-            plan.mtime_ns = self.tier._touch(fd, plan.mtime_ns)
-            return True
+                return 0
+            plan.mtime_ns = self.backend.touch(fd, plan.mtime_ns)
+            return plan.size
         except OSError:
-            return False
+            return 0
         finally:
             os.close(fd)
 
-    def read_into(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
-        """One object into ``out``: planned when a plan exists and holds, else the careful read; raises
-        like :meth:`DiskTier._load_into`."""
-        return dict(out) if self._read_planned(key, out) else self._read_carefully(key, out)
+    def read_into(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> Hit | None:
+        """One object into ``out``: planned when a plan exists and holds, else the careful read; ``None`` if
+        there is no such object."""
+        size = self._read_planned(key, out)
+        return Hit(dict(out), size) if size else self._read_carefully(key, out)
 
-    def _read_carefully(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> TensorDict | None:
+    def _copy(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> Hit | None:
+        """Decode the whole object, then copy it into ``out`` (whatever its device, layout or codec)."""
+        hit = self.backend.read_tensors(key)
+        return None if hit is None else Hit(fill_out(out, hit.value), hit.size)
+
+    def _read_carefully(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> Hit | None:
         if not all(t.device.type == "cpu" and t.is_contiguous() for t in out.values()):
-            return self.tier._load_copy(key, out)
-        path = self.tier.object_path(key)
-        fd, st = objfile.open_object(path)  # never a symlink, FIFO or directory
+            return self._copy(key, out)
+        path = self.backend.object_path(key)
+        try:
+            fd, st = objfile.open_object(path)  # never a symlink, FIFO or directory
+        except FileNotFoundError:
+            return None
         try:
             head, hdr = objfile.read_header(fd, st, key, first=HEAD_READ)  # sizes checked against the file's
             plan = Plan.of(path, bytes(head[:hdr.payload_offset]), hdr, st.st_mtime_ns)
             segments = plan.segments(out) if hdr.codec == "none" else None
             if segments is None:  # compressed, or out differs from the (unverified) header: the slow path decides
-                return self.tier._load_copy(key, out)
+                return self._copy(key, out)
             scratch = bytearray(hdr.payload_offset)  # prefix and header land here, the payload in out
             h = xxhash.xxh3_128()
             got = read_into(fd, [memoryview(scratch), *segments], h, skip=_P)
             if got != hdr.object_size:
                 raise CorruptObjectError(f"short read: {got} of {hdr.object_size} bytes")
             if scratch != plan.head:  # changed under us between the header read and this one: the slow path decides
-                return self.tier._load_copy(key, out)
+                return self._copy(key, out)
             if h.digest() != plan.head[16:32]:
                 raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
-            plan.mtime_ns = self.tier._touch(fd, st.st_mtime_ns)
+            plan.mtime_ns = self.backend.touch(fd, st.st_mtime_ns)
             self._remember(key, plan)  # only once its object verified
         finally:
             os.close(fd)
-        return dict(out)
+        return Hit(dict(out), hdr.object_size)
 
     def remember_written(self, key: ChunkKey, path: str, written: objformat.Encoded, mtime_ns: int) -> None:
         """Plan the reads of an object this tier has just written, from its encoding (nothing re-parsed)."""

@@ -1,0 +1,269 @@
+"""Memory backends: chunks as tensors on a torch device (``device``) or in host RAM (``host``).
+
+A write copies the chunk in, a read copies it out (callers own what they get); :meth:`MemoryBackend.borrow`
+lends the stored tensors themselves for a write-back to read from.
+
+A host backend of at least 64 MiB preallocates its whole capacity once as a :class:`~tierstore.pool.SlotPool`
+(pinned when CUDA is present and ``pinned: true``) and carves chunks out of it: a write is a memcpy into memory
+that is already mapped (fresh allocations page-fault at a fraction of memcpy speed), transfers to the GPU are
+DMA-able, and memory never grows. ``pool: true|false`` forces the choice; smaller ones make one allocation per
+chunk. A pooled chunk occupies its tensors' bytes, each tensor starting 64-byte aligned, rounded up to
+``slot_size`` (default 64). A run of the pool is reused only once no reader or borrower still copies from it.
+When fragmentation leaves no run long enough a write fails with ``ENOMEM`` and the store evicts more.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .. import objformat
+from ..config import check_tier_options
+from ..errors import ConfigError, InvalidInputError
+from ..keys import ChunkKey
+from ..objformat import ALIGN, validate_chunk
+from ..pool import Extent, SlotPool
+from ..tensors import TensorDict, copy_tensors, fill_out, nbytes, wait_for_copies
+from .base import Backend, Capabilities, Chunk, Hit, Prepared, ReadResult, results_of
+
+#: host backends at least this large preallocate a pool by default
+POOL_MIN = 64 << 20
+
+
+def _tensors(key: ChunkKey, chunk: Chunk) -> Mapping[str, torch.Tensor]:
+    if isinstance(chunk, objformat.Encoded):  # an object read from a lower level: its tensors, no copy
+        if chunk.header.key != key:
+            raise InvalidInputError(f"object holds key {chunk.header.key.hex()}, not {key.hex()}")
+        return objformat.decode_encoded(chunk)
+    validate_chunk(chunk)
+    return chunk
+
+
+class MemoryBackend(Backend):
+    """Chunks as tensors on ``device``, one allocation per chunk (Python references keep memory a reader is
+    still copying alive)."""
+
+    capabilities = Capabilities(zero_copy=True)
+
+    def __init__(self, name: str | None = None, device: str = "cpu", pinned: bool = False):
+        self.name = name or self.kind or "memory"
+        self.device = torch.device(device)
+        self.pinned = pinned and self.device.type == "cpu" and torch.cuda.is_available()
+        self._data: dict[ChunkKey, TensorDict] = {}
+        self._lock = threading.Lock()
+
+    def prepare(self, key: ChunkKey, chunk: Chunk) -> Prepared:
+        tensors = _tensors(key, chunk)
+        return Prepared(tensors, nbytes(tensors))
+
+    def write_many(self, items: Sequence[tuple[ChunkKey, Prepared]]) -> list[BaseException | None]:
+        return results_of(lambda item: self._write(*item), items)
+
+    def _write(self, key: ChunkKey, prepared: Prepared) -> None:
+        stored = copy_tensors(prepared.payload, self.device, pin_memory=self.pinned)
+        with self._lock:
+            self._data[key] = stored
+
+    def read_many(self, keys: Sequence[ChunkKey], device: str | torch.device = "cpu") -> list[ReadResult]:
+        def one(key: ChunkKey) -> Hit | None:
+            with self.borrow(key) as data:
+                return None if data is None else Hit(copy_tensors(data, device), self._size(key, data))
+
+        return results_of(one, keys)
+
+    def read_into_many(self, keys: Sequence[ChunkKey], outs: Sequence[Mapping[str, torch.Tensor]]) -> list[ReadResult]:
+        def one(item: tuple[ChunkKey, Mapping[str, torch.Tensor]]) -> Hit | None:
+            with self.borrow(item[0]) as data:
+                return None if data is None else Hit(fill_out(item[1], data), self._size(item[0], data))
+
+        return results_of(one, list(zip(keys, outs, strict=True)))
+
+    def _size(self, key: ChunkKey, data: TensorDict) -> int:
+        return nbytes(data)
+
+    @contextmanager
+    def borrow(self, key: ChunkKey) -> Iterator[TensorDict | None]:
+        with self._lock:
+            data = self._data.get(key)
+        yield data
+
+    def delete_many(self, keys: Sequence[ChunkKey]) -> list[BaseException | None]:
+        with self._lock:
+            for key in keys:
+                self._data.pop(key, None)
+        return [None] * len(keys)
+
+    def stat_many(self, keys: Sequence[ChunkKey]) -> list[int | None]:
+        with self._lock:
+            return [None if (d := self._data.get(k)) is None else nbytes(d) for k in keys]
+
+    def stats(self) -> dict[str, Any]:
+        return {"device": str(self.device), "pinned": self.pinned}
+
+    def close(self) -> None:
+        with self._lock:
+            self._data.clear()
+
+
+class DeviceBackend(MemoryBackend):
+    """The ``device`` tier: chunks resident on an accelerator (``cuda:N``); ``cpu`` works for tests."""
+
+    kind = "device"
+
+    def __init__(self, name: str | None = None, device: str = "cuda:0"):
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device: {device!r} requested but CUDA is not available (use device: cpu)")
+        super().__init__(name, device=device)
+
+
+def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[tuple[str, int]], int]:
+    offsets, pos = [], 0
+    for name, t in tensors.items():
+        pos = -(-pos // ALIGN) * ALIGN
+        offsets.append((name, pos))
+        pos += t.numel() * t.element_size()
+    return offsets, pos
+
+
+class HostBackend(MemoryBackend):
+    """The ``host`` tier: chunks in host RAM, pooled when large enough (see the module docstring).
+
+    Args:
+        capacity: bytes to preallocate for the pool (the tier's capacity); ``None``: no pool, unbounded.
+        pinned: pin the pool (page-locked, DMA-able) when CUDA is present.
+        pool: force the pool on or off (default: on from :data:`POOL_MIN` bytes).
+        slot_size: the pool's allocation unit (a positive multiple of 64).
+    """
+
+    kind = "host"
+
+    def __init__(self, name: str | None = None, capacity: int | None = None, pinned: bool = True,
+                 pool: bool | None = None, slot_size: int = 64):
+        opts = check_tier_options("host", {"capacity": capacity, "pinned": pinned, "pool": pool,
+                                           "slot_size": slot_size}, where=f"host tier {name or self.kind!r}")
+        super().__init__(name, device="cpu", pinned=pinned)
+        capacity = opts["capacity"]
+        use_pool = (capacity is not None and capacity >= POOL_MIN) if pool is None else pool
+        self.pool: SlotPool | None = None
+        if use_pool and capacity:
+            slot_size = max(ALIGN, min(slot_size, capacity // ALIGN * ALIGN))  # a tiny pool still gets a slot
+            self.pool = SlotPool(capacity, slot_size, pinned=self.pinned)
+            self.capacity = self.pool.capacity
+        self._runs: dict[ChunkKey, Extent] = {}
+        self._lent: dict[Extent, int] = {}  # runs being read or borrowed -> how many readers
+        self._retired: set[Extent] = set()  # runs replaced or deleted while lent: freed by the last reader
+
+    def prepare(self, key: ChunkKey, chunk: Chunk) -> Prepared:
+        tensors = _tensors(key, chunk)
+        if self.pool is None:
+            return Prepared(tensors, nbytes(tensors))
+        return Prepared(tensors, self.pool.size_for(_layout(tensors)[1]))
+
+    def _write(self, key: ChunkKey, prepared: Prepared) -> None:
+        if self.pool is None:
+            return super()._write(key, prepared)
+        payload = prepared.payload
+        run = self.pool.alloc(prepared.size) or self._reuse(key, prepared.size)
+        if run is None:
+            raise OSError(errno.ENOMEM, "host pool fragmented: no contiguous run free")
+        try:
+            buf = self.pool.view(run)
+            stored = {}
+            for name, off in _layout(payload)[0]:
+                t = payload[name]
+                nb = t.numel() * t.element_size()
+                dst = buf[off:off + nb]
+                dst = (dst.view(t.dtype) if t.dtype != torch.uint8 else dst).reshape(t.shape)
+                dst.copy_(t, non_blocking=t.device.type == "cuda")
+                stored[name] = dst
+            wait_for_copies(*payload.values())
+        except BaseException:
+            self.pool.free(run)
+            raise
+        with self._lock:
+            old = self._runs.get(key)
+            self._data[key], self._runs[key] = stored, run
+            if old is not None:
+                self._free(old)
+
+    def _reuse(self, key: ChunkKey, size: int) -> Extent | None:
+        """The run of ``key``'s current value for its new one, when only that run is long enough and nobody
+        reads it: its value is given up first (readers see a miss meanwhile, never a mix)."""
+        assert self.pool is not None
+        with self._lock:
+            old = self._runs.get(key)
+            if old is None or old in self._lent or old[1] < self.pool.slots_for(size):
+                return None
+            del self._runs[key], self._data[key]
+            self.pool.free(old)
+            return self.pool.alloc(size)  # the freed run is long enough: never None
+
+    @contextmanager
+    def borrow(self, key: ChunkKey) -> Iterator[TensorDict | None]:
+        if self.pool is None:
+            with super().borrow(key) as data:
+                yield data
+            return
+        with self._lock:
+            data = self._data.get(key)
+            run = self._runs.get(key)
+            if run is not None:
+                self._lent[run] = self._lent.get(run, 0) + 1
+        try:
+            yield data
+        finally:
+            if run is not None:
+                with self._lock:
+                    n = self._lent.pop(run) - 1
+                    if n:
+                        self._lent[run] = n
+                    elif run in self._retired:
+                        self._retired.discard(run)
+                        self.pool.free(run)  # type: ignore[union-attr]  # runs exist only with a pool
+
+    def _free(self, run: Extent) -> None:
+        """Return ``run`` to the pool now, or when its last reader is done (lock held)."""
+        assert self.pool is not None
+        if run in self._lent:
+            self._retired.add(run)
+        else:
+            self.pool.free(run)
+
+    def delete_many(self, keys: Sequence[ChunkKey]) -> list[BaseException | None]:
+        if self.pool is None:
+            return super().delete_many(keys)
+        with self._lock:
+            for key in keys:
+                self._data.pop(key, None)
+                run = self._runs.pop(key, None)
+                if run is not None:
+                    self._free(run)
+        return [None] * len(keys)
+
+    def _size(self, key: ChunkKey, data: TensorDict) -> int:
+        if self.pool is None:
+            return nbytes(data)
+        return self.pool.size_for(_layout(data)[1])
+
+    def stat_many(self, keys: Sequence[ChunkKey]) -> list[int | None]:
+        if self.pool is None:
+            return super().stat_many(keys)
+        with self._lock:
+            return [None if (r := self._runs.get(k)) is None else r[1] * self.pool.slot_size for k in keys]
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        if self.pool is not None:
+            out["pool_free_bytes"] = self.pool.free_slots() * self.pool.slot_size
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self._runs.clear()

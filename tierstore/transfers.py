@@ -1,0 +1,880 @@
+"""Transfers: the data plane of a store — every move of bytes between the caller and a level, or between two
+levels, carried out as the control plane (:mod:`tierstore.residency`) plans it.
+
+Each transfer is a :class:`Job` with an id and a future (``store.stats()["jobs"]`` lists those running):
+
+* **reads** (``read``): a batch grouped by the level holding each key, each group one batched read of its
+  backend; a key a level no longer has (or cannot read) goes on to the next level holding it, and a key no
+  index knows is asked of the shared levels (a probe, or a read that is its own probe). Run on the caller's
+  thread: the bytes are in the caller's hands when it returns.
+* **landing** (:meth:`Transfers.land_many`): a write into one level — for a put, a write-back, a promotion or
+  an eviction's write-down — under the ``(key, level)`` slot: room is reserved first, victims evicted
+  synchronously (a dirty one written to the level below first), then one batched write and the commit.
+* **write-back** (:class:`WriteBack`): a scheduler thread takes what is due per level and hands each batch to
+  that level's writer thread; a batch reads its sources (an object's bytes as they are between backends of
+  the same codec) and lands them.
+* **promotion** (:class:`Promoter`): after a read found chunks below the top (``retain``), and for
+  ``prefetch`` and ``readiness``, jobs on a small pool copy them up — never on the reader's thread.
+
+No lock is held across I/O; what waits (a busy slot, room) waits on the residency's condition.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any
+
+import torch
+
+from . import objformat
+from .backends.base import Backend, Chunk, Hit, ReadResult
+from .errors import (
+    ClosedError,
+    CorruptObjectError,
+    ForgedObjectError,
+    InvalidInputError,
+    UnsupportedObjectError,
+)
+from .keys import ChunkKey
+from .residency import Hold, Residency, Slot, Victim, Write
+from .telemetry import Failures, Latency
+from .tensors import TensorDict
+
+log = logging.getLogger("tierstore")
+
+COUNTERS = ("hits", "misses", "puts", "bytes_in", "bytes_out", "corrupt", "unsupported", "forged", "errors",
+            "skipped", "enospc")
+#: seconds a write waits for its slot or for room (pins released, others' evictions and writes finished)
+PIN_WAIT = 2.0
+#: extra eviction rounds when a memory pool has the bytes but no contiguous run for a chunk
+ENOMEM_ROUNDS = 4
+
+
+class Level:
+    """One level of a store as the data plane sees it: its backend and what it counts."""
+
+    def __init__(self, index: int, name: str, kind: str, backend: Backend, capacity: int | None) -> None:
+        self.index = index
+        self.name = name
+        self.kind = kind
+        self.backend = backend
+        self.capacity = capacity
+        self.caps = backend.capabilities
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        self.failures = Failures(log, f"tier {name}: ")
+        self.latency = Latency()  #: seconds per batched get, put and lookup (probe) of this level
+        self._lock = threading.Lock()
+
+    @property
+    def shared(self) -> bool:
+        return self.caps.shared
+
+    @property
+    def writable(self) -> bool:
+        return self.caps.writable
+
+    def count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self.counts[k] += v
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            counts = dict(self.counts)
+        backend = self.backend.stats()
+        failures = self.failures.counts()
+        for reason, n in backend.pop("failures", {}).items():
+            failures[reason] = failures.get(reason, 0) + n
+        return {"kind": self.kind, **counts, **backend, "failures": failures}
+
+    def __repr__(self) -> str:
+        return f"<Level {self.index} {self.name!r} {self.kind}>"
+
+
+# ---------------------------------------------------------------------- jobs
+@dataclass
+class Job:
+    """One transfer: what it does, where, and its future (done when the transfer is)."""
+
+    id: int
+    kind: str  # "read" | "put" | "write-back" | "write-down" | "promote" | "prefetch" | "probe"
+    level: str
+    keys: int
+    future: Future[Any] = field(default_factory=Future)
+    started: float = field(default_factory=time.monotonic)
+
+
+class Jobs:
+    """The transfers running now (ids, kinds, futures), for ``stats()`` and for ``close()`` to wait on."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._running: dict[int, Job] = {}
+        self.done = 0
+
+    def run(self, kind: str, level: str, keys: int, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on this thread as a job."""
+        job = self._start(kind, level, keys)
+        try:
+            result = fn()
+        except BaseException as exc:
+            self._finish(job, exc=exc)
+            raise
+        self._finish(job, result=result)
+        return result
+
+    def submit(self, executor: ThreadPoolExecutor, kind: str, level: str, keys: int, fn: Callable[[], Any]) -> Job:
+        """Run ``fn`` on ``executor`` as a job; raises :class:`ClosedError` if the executor was shut down."""
+        job = self._start(kind, level, keys)
+
+        def body() -> None:
+            try:
+                result = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the future
+                self._finish(job, exc=exc)
+                return
+            self._finish(job, result=result)
+
+        try:
+            executor.submit(body)
+        except RuntimeError:  # shut down by a racing close()
+            self._finish(job, exc=ClosedError("store is closed"))
+            raise ClosedError("store is closed") from None
+        return job
+
+    def _start(self, kind: str, level: str, keys: int) -> Job:
+        job = Job(next(self._ids), kind, level, keys)
+        with self._lock:
+            self._running[job.id] = job
+        return job
+
+    def _finish(self, job: Job, result: Any = None, exc: BaseException | None = None) -> None:
+        with self._lock:
+            self._running.pop(job.id, None)
+            self.done += 1
+        if exc is not None:
+            job.future.set_exception(exc)
+        else:
+            job.future.set_result(result)
+
+    def running(self) -> list[Job]:
+        with self._lock:
+            return list(self._running.values())
+
+    def summary(self) -> dict[str, Any]:
+        now = time.monotonic()
+        with self._lock:
+            running = [{"id": j.id, "kind": j.kind, "level": j.level, "keys": j.keys, "age_s": now - j.started}
+                       for j in self._running.values()]
+            return {"running": running, "done": self.done}
+
+
+# ---------------------------------------------------------------------- the data plane
+class Transfers:
+    """Reads, landings and evictions of one store (see the module docstring)."""
+
+    def __init__(self, levels: Sequence[Level], residency: Residency, pin_wait: float = PIN_WAIT) -> None:
+        self.levels = list(levels)
+        self.res = residency
+        self.pin_wait = pin_wait
+        self.jobs = Jobs()
+        self.top = next((lv.index for lv in self.levels if lv.writable), None)
+
+    # ------------------------------------------------------------------ landing
+    def land_many(self, level: int, items: Sequence[tuple[ChunkKey, int, Chunk]], *, put: bool = False,
+                  queue: bool = True, slots_held: bool = False, kind: str = "put") -> list[bool | None]:
+        """Write each ``(key, generation, chunk)`` into ``level``: per item ``True`` (stored), ``None``
+        (superseded: a newer value is there or was put, nothing to write) or ``False`` (refused: too big, no room
+        in time, a write error; counted). ``slots_held``: the caller took the slots (write-back, promotion)."""
+        if not items:
+            return []
+        lv = self.levels[level]
+        start = perf_counter()
+        try:
+            return self.jobs.run(kind, lv.name, len(items),
+                                 lambda: self._land(lv, items, put=put, queue_below=queue, slots_held=slots_held))
+        finally:
+            lv.latency.since("put", start)
+
+    def _land(self, lv: Level, items: Sequence[tuple[ChunkKey, int, Chunk]], *, put: bool, queue_below: bool,
+              slots_held: bool) -> list[bool | None]:
+        deadline = time.monotonic() + self.pin_wait
+        outcome: list[bool | None] = [False] * len(items)
+        if slots_held:
+            self._land_held(lv, items, list(range(len(items))), outcome, put, queue_below, deadline)
+            return outcome
+        # take the slots that are free now and land those items; wait for a busy one only while holding none
+        # (two batches waiting for each other's slots would deadlock), then try the rest again
+        todo = list(range(len(items)))
+        while todo:
+            held, busy = [], []
+            for i in todo:
+                slot = self.res.begin_write(items[i][0], lv.index, items[i][1])
+                if slot is Slot.OK:
+                    held.append(i)
+                elif slot is Slot.BUSY:
+                    busy.append(i)
+                else:
+                    outcome[i] = None
+            if not held and busy:
+                i = busy.pop(0)
+                slot = self._take_slot(items[i][0], lv.index, items[i][1], deadline)
+                if slot is Slot.OK:
+                    held.append(i)
+                elif slot is Slot.SUPERSEDED:
+                    outcome[i] = None
+                else:
+                    lv.count(skipped=1)
+            self._land_held(lv, items, held, outcome, put, queue_below, deadline)
+            todo = busy
+        return outcome
+
+    def _land_held(self, lv: Level, items: Sequence[tuple[ChunkKey, int, Chunk]], todo: list[int],
+                   outcome: list[bool | None], put: bool, queue_below: bool, deadline: float) -> None:
+        """Land ``items[i]`` for each ``i`` in ``todo`` (their slots held) into ``lv``, setting ``outcome[i]``."""
+        res, level = self.res, lv.index
+        prepared: dict[int, Any] = {}
+        for i in todo:
+            key, gen, chunk = items[i]
+            try:
+                prepared[i] = lv.backend.prepare(key, chunk)
+            except Exception as exc:  # noqa: BLE001 - an item the backend cannot take: refused, counted
+                lv.count(errors=1)
+                lv.failures.report("prepare", "cannot store %s: %s: %s", key.hex(), type(exc).__name__, exc)
+                self.abort(level, key, gen)
+        queue = deque(i for i in todo if i in prepared)
+        retries: dict[int, int] = {}
+        while queue:
+            # reserve what fits now; a chunk that must wait goes after what is reserved is written and indexed
+            # (its bytes may be what there is to evict)
+            wave: list[int] = []
+            reserved: dict[int, int] = {}
+            while queue:
+                i = queue[0]
+                got = self._make_room(items[i][0], level, prepared[i].size, deadline, wait=not wave)
+                if got is None and wave:
+                    break
+                queue.popleft()
+                if got is None:
+                    lv.count(skipped=1)
+                    self.abort(level, items[i][0], items[i][1])
+                    continue
+                wave.append(i)
+                reserved[i] = got
+            if not wave:
+                continue
+            try:
+                errors = lv.backend.write_many([(items[i][0], prepared[i]) for i in wave])
+            except ClosedError:
+                errors = [ClosedError(f"tier {lv.name!r} is closed")] * len(wave)
+            except Exception as exc:  # noqa: BLE001 - a backend that raised for the batch: every item failed
+                errors = [exc] * len(wave)
+            for i, err in zip(wave, errors, strict=True):
+                key, gen, _ = items[i]
+                if err is None:
+                    stale = res.commit_write(key, level, gen, prepared[i].size, reserved[i], put=put, queue=queue_below)
+                    lv.count(puts=1, bytes_in=prepared[i].size)
+                    outcome[i] = True
+                    self.remove_stale(key, stale)
+                    continue
+                res.release(level, reserved[i])
+                tries = retries[i] = retries.get(i, 0) + 1
+                if isinstance(err, OSError) and err.errno == errno.ENOSPC and tries == 1:
+                    self._after_enospc(lv)
+                    queue.appendleft(i)
+                elif isinstance(err, OSError) and err.errno == errno.ENOMEM and tries <= ENOMEM_ROUNDS:
+                    for victim in res.reclaim(key, level, prepared[i].size):
+                        self.evict(victim, deadline)
+                    queue.appendleft(i)
+                else:
+                    lv.count(errors=1)
+                    lv.failures.report("write", "write failed (%s: %s); skipping", type(err).__name__, err)
+                    self.abort(level, key, gen)
+        if any(outcome[i] for i in todo):
+            res.space_stored(level)
+
+    def abort(self, level: int, key: ChunkKey, gen: int, reserved: int = 0) -> None:
+        """A write of ``gen`` into ``level`` stored nothing: release its slot and bytes; a pending level's write
+        counts as failed (retried with back-off; logged once it keeps failing)."""
+        if self.res.abort_write(key, level, gen, reserved, failed=True):
+            log.warning("write-back to tier %s keeps failing (e.g. %s); retrying while the chunks are held",
+                        self.levels[level].name, key.hex())
+
+    def _take_slot(self, key: ChunkKey, level: int, gen: int, deadline: float) -> Slot | None:
+        res = self.res
+        return res.wait_until(lambda: s if (s := res.begin_write(key, level, gen)) is not Slot.BUSY else None,
+                              deadline)
+
+    def _make_room(self, key: ChunkKey, level: int, size: int, deadline: float, wait: bool = True) -> int | None:
+        """Reserve ``size`` bytes of ``level`` for ``key``, evicting as the residency says; ``None`` when there
+        is no room (with ``wait``: by ``deadline``, while others free room or readers hold pins)."""
+        res = self.res
+        while True:
+            if wait:
+                room = res.wait_until(lambda: r if ((r := res.reserve(key, level, size)).reserved is not None
+                                                    or r.victims or not r.wait) else None, deadline)
+            else:
+                room = res.reserve(key, level, size)
+            if room is None or (room.reserved is None and not room.victims):
+                return None
+            if room.reserved is not None:
+                return room.reserved
+            for victim in room.victims:
+                self.evict(victim, deadline)
+
+    def _after_enospc(self, lv: Level) -> None:
+        """The storage is full below the level's budget: hold at most what it holds now."""
+        lv.count(enospc=1)
+        backoff = self.res.space_full(lv.index)
+        lv.failures.report("enospc", "no space left on device; holding at most what is held now, re-probing "
+                           "free space in %.1fs (doubling while full)", backoff)
+
+    def probe_space(self) -> None:
+        """Probe free space of levels whose ENOSPC limit is due for a look."""
+        for lv in self.levels:
+            if self.res.space_probe_due(lv.index):
+                self.res.space_probed(lv.index, lv.backend.free_space())
+
+    def remove_stale(self, key: ChunkKey, levels: Iterable[int]) -> None:
+        """Remove ``key``'s copies in ``levels`` that hold an older value than the current one."""
+        for j in levels:
+            if self.res.claim_stale(key, j):
+                self._remove(key, j)
+
+    def _remove(self, key: ChunkKey, level: int) -> None:
+        """Remove ``key`` from ``level``'s storage (the caller holds the slot for it), then from the index."""
+        lv = self.levels[level]
+        (err,) = lv.backend.delete_many([key])
+        if err is not None:
+            lv.failures.report("drop", "could not remove %s: %s", key.hex(), err)
+        self.res.removed(level, key)
+
+    # ------------------------------------------------------------------ eviction
+    def evict(self, victim: Victim, deadline: float) -> bool:
+        """Carry out one eviction: write a dirty victim below first (trying each level the residency names),
+        then remove it unless it must stay. Whether it went."""
+        down, tried = victim.down, []
+        try:
+            while down is not None and down is not False:
+                if self.jobs.run("write-down", self.levels[down].name, 1,
+                                 lambda d=down: self._write_down(victim, d)):
+                    break
+                tried.append(down)
+                down = self.res.written_down_failed(victim, tried)
+        except BaseException:
+            self.res.keep(victim)
+            raise
+        if down is False:
+            self.res.keep(victim)
+            return False
+        if not self.res.may_evict(victim):
+            return False
+        lv = self.levels[victim.level]
+        (err,) = lv.backend.delete_many([victim.key])
+        if err is not None:
+            lv.failures.report("drop", "could not remove %s: %s", victim.key.hex(), err)
+            self.res.keep(victim)
+            return False
+        self.res.evicted(victim)
+        return True
+
+    def _write_down(self, victim: Victim, down: int) -> bool:
+        """Copy a dirty victim into level ``down``; whether it no longer needs saving there."""
+        slot = self.res.begin_write(victim.key, down, victim.gen)
+        if slot is not Slot.OK:
+            return slot is Slot.SUPERSEDED  # a newer value is below: this copy is not the one to save
+        with ExitStack() as stack:
+            try:
+                data = self.read_for_copy(stack, victim.level, victim.key, down)
+            except Exception as exc:  # noqa: BLE001 - unreadable: nothing left to save
+                log.debug("write-down of %s: its copy cannot be read (%s)", victim.key.hex(), exc)
+                data = None
+            if data is None:
+                self.res.abort_write(victim.key, down, victim.gen)
+                return True  # it vanished or is damaged: nothing left to save (pending levels are given up)
+            (ok,) = self.land_many(down, [(victim.key, victim.gen, data)], slots_held=True, kind="write-down")
+        return ok is not False
+
+    def read_for_copy(self, stack: ExitStack, source: int, key: ChunkKey, target: int) -> Chunk | None:
+        """``key``'s chunk in ``source``, to be written into ``target``: its object as it is when both hold
+        objects with one codec (no decode, no re-encode), else its tensors (a memory backend lends its own for
+        the life of ``stack``). ``None`` if it is gone; raises if it cannot be read."""
+        src, dst = self.levels[source], self.levels[target]
+        if src.caps.objects and dst.caps.objects and src.caps.codec == dst.caps.codec:
+            (got,) = src.backend.read_objects([key])
+        elif src.caps.zero_copy:
+            tensors = stack.enter_context(src.backend.borrow(key))
+            got = None if tensors is None else Hit(tensors, 0)
+        else:
+            (got,) = src.backend.read_many([key])
+        if isinstance(got, BaseException):
+            raise got
+        if got is None:
+            return None
+        if got.size:
+            src.count(bytes_out=got.size)
+        return got.value  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------ reads
+    def read(self, keys: Sequence[ChunkKey], outs: Sequence[Mapping[str, torch.Tensor]] | None,
+             device: str | torch.device, *, objects_from: Iterable[int] = ()
+             ) -> tuple[list[Any], list[tuple[int, int] | None]]:
+        """Each key's chunk from the highest level holding its current value (see the module docstring).
+
+        Returns per key its value (tensors, its filled ``out``, ``None`` for a miss, or the
+        :class:`InvalidInputError` its ``out`` raised) and ``(level, generation)`` it was read from. Levels in
+        ``objects_from`` are read as objects and decoded here, so the object stays at hand for a promotion:
+        such values are ``(tensors, Encoded)`` pairs."""
+        return self.jobs.run("read", "", len(keys), lambda: self._read(keys, outs, device, set(objects_from)))
+
+    def _read(self, keys: Sequence[ChunkKey], outs: Sequence[Mapping[str, torch.Tensor]] | None,
+              device: str | torch.device, as_objects: set[int]) -> tuple[list[Any], list[tuple[int, int] | None]]:
+        res = self.res
+        n = len(keys)
+        results: list[Any] = [None] * n
+        source: list[tuple[int, int] | None] = [None] * n
+        skip: dict[int, set[int]] = {}  # key index -> levels that could not serve it (or were read unindexed)
+        probed: dict[int, set[int]] = {}  # key index -> shared levels already asked about it
+        todo = list(range(n))
+        while todo:
+            holds = self._pin(keys, todo, skip)
+            again: list[int] = []
+            try:
+                by_level: dict[int, list[int]] = {}
+                for i in todo:
+                    h = holds[i]
+                    if h is not None:
+                        by_level.setdefault(h.level, []).append(i)
+                for level, idx in by_level.items():
+                    got = self._read_level(level, [keys[i] for i in idx],
+                                           None if outs is None else [outs[i] for i in idx], device,
+                                           level in as_objects)
+                    for i, r in zip(idx, got, strict=True):
+                        h = holds[i]
+                        assert h is not None
+                        if not self._settle(i, h.level, h.gen, keys[i], r, results, source):
+                            skip.setdefault(i, set()).add(h.level)
+                            again.append(i)
+            finally:
+                res.unpin(holds)
+            unseen = [i for i in todo if holds[i] is None]
+            again += self._ask_shared(unseen, keys, outs, device, as_objects, results, source, skip, probed)
+            todo = again
+        return results, source
+
+    def _pin(self, keys: Sequence[ChunkKey], todo: list[int], skip: dict[int, set[int]]) -> list[Hold | None]:
+        """Pin each of ``todo``'s keys at the first level holding its current value, past the levels ``skip``
+        names for it."""
+        holds: list[Hold | None] = [None] * len(keys)
+        plain = [i for i in todo if i not in skip]
+        for i, h in zip(plain, self.res.pin([keys[i] for i in plain]), strict=True):
+            holds[i] = h
+        for i in todo:
+            if i in skip:
+                holds[i] = self.res.pin([keys[i]], [j for j in range(len(self.levels)) if j not in skip[i]])[0]
+        return holds
+
+    def _read_level(self, level: int, keys: list[ChunkKey], outs: list[Mapping[str, torch.Tensor]] | None,
+                    device: str | torch.device, as_objects: bool) -> list[ReadResult]:
+        lv = self.levels[level]
+        start = perf_counter()
+        try:
+            if as_objects:
+                return [_decoded(r, None if outs is None else outs[i], device)
+                        for i, r in enumerate(lv.backend.read_objects(keys))]
+            if outs is None:
+                return lv.backend.read_many(keys, device)
+            return lv.backend.read_into_many(keys, outs)
+        except ClosedError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a backend that failed the whole batch: each item a miss
+            lv.failures.report("read", "batched read failed (%s: %s); treating as misses", type(exc).__name__, exc)
+            return [exc] * len(keys)
+        finally:
+            lv.latency.since("get", start)
+
+    def _ask_shared(self, unseen: list[int], keys: Sequence[ChunkKey], outs: Any, device: str | torch.device,
+                    as_objects: set[int], results: list[Any], source: list[tuple[int, int] | None],
+                    skip: dict[int, set[int]], probed: dict[int, set[int]]) -> list[int]:
+        """Ask the shared levels, in order, about keys no index holds: a read that is its own probe (a hit joins
+        the index), or a probe that indexes what it finds. Returns the keys a probe indexed (to be read)."""
+        res = self.res
+        token = res.deletes
+        todo, indexed = list(unseen), []
+        for lv in self.levels:
+            if not todo:
+                break
+            if not lv.shared:
+                continue
+            ask = [i for i in todo if lv.index not in probed.get(i, ()) and lv.index in res.probe_levels(keys[i])]
+            for i in ask:
+                probed.setdefault(i, set()).add(lv.index)
+            if not ask:
+                continue
+            if not lv.caps.probe_on_read:
+                start = perf_counter()
+                sizes = lv.backend.stat_many([keys[i] for i in ask])
+                lv.latency.since("lookup", start)
+                for i, size in zip(ask, sizes, strict=True):
+                    if size is not None and res.found(lv.index, keys[i], size, token) is not None:
+                        indexed.append(i)
+                todo = [i for i in todo if i not in indexed]
+                continue
+            got = self._read_level(lv.index, [keys[i] for i in ask], None if outs is None else
+                                   [outs[i] for i in ask], device, lv.index in as_objects)
+            done = set()
+            for i, r in zip(ask, got, strict=True):
+                gen = res.found(lv.index, keys[i], r.size, token) if isinstance(r, Hit) else 0
+                if self._settle(i, lv.index, -1 if gen is None else gen, keys[i], r, results, source):
+                    done.add(i)
+            todo = [i for i in todo if i not in done]
+        return indexed
+
+    def _settle(self, i: int, level: int, gen: int, key: ChunkKey, r: ReadResult, results: list[Any],
+                source: list[tuple[int, int] | None]) -> bool:
+        """Classify one read of ``key``'s copy of generation ``gen`` (``-1``: read but not indexed) from
+        ``level``; whether the key is done (a hit, or an ``out`` that does not fit)."""
+        lv = self.levels[level]
+        if isinstance(r, Hit):
+            results[i] = r.value
+            source[i] = (level, gen)
+            lv.count(hits=1, bytes_out=r.size)
+            return True
+        if isinstance(r, InvalidInputError):  # the caller's out does not fit the chunk: its answer
+            results[i] = r
+            return True
+        if r is None or isinstance(r, FileNotFoundError):
+            self.res.lost(level, key, gen, remove=False)
+            lv.count(misses=1)
+            return False
+        if isinstance(r, ForgedObjectError):
+            lv.count(forged=1)
+            lv.failures.report("forged", "refusing object %s (left in place): %s", key.hex(), r)
+            self.res.lost(level, key, gen, remove=False)
+        elif isinstance(r, UnsupportedObjectError):
+            lv.count(unsupported=1)
+            lv.failures.report("unsupported", "cannot read object %s (left in place): %s", key.hex(), r)
+            if lv.shared:  # a private level keeps it indexed: its bytes stay accounted for until evicted
+                self.res.lost(level, key, gen, remove=False)
+        elif isinstance(r, CorruptObjectError):
+            lv.count(corrupt=1)
+            remove = not lv.shared
+            lv.failures.report("corrupt", "%s damaged object %s: %s", "removing" if remove else "skipping",
+                               key.hex(), r)
+            if self.res.lost(level, key, gen, remove=remove):
+                self._remove(key, level)
+        elif isinstance(r, ClosedError):
+            raise r
+        else:  # an I/O error, or an object too large for memory right now: a miss, kept
+            lv.count(errors=1)
+            lv.failures.report("read", "read failed (%s: %s); treating as a miss", type(r).__name__, r)
+        lv.count(misses=1)
+        return False
+
+
+def _decoded(r: ReadResult, out: Mapping[str, torch.Tensor] | None, device: str | torch.device) -> ReadResult:
+    """An object read turned into what the caller asked for, the object kept: ``Hit((value, Encoded), size)``."""
+    if not isinstance(r, Hit):
+        return r
+    from .tensors import fill_out
+
+    try:
+        tensors = objformat.decode_encoded(r.value)
+        if out is not None:
+            value: TensorDict = fill_out(out, tensors)
+        else:
+            dev = torch.device(device)
+            value = tensors if dev.type == "cpu" else {n: t.to(dev) for n, t in tensors.items()}
+    except Exception as exc:  # noqa: BLE001 - the item's result
+        return exc
+    return Hit((value, r.value), r.size)
+
+
+# ---------------------------------------------------------------------- write-back
+@dataclass(frozen=True)
+class FlushReport:
+    """What a :meth:`~tierstore.TieredStore.flush` that raised nothing has to say: the chunks the ``drop``
+    pressure policy gave up (key -> names of the tiers they never reached). Every flush names a dropped chunk
+    until its key is put again or deleted, so each caller that flushes learns of it."""
+
+    dropped: dict[ChunkKey, tuple[str, ...]] = field(default_factory=dict)
+
+
+class WriteBack:
+    """Write-back of one store: a scheduler thread takes what the residency says is due into each level and
+    hands it, a batch at a time, to that level's writer thread (one batch in flight per level; a backend runs
+    a batch on its own parallelism)."""
+
+    def __init__(self, transfers: Transfers, batch: int) -> None:
+        self.t = transfers
+        self.res = transfers.res
+        self.batch = batch
+        self._levels = [lv.index for lv in transfers.levels if lv.index > 0 and lv.writable]
+        self._writers = {j: ThreadPoolExecutor(1, thread_name_prefix=f"tierstore-writeback-{transfers.levels[j].name}")
+                         for j in self._levels}
+        self._busy: set[int] = set()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, daemon=True, name="tierstore-writeback")
+        self._thread.start()
+
+    def _run(self) -> None:
+        res = self.res
+        while not self._stopping:
+            seen = res.changes
+            due = self._due()
+            if not due:
+                res.wait_for_change(seen, self._idle())
+                continue
+            for j in due:
+                writes, stale = res.take_due(j, self.batch)
+                for key, level in stale:
+                    self.t.remove_stale(key, [level])
+                if writes:
+                    self._submit(j, writes)
+
+    def _due(self) -> list[int] | None:
+        """Levels with write-backs due now and no batch in flight (``None``: none)."""
+        due = [j for j in self._levels if j not in self._busy and self.res.next_due(j) == 0.0]
+        return due or None
+
+    def _idle(self) -> float:
+        """Seconds until the next retry falls due (at most one)."""
+        times = [t for j in self._levels if j not in self._busy and (t := self.res.next_due(j)) is not None]
+        return 1.0 if not times else min(1.0, max(0.0, min(times) - self.res.clock()))
+
+    def _submit(self, level: int, writes: list[Write]) -> None:
+        self._busy.add(level)
+        try:
+            self.t.jobs.submit(self._writers[level], "write-back", self.t.levels[level].name, len(writes),
+                               lambda: self._write(level, writes))
+        except ClosedError:
+            self._done(level)
+
+    def _done(self, level: int) -> None:
+        self._busy.discard(level)
+        self.res.notify()
+
+    def _write(self, level: int, writes: list[Write]) -> None:
+        t, res = self.t, self.res
+        try:
+            with ExitStack() as stack:
+                items: list[tuple[ChunkKey, int, Chunk]] = []
+                for w in writes:
+                    try:
+                        data = t.read_for_copy(stack, w.source, w.key, level)
+                    except (CorruptObjectError, UnsupportedObjectError) as exc:
+                        log.warning("write-back of %s: its copy in tier %s cannot be read (%s); forgetting it",
+                                    w.key.hex(), t.levels[w.source].name, exc)
+                        res.lost(w.source, w.key, w.gen, remove=False)
+                        data = None
+                    except Exception as exc:  # noqa: BLE001 - an I/O error: retried with back-off
+                        log.debug("write-back of %s: reading tier %s failed: %s", w.key.hex(),
+                                  t.levels[w.source].name, exc)
+                        data = None
+                    finally:
+                        res.unpin([Hold(w.key, w.source, w.source_size, w.gen)])
+                    if data is None:
+                        t.abort(level, w.key, w.gen)
+                    else:
+                        items.append((w.key, w.gen, data))
+                t.land_many(level, items, slots_held=True, kind="write-back")
+        finally:
+            self._done(level)
+
+    def flush(self, timeout: float | None = None) -> FlushReport:
+        """Wait until every chunk put so far reached every level below it, is failing there, or was dropped.
+
+        Failing levels first get a fresh round of retries. Raises :class:`~tierstore.WriteBackError` naming
+        the keys and tiers that could not be written (with ``dropped`` as in the report), and
+        :class:`~tierstore.TierTimeoutError` if ``timeout`` passed first.
+        """
+        from .errors import TierTimeoutError, WriteBackError
+
+        res = self.res
+        state = res.flush_begin()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if res.wait_until(lambda: True if res.flush_settled(state) else None, deadline) is None:
+            raise TierTimeoutError(f"flush: {len(state.watched)} write-backs still pending after {timeout}s")
+        failed, dropped = res.losses()
+        report = FlushReport(self._named(dropped))
+        if failed:
+            raise WriteBackError(self._named(failed), report.dropped)
+        return report
+
+    def _named(self, levels: dict[ChunkKey, set[int]]) -> dict[ChunkKey, tuple[str, ...]]:
+        return {k: tuple(self.t.levels[j].name for j in sorted(js)) for k, js in levels.items()}
+
+    def stop(self, timeout: float) -> None:
+        """Stop scheduling; let the batches in flight finish, waiting up to ``timeout`` s in all."""
+        deadline = time.monotonic() + timeout
+        self._stopping = True
+        self.res.notify()
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        for writer in self._writers.values():
+            writer.shutdown(wait=False, cancel_futures=True)
+        for job in self.t.jobs.running():
+            if job.kind == "write-back":
+                try:
+                    job.future.exception(max(0.0, deadline - time.monotonic()))
+                except Exception:  # noqa: BLE001 - a timeout here: close goes on
+                    pass
+
+
+# ---------------------------------------------------------------------- promotion
+class Promoter:
+    """Promotion jobs of one store: admission after a read (``retain``), ``prefetch`` and the background
+    promotion behind ``readiness``; keys being promoted are *pending* until their job is done."""
+
+    def __init__(self, transfers: Transfers, workers: int) -> None:
+        self.t = transfers
+        self.res = transfers.res
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tierstore-promote")
+        self._lock = threading.Lock()
+        self._in_flight: dict[ChunkKey, Future[Any]] = {}
+        self.counts = {"promotions": 0, "prefetch_errors": 0}
+
+    def admit(self, hits: list[tuple[ChunkKey, int, int, objformat.Encoded | None]]) -> None:
+        """Promote ``(key, level read from, generation, object in hand or None)`` in the background, each only
+        if it is still the key's current value then."""
+        top = self.t.top
+        if top is None:
+            return
+        try:
+            self.t.jobs.submit(self._pool, "promote", self.t.levels[top].name, len(hits),
+                               lambda: [self.promote(*h) for h in hits])
+        except ClosedError:
+            pass
+
+    def promote(self, key: ChunkKey, source: int, gen: int, data: Chunk | None = None) -> bool:
+        """Copy generation ``gen`` of ``key`` from level ``source`` into the top level (re-reading it unless
+        ``data`` is at hand) and have write-back fill the levels between; whether the top holds it now."""
+        t, res, top = self.t, self.res, self.t.top
+        if top is None or source <= top:
+            return source == top
+        if not res.begin_promote(key, source, gen, top):
+            return res.current_gen(key, top) is not None
+        with ExitStack() as stack:
+            if data is None:
+                try:
+                    data = t.read_for_copy(stack, source, key, top)
+                except Exception as exc:  # noqa: BLE001 - nothing promoted
+                    log.debug("promotion of %s: reading tier %s failed: %s", key.hex(), t.levels[source].name, exc)
+            if data is None:
+                res.abort_write(key, top, gen)
+                return False
+            (ok,) = t.land_many(top, [(key, gen, data)], slots_held=True, kind="promote")
+        if ok:
+            res.fill(key, gen, [j for j in range(top + 1, source) if t.levels[j].writable])
+            with self._lock:
+                self.counts["promotions"] += 1
+        return bool(ok)
+
+    def promote_current(self, key: ChunkKey) -> bool:
+        """Copy ``key``'s current value toward the top from wherever it is (indexed, or found on a shared level
+        now); whether the top holds it then."""
+        t, res = self.t, self.res
+        (level,) = res.locate([key])
+        if level is None:
+            token = res.deletes
+            for lv in t.levels:
+                if lv.shared and lv.index in res.probe_levels(key):
+                    (size,) = lv.backend.stat_many([key])
+                    if size is not None and res.found(lv.index, key, size, token) is not None:
+                        level = lv.index
+                        break
+        gen = None if level is None else res.current_gen(key, level)
+        return level is not None and gen is not None and self.promote(key, level, gen)
+
+    def prefetch(self, keys: Sequence[ChunkKey]) -> Future[int]:
+        """Promote ``keys`` in the background; the future resolves to how many the top level then holds (or
+        raises the first error once every key is done)."""
+        done: Future[int] = Future()
+        if not keys:
+            done.set_result(0)
+            return done
+        remaining, held, errors, lock = [len(keys)], [0], [], threading.Lock()
+
+        def finished(f: Future[Any]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                with self._lock:
+                    self.counts["prefetch_errors"] += 1
+                log.log(logging.DEBUG if isinstance(exc, ClosedError) else logging.WARNING,
+                        "prefetch failed: %s: %s", type(exc).__name__, exc)
+            with lock:
+                if exc is not None:
+                    errors.append(exc)
+                else:
+                    held[0] += bool(f.result())
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                if errors:
+                    done.set_exception(errors[0])
+                else:
+                    done.set_result(held[0])
+
+        name = self.t.levels[self.t.top].name if self.t.top is not None else ""
+        for k in keys:
+            self.t.jobs.submit(self._pool, "prefetch", name, 1, lambda k=k: self.promote_current(k)
+                               ).future.add_done_callback(finished)
+        return done
+
+    def promote_shared(self, keys: Sequence[ChunkKey], lookup: Callable[[Sequence[ChunkKey]], int]) -> None:
+        """In the background: find the leading run of ``keys`` the levels hold (``lookup``, which probes the
+        shared ones) and promote it. The keys count as pending from now until that is done."""
+        future: Future[int] = Future()
+        with self._lock:
+            if keys[0] in self._in_flight:
+                return
+            for k in keys:
+                self._in_flight.setdefault(k, future)
+
+        def job() -> int:
+            try:
+                run = lookup(keys)
+                self._landed(keys[run:], future)  # what the probe did not find is not on its way
+                got = sum(self.promote_current(k) for k in keys[:run])
+                future.set_result(got)
+                return got
+            except BaseException as exc:
+                future.set_exception(exc)
+                raise
+            finally:
+                self._landed(keys, future)
+
+        name = self.t.levels[self.t.top].name if self.t.top is not None else ""
+        try:
+            self.t.jobs.submit(self._pool, "prefetch", name, len(keys), job)
+        except ClosedError:
+            self._landed(keys, future)
+            raise
+
+    def _landed(self, keys: Sequence[ChunkKey], job: Future[int]) -> None:
+        with self._lock:
+            for k in keys:
+                if self._in_flight.get(k) is job:
+                    del self._in_flight[k]
+
+    def pending(self, keys: Sequence[ChunkKey]) -> int:
+        """Length of the leading run of ``keys`` being promoted now."""
+        with self._lock:
+            n = 0
+            while n < len(keys) and keys[n] in self._in_flight:
+                n += 1
+            return n
+
+    def stop(self) -> None:
+        """Cancel queued jobs (running ones finish; the store's close waits for them)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
