@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import tierstore
+from tierstore.backends.layout import object_relpath
 from tierstore.cli import main
 from tierstore.testing.data import chunk, key_of
-from tierstore.tiers.layout import object_relpath
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def test_bench_tiers_smoke(tmp_path, capsys):
     assert main(["bench", "tiers", "--chunk", "64KiB", "--count", "2", "--repeats", "1", "--no-s3",
                  "--lookup-keys", "100", "--dir", str(tmp_path), "--json", str(out)]) == 0
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rows["disk tier get"]["value"] > 0 and rows["lookup over 100 keys"]["unit"] == "us/key"
+    assert rows["disk backend read"]["value"] > 0 and rows["lookup over 100 keys"]["unit"] == "us/key"
 
 
 def test_unknown_verb_exits_nonzero():

@@ -133,16 +133,19 @@ def test_good_options_are_normalised(tmp_path):
     assert cfg.tiers[1].options["capacity"] == 2_000_000_000
 
 
-def test_tiers_built_directly_are_checked_the_same_way(tmp_path):
-    from tierstore.tiers.disk import DiskTier
-    from tierstore.tiers.remote import RemoteTier
+def test_backends_built_directly_are_checked_the_same_way(tmp_path):
+    from tierstore.backends.file import FileBackend
+    from tierstore.backends.fsspec import FsspecBackend
+    from tierstore.backends.memory import HostBackend
 
     with pytest.raises(ConfigError, match="read_only"):
-        DiskTier(path=tmp_path / "d", read_only="false")
+        FileBackend(path=tmp_path / "d", read_only="false")
     with pytest.raises(ConfigError, match="path"):
-        DiskTier(path=str(tmp_path) + "/a\0b")
+        FileBackend(path=str(tmp_path) + "/a\0b")
     with pytest.raises(ConfigError, match="list_on_open"):
-        RemoteTier(url=str(tmp_path / "r"), list_on_open="no")
+        FsspecBackend(url=str(tmp_path / "r"), list_on_open="no")
+    with pytest.raises(ConfigError, match="slot_size"):
+        HostBackend(capacity=1 << 20, slot_size=100)
     assert not (tmp_path / "d").exists()
 
 

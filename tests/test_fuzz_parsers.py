@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tierstore import objformat
+from tierstore.backends import objfile
 from tierstore.errors import TierstoreError
 from tierstore.keys import ChunkKey
 from tierstore.testing.data import reencode
-from tierstore.tiers import objfile
 from tierstore.weights.checkpoint import _parse_index
 from tierstore.weights.header import CheckpointError, header_length, parse_header
 

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 
 import tierstore
+from tierstore.backends.layout import object_relpath
+from tierstore.backends.listing import walk_local, walk_s3
 from tierstore.testing.data import key_of
-from tierstore.tiers.layout import object_relpath
-from tierstore.tiers.listing import walk_local, walk_s3
 
 SECONDS = float(os.environ.get("TIERSTORE_SOAK_S", "45"))
 WORKERS = 8

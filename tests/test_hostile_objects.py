@@ -1,5 +1,8 @@
 """Reads of hostile or damaged objects: a counted miss in bounded time and memory, never an exception, and
-never a delete on a shared tier (review C2, C7; probe rows 3.6-3.10)."""
+never a delete on a shared tier (review C2, C7; probe rows 3.6-3.10).
+
+Each backend is checked twice: on its own (every read path gives the item's failure as its result, in bounded
+time) and as the one tier of a store (which counts the miss, and removes only from storage it owns)."""
 
 import contextlib
 import functools
@@ -7,6 +10,7 @@ import json
 import os
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +18,12 @@ import zstandard
 
 import tierstore
 from tierstore import objformat
+from tierstore.backends.file import FileBackend
+from tierstore.backends.fsspec import FsspecBackend
+from tierstore.backends.layout import object_relpath
 from tierstore.cli import main
-from tierstore.errors import InvalidInputError
+from tierstore.errors import CorruptObjectError, InvalidInputError
+from tierstore.store import TieredStore
 from tierstore.testing.data import (
     assert_same,
     chunk,
@@ -23,18 +31,28 @@ from tierstore.testing.data import (
     reencode,
     unsupported_object,
 )
-from tierstore.tiers.disk import DiskTier
-from tierstore.tiers.layout import object_relpath
-from tierstore.tiers.remote import RemoteTier
 
 TIERS = ["disk", "disk-zstd", "file-remote"]
 
 
-def open_tier(kind: str, tmp_path):
+def open_store(kind: str, tmp_path) -> tuple[TieredStore, Path]:
+    """A store whose one tier is a ``kind`` backend, and the directory that backend keeps its objects in."""
     if kind.startswith("disk"):
-        t = DiskTier(path=tmp_path / "disk", codec="zstd" if kind.endswith("zstd") else "none")
-        return t, tmp_path / "disk"
-    return RemoteTier(url=(tmp_path / "remote").as_uri()), tmp_path / "remote"
+        b = FileBackend(path=tmp_path / "disk", codec="zstd" if kind.endswith("zstd") else "none")
+        return TieredStore.from_backends([b]), tmp_path / "disk"
+    return TieredStore.from_backends([FsspecBackend(url=(tmp_path / "remote").as_uri())]), tmp_path / "remote"
+
+
+def tier_stats(store: TieredStore) -> dict:
+    (stats,) = store.stats()["tiers"].values()
+    return stats
+
+
+def check_counts(*checks: tuple[bool, int, int]) -> None:
+    """Each ``(shared, counted, expected)`` must match exactly (call it last in a test): one read of a damaged
+    object counts once, on a shared tier too."""
+    for _, counted, expected in checks:
+        assert counted == expected
 
 
 def in_thread(fn, timeout: float = 10.0):
@@ -68,9 +86,10 @@ def allocations(monkeypatch):
 @pytest.mark.parametrize("kind", TIERS)
 @pytest.mark.parametrize("what", ["fifo", "socket", "directory", "symlink"])
 def test_non_regular_file_is_a_miss_without_blocking(kind, what, tmp_path, monkeypatch):
-    tier, root = open_tier(kind, tmp_path)
-    with tier:
-        tier.put(key_of(0), chunk(0))
+    store, root = open_store(kind, tmp_path)
+    backend = store.tiers[0].backend
+    with store:
+        assert store.put(key_of(0), chunk(0))
         path = root / object_relpath(key_of(0))
         outside = tmp_path / "outside.tso"
         outside.write_bytes(path.read_bytes())  # a valid object: following the link would "work"
@@ -87,36 +106,45 @@ def test_non_regular_file_is_a_miss_without_blocking(kind, what, tmp_path, monke
         else:
             path.symlink_to(outside)
         try:
-            assert in_thread(lambda: tier.get(key_of(0))) is None
             out = {"k": torch.empty(512), "v": torch.empty(512)}
-            assert in_thread(lambda: tier.get(key_of(0), out=out)) is None
+            for read in (lambda: backend.read_many([key_of(0)]), lambda: backend.read_objects([key_of(0)]),
+                         lambda: backend.read_into_many([key_of(0)], [out])):
+                (got,) = in_thread(read)
+                assert isinstance(got, CorruptObjectError), got
+            assert in_thread(lambda: store.get(key_of(0))) is None
+            assert in_thread(lambda: store.get(key_of(0), out=out)) is None
         finally:
             if what == "fifo":  # release a reader blocked in open() on the old code
                 with contextlib.suppress(OSError):
                     os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
             if sock is not None:
                 sock.close()
-        assert tier.stats()["corrupt"] >= 1
+        assert tier_stats(store)["corrupt"] >= 1
         assert outside.read_bytes()[:8] == objformat.MAGIC  # the target is untouched
-        if tier.shared:
+        if backend.capabilities.shared:
             assert os.path.lexists(path)  # a reader never removes anything from shared storage
+        else:
+            assert not store.contains(key_of(0))  # forgotten by the store that owns the directory
 
 
 # --------------------------------------------------------------------------- item 6: sizes before allocation
 @pytest.mark.parametrize("kind", TIERS)
 def test_sparse_huge_file_is_a_miss_read_in_header_time(kind, tmp_path, allocations):
-    tier, root = open_tier(kind, tmp_path)
-    with tier:
-        tier.put(key_of(0), chunk(0))
+    store, root = open_store(kind, tmp_path)
+    backend = store.tiers[0].backend
+    with store:
+        store.put(key_of(0), chunk(0))
         path = root / object_relpath(key_of(0))
         os.truncate(path, 64 << 30)  # a valid object extended to a sparse 64 GiB file
-        assert in_thread(lambda: tier.get(key_of(0))) is None
-        tier.put(key_of(1), chunk(1))
+        (got,) = in_thread(lambda: backend.read_objects([key_of(0)]))
+        assert isinstance(got, CorruptObjectError)
+        assert in_thread(lambda: store.get(key_of(0))) is None
+        store.put(key_of(1), chunk(1))
         os.truncate(root / object_relpath(key_of(1)), 64 << 30)
         out = {"k": torch.empty(512), "v": torch.empty(512)}
-        assert in_thread(lambda: tier.get(key_of(1), out=out)) is None
-        assert tier.stats()["corrupt"] == 2
+        assert in_thread(lambda: store.get(key_of(1), out=out)) is None
         assert max(allocations, default=0) < 1 << 20
+        check_counts((backend.capabilities.shared, tier_stats(store)["corrupt"], 2))
 
 
 def zstd_object(raw_size: int, content_size: bool) -> bytes:
@@ -141,26 +169,31 @@ def test_zstd_size_lies_are_a_counted_miss(lie, tmp_path, allocations, s3_server
     with pytest.raises(tierstore.CorruptObjectError):
         objformat.decode(data, key_of(0))
     bucket = s3_server.new_bucket()
-    tiers = [DiskTier(path=tmp_path / "disk", codec="zstd"), RemoteTier(url=(tmp_path / "remote").as_uri()),
-             RemoteTier(url=f"s3://{bucket}/kv", storage_options=s3_server.storage_options, compression="zstd")]
-    for tier in tiers:
-        with tier:
-            tier.put(key_of(0), {"x": torch.zeros(1024)})
-            if isinstance(tier, RemoteTier):
-                tier.fs.pipe_file(f"{tier.root}/{object_relpath(key_of(0))}", data)
+    backends = [FileBackend(path=tmp_path / "disk", codec="zstd"), FsspecBackend(url=(tmp_path / "remote").as_uri()),
+                FsspecBackend(url=f"s3://{bucket}/kv", storage_options=s3_server.storage_options,
+                              compression="zstd")]
+    counts = []
+    for backend in backends:
+        with TieredStore.from_backends([backend]) as store:
+            assert store.put(key_of(0), {"x": torch.zeros(1024)})
+            if isinstance(backend, FsspecBackend):
+                backend.fs.pipe_file(f"{backend.root}/{object_relpath(key_of(0))}", data)
             else:
                 (tmp_path / "disk" / object_relpath(key_of(0))).write_bytes(data)
-            assert in_thread(functools.partial(tier.get, key_of(0))) is None
-            assert tier.stats()["corrupt"] == 1
+            (got,) = in_thread(functools.partial(backend.read_many, [key_of(0)]))
+            assert isinstance(got, tierstore.CorruptObjectError), (backend, got)
+            assert in_thread(functools.partial(store.get, key_of(0))) is None
+            counts.append((backend.capabilities.shared, tier_stats(store)["corrupt"], 1))
     assert max(allocations, default=0) <= 8192
+    check_counts(*counts)
 
 
 @pytest.mark.parametrize("kind", TIERS)
 @pytest.mark.parametrize("error", [MemoryError, RuntimeError])
 def test_allocation_failure_is_a_counted_miss_and_keeps_the_object(kind, error, tmp_path, monkeypatch):
-    tier, root = open_tier(kind, tmp_path)
-    with tier:
-        tier.put(key_of(0), chunk(0, 64 << 10))
+    store, root = open_store(kind, tmp_path)
+    with store:
+        store.put(key_of(0), chunk(0, 64 << 10))
         real_empty = torch.empty
 
         def failing_empty(*shape, **kw):
@@ -169,10 +202,12 @@ def test_allocation_failure_is_a_counted_miss_and_keeps_the_object(kind, error, 
             return real_empty(*shape, **kw)
 
         monkeypatch.setattr(torch, "empty", failing_empty)
-        assert tier.get(key_of(0)) is None
+        assert store.get(key_of(0)) is None
         monkeypatch.setattr(torch, "empty", real_empty)
-        assert tier.stats()["errors"] == 1 and tier.stats()["corrupt"] == 0
-        assert_same(tier.get(key_of(0)), chunk(0, 64 << 10))  # not deleted: it was never damaged
+        assert tier_stats(store)["errors"] == 1 and tier_stats(store)["corrupt"] == 0
+        assert (root / object_relpath(key_of(0))).exists()
+        assert store.contains(key_of(0))
+        assert_same(store.get(key_of(0)), chunk(0, 64 << 10))  # not deleted: it was never damaged
 
 
 # --------------------------------------------------------------------------- 3.6: out= checked after the checksum
@@ -220,7 +255,6 @@ def test_readers_never_delete_from_a_shared_prefix_only_repair_does(tmp_path, ca
         assert store.get(key_of(0)) is None and store.get(key_of(1)) is None
         assert_same(store.get(key_of(2)), chunk(2))
         remote = store.stats()["tiers"]["remote"]
-        assert remote["corrupt"] == 1 and remote["unsupported"] == 1
     assert damaged.exists() and newer.exists()
     assert main(["verify", "--config", str(cfg_path)]) == 1  # reports, keeps
     assert "1 corrupt (kept; --repair removes them), 1 unsupported (kept)" in capsys.readouterr().out
@@ -230,3 +264,4 @@ def test_readers_never_delete_from_a_shared_prefix_only_repair_does(tmp_path, ca
     assert not damaged.exists() and newer.exists()
     assert main(["gc", "--config", str(cfg_path)]) == 0
     assert newer.exists()  # a newer reader may need it
+    check_counts((True, remote["corrupt"], 1), (True, remote["unsupported"], 1))

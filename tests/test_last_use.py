@@ -1,4 +1,4 @@
-"""The refresh schedule of shared objects' last use (tierstore/tiers/last_use.py), without I/O: a fleet of
+"""The refresh schedule of shared objects' last use (tierstore/backends/last_use.py), without I/O: a fleet of
 clocks over one simulated object pays about 1 + (N - 1) / backoff requests per interval, an object in use
 never goes unrefreshed longer than backoff intervals, and reads need no check."""
 
@@ -9,8 +9,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tierstore.backends.last_use import UseClock
 from tierstore.keys import ChunkKey
-from tierstore.tiers.last_use import UseClock
 
 K = ChunkKey.from_bytes(b"system-prompt")
 

@@ -176,11 +176,11 @@ def test_a_second_outage_of_a_tier_is_logged_and_counted(tmp_path, caplog):
     """Review #14: each failure kind was logged once per tier lifetime; now again after the quiet period."""
     with tierstore.open({"tiers": [{"kind": "disk", "path": str(tmp_path / "d"), "capacity": "1MiB"}]}) as store:
         tier = store.tiers[0]
-        tier._failures.quiet = 0.1
+        tier.failures.quiet = 0.1
 
         def damage_and_read(i: int) -> None:
             store.put(key(i), chunk(i))
-            path = tier.object_path(key(i))
+            path = tier.backend.object_path(key(i))
             with open(path, "r+b") as f:
                 f.seek(-8, os.SEEK_END)
                 f.write(b"\xff" * 8)

@@ -20,10 +20,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tierstore
+from tierstore.backends.fsspec import FsspecBackend
+from tierstore.backends.layout import object_relpath
+from tierstore.backends.prefix_gc import Entry, plan
 from tierstore.keys import ChunkKey
-from tierstore.tiers.layout import object_relpath
-from tierstore.tiers.prefix_gc import Entry, plan
-from tierstore.tiers.remote import RemoteTier
 
 NOW = 1_000_000.0
 SIZE = 1024  # payload bytes per chunk
@@ -85,12 +85,29 @@ def age_objects(root: Path, ages: dict[int, float]) -> None:
         os.utime(path, (now - age, now - age))
 
 
+def write(backend: FsspecBackend, items) -> None:
+    """Store ``items`` (key, tensors) in ``backend``; every one must succeed."""
+    items = list(items)
+    assert backend.write_many([(k, backend.prepare(k, v)) for k, v in items]) == [None] * len(items)
+
+
+def stored_bytes(backend: FsspecBackend) -> int:
+    """Bytes of every object under the backend's prefix, from a listing."""
+    return sum(f.size for f in backend.list())
+
+
+def read_value(backend: FsspecBackend, i: int) -> torch.Tensor:
+    got = backend.read(key(i))
+    assert got is not None
+    return got["x"]
+
+
 def fill_s3(url: str, opts: dict, n: int) -> None:
     """Objects for keys 0..n-1 under an S3 ``url``, written in batches of 300."""
-    with RemoteTier(url=url, storage_options=opts, list_on_open=False, touch_after=None) as writer:
+    with FsspecBackend(url=url, storage_options=opts, list_on_open=False, touch_after=None) as writer:
         items = [(key(i), value(i)) for i in range(n)]
         for start in range(0, n, 300):
-            assert all(writer.put_many(items[start:start + 300]))
+            write(writer, items[start:start + 300])
 
 
 # ---------------------------------------------------------------------- S3: listings only
@@ -99,7 +116,7 @@ def test_gc_of_an_s3_prefix_reads_no_object_and_lists_once_per_thousand(s3_bucke
     opts = shim.storage_options(s3_server.storage_options)
     url = f"s3://{s3_bucket}/kv"
     fill_s3(url, opts, n)
-    with RemoteTier(url=url, storage_options=opts, list_on_open=False) as tier:
+    with FsspecBackend(url=url, storage_options=opts, list_on_open=False) as tier:
         shim.reset()
         done = tier.collect_garbage(max_size=0, grace=3600)  # everything is younger than the grace period
         stats = shim.stats()
@@ -114,8 +131,10 @@ def test_gc_of_an_s3_prefix_reads_no_object_and_lists_once_per_thousand(s3_bucke
     assert stats["lists"] == -(-n // 1000)
     assert stats["bulk_deletes"] == -(-done.removed_objects // 1000)  # batched: 1,000 keys per request
     assert done.bytes_after <= budget and done.removed_objects >= n // 2 - 1
-    with RemoteTier(url=url, storage_options=opts) as check:
-        assert len(check) == n - done.removed_objects
+    with FsspecBackend(url=url, storage_options=opts) as check:
+        assert len(list(check.list())) == n - done.removed_objects
+    with tierstore.open({"tiers": [{"kind": "remote", "url": url, "storage_options": opts}]}) as store:
+        assert store.stats()["tiers"]["remote"]["objects"] == n - done.removed_objects  # what a store indexes
 
 
 def test_a_long_listing_has_a_deadline_per_page_not_for_the_whole_walk(s3_bucket, s3_server, shim):
@@ -123,7 +142,7 @@ def test_a_long_listing_has_a_deadline_per_page_not_for_the_whole_walk(s3_bucket
     opts = shim.storage_options(s3_server.storage_options)
     url = f"s3://{s3_bucket}/kv"
     fill_s3(url, opts, n)
-    with RemoteTier(url=url, storage_options=opts, list_on_open=False, timeout=1.0) as tier:
+    with FsspecBackend(url=url, storage_options=opts, list_on_open=False, timeout=1.0) as tier:
         tier.list_timeout = 0.9
         shim.set_fault("slow", delay=0.6, methods=["GET"])
         try:
@@ -136,7 +155,7 @@ def test_a_long_listing_has_a_deadline_per_page_not_for_the_whole_walk(s3_bucket
 
 
 def test_a_local_walk_lists_regular_files_and_follows_no_symlink(tmp_path):
-    from tierstore.tiers.listing import walk_local
+    from tierstore.backends.listing import walk_local
 
     root = tmp_path / "root"
     (root / "ab").mkdir(parents=True)
@@ -155,18 +174,18 @@ def test_a_local_walk_lists_regular_files_and_follows_no_symlink(tmp_path):
 # ---------------------------------------------------------------------- file://: listings only, LRU
 def test_gc_of_a_file_prefix_reads_no_object_file_and_keeps_the_recently_used(tmp_path, monkeypatch):
     root = tmp_path / "shared"
-    with RemoteTier(url=root.as_uri()) as tier:
-        assert all(tier.put_many([(key(i), value(i)) for i in range(10)]))
-        size = tier.stats()["used_bytes"] // 10
+    with FsspecBackend(url=root.as_uri()) as tier:
+        write(tier, [(key(i), value(i)) for i in range(10)])
+        size = stored_bytes(tier) // 10
     age_objects(root, {i: 10_000 - 100 * i for i in range(10)})  # key 9 used most recently
     # a gc that opened one object would fail here
-    import tierstore.tiers.objfile as objfile
+    import tierstore.backends.objfile as objfile
 
     def no_reads(*a, **k):
         raise AssertionError("gc read an object")
 
     monkeypatch.setattr(objfile, "open_object", no_reads)
-    with RemoteTier(url=root.as_uri(), list_on_open=False) as tier:
+    with FsspecBackend(url=root.as_uri(), list_on_open=False) as tier:
         monkeypatch.setattr(tier.fs, "cat_file", no_reads)
         monkeypatch.setattr(tier.fs, "open", no_reads)
         done = tier.collect_garbage(max_size=4 * size, grace=600)
@@ -174,21 +193,23 @@ def test_gc_of_a_file_prefix_reads_no_object_file_and_keeps_the_recently_used(tm
     left = sorted(int(p.stem.split(".")[0], 16) for p in root.rglob("*.tso"))
     assert len(left) == 4
     monkeypatch.undo()
-    with RemoteTier(url=root.as_uri()) as tier:
-        assert [i for i in range(10) if tier.contains(key(i))] == [6, 7, 8, 9]  # the four most recently used
+    with FsspecBackend(url=root.as_uri()) as tier:
+        found = tier.stat_many([key(i) for i in range(10)])
+        assert [i for i in range(10) if found[i] is not None] == [6, 7, 8, 9]  # the four most recently used
+        assert [f.key for f in tier.list()] == [key(i) for i in (6, 7, 8, 9)]  # listed least recently used first
 
 
 def test_a_read_refreshes_last_use_about_once_per_interval_across_readers(s3_bucket, s3_server, shim):
     opts = shim.storage_options(s3_server.storage_options)
     url = f"s3://{s3_bucket}/kv"
-    readers = [RemoteTier(url=url, storage_options=opts, touch_after=1.0) for _ in range(3)]
+    readers = [FsspecBackend(url=url, storage_options=opts, touch_after=1.0) for _ in range(3)]
     try:
-        assert readers[0].put(key(1), value(1))
+        readers[0].write(key(1), value(1))
         time.sleep(1.2)  # the object is now older than touch_after
         shim.reset()
         for _ in range(5):
             for r in readers:
-                assert torch.equal(r.get(key(1))["x"], value(1)["x"])
+                assert torch.equal(read_value(r, 1), value(1)["x"])
                 time.sleep(0.05)
         time.sleep(0.5)  # refreshes run in the background
         copies = shim.stats()["copies"]
@@ -202,15 +223,15 @@ def test_a_read_refreshes_last_use_about_once_per_interval_across_readers(s3_buc
 
 def test_a_used_object_outlives_an_unused_younger_one(tmp_path):
     root = tmp_path / "shared"
-    with RemoteTier(url=root.as_uri()) as writer:
-        assert all(writer.put_many([(key(0), value(0)), (key(1), value(1))]))
+    with FsspecBackend(url=root.as_uri()) as writer:
+        write(writer, [(key(0), value(0)), (key(1), value(1))])
     age_objects(root, {0: 7200, 1: 3600})  # key 0 written long ago (a system prompt), key 1 later
-    with RemoteTier(url=root.as_uri(), touch_after=60) as tier:
-        assert torch.equal(tier.get(key(0))["x"], value(0)["x"])  # ... but key 0 is still being read
+    with FsspecBackend(url=root.as_uri(), touch_after=60) as tier:
+        assert torch.equal(read_value(tier, 0), value(0)["x"])  # ... but key 0 is still being read
         deadline = time.monotonic() + 5
         while tier.stats()["touches"] == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
-        size = tier.stats()["used_bytes"] // 2
+        size = stored_bytes(tier) // 2
         done = tier.collect_garbage(max_size=size, grace=600)
     assert done.removed_objects == 1
     assert (root / object_relpath(key(0))).exists() and not (root / object_relpath(key(1))).exists()
@@ -235,7 +256,7 @@ def test_a_prefix_served_from_the_host_tier_stays_in_use_on_the_shared_tier(tmp_
     with tierstore.open(_two_tier(root.as_uri(), touch_after=1.0)) as store:
         assert store.put(key(0), value(0)) and store.put(key(1), value(1))
         age_objects(root, {0: 7200, 1: 3600})
-        remote = store.tiers[1]
+        remote = store.tiers[1].backend
         for _ in range(3):  # host hits within the interval: nothing to refresh yet
             assert torch.equal(store.get(key(0))["x"], value(0)["x"])
         assert store.where(key(0)) == store.tiers[0].name and _wait_touches(remote, 1, timeout=0.2) == 0
@@ -245,7 +266,7 @@ def test_a_prefix_served_from_the_host_tier_stays_in_use_on_the_shared_tier(tmp_
         assert _wait_touches(remote, 1) == 1
         time.sleep(0.2)
         assert remote.stats()["touches"] == 1
-        size = remote.stats()["used_bytes"] // 2
+        size = store.stats()["tiers"]["remote"]["used_bytes"] // 2
         done = remote.collect_garbage(max_size=size, grace=600)
     assert done.removed_objects == 1
     assert (root / object_relpath(key(0))).exists() and not (root / object_relpath(key(1))).exists()
@@ -283,7 +304,7 @@ def test_a_reader_whose_object_was_collected_gets_a_miss(tmp_path):
         assert all(writer.put_many([(key(i), value(i)) for i in range(5)]))
     with tierstore.open(cfg) as reader:  # listed all five at open
         assert reader.contains_many([key(i) for i in range(5)]) == [True] * 5
-        with RemoteTier(url=(tmp_path / "shared").as_uri()) as gc:
+        with FsspecBackend(url=(tmp_path / "shared").as_uri()) as gc:
             assert gc.collect_garbage(max_size=0, grace=0).removed_objects == 5
         assert reader.get_many([key(i) for i in range(5)]) == [None] * 5  # misses, never an exception
         assert reader.lookup([key(0)]) == 0
@@ -291,14 +312,14 @@ def test_a_reader_whose_object_was_collected_gets_a_miss(tmp_path):
 
 def test_two_gc_at_once_do_no_harm(tmp_path):
     root = tmp_path / "shared"
-    with RemoteTier(url=root.as_uri()) as tier:
-        assert all(tier.put_many([(key(i), value(i)) for i in range(200)]))
-        size = tier.stats()["used_bytes"] // 200
+    with FsspecBackend(url=root.as_uri()) as tier:
+        write(tier, [(key(i), value(i)) for i in range(200)])
+        size = stored_bytes(tier) // 200
     results, errors = [], []
 
     def run():
         try:
-            with RemoteTier(url=root.as_uri(), list_on_open=False) as t:
+            with FsspecBackend(url=root.as_uri(), list_on_open=False) as t:
                 results.append(t.collect_garbage(max_size=50 * size, grace=0))
         except Exception as exc:  # pragma: no cover - the assertion below names it
             errors.append(exc)
@@ -314,8 +335,8 @@ def test_two_gc_at_once_do_no_harm(tmp_path):
 
 def test_stale_publish_temp_files_go_too(tmp_path):
     root = tmp_path / "shared"
-    with RemoteTier(url=root.as_uri()) as tier:
-        assert tier.put(key(0), value(0))
+    with FsspecBackend(url=root.as_uri()) as tier:
+        tier.write(key(0), value(0))
     stale = root / ".publish-abc123"
     fresh = root / "model" / ".publish-def456"
     fresh.parent.mkdir()
@@ -323,14 +344,14 @@ def test_stale_publish_temp_files_go_too(tmp_path):
     fresh.write_bytes(b"publishing now")
     old = time.time() - 7200
     os.utime(stale, (old, old))
-    with RemoteTier(url=root.as_uri(), list_on_open=False) as tier:
+    with FsspecBackend(url=root.as_uri(), list_on_open=False) as tier:
         done = tier.collect_garbage(grace=600, stale_after=3600)
     assert done.removed_temp == 1 and not stale.exists() and fresh.exists()
     assert (root / object_relpath(key(0))).exists()
 
 
 def test_bad_arguments_are_clear_errors(tmp_path):
-    with RemoteTier(url=(tmp_path / "s").as_uri()) as tier:
+    with FsspecBackend(url=(tmp_path / "s").as_uri()) as tier:
         for kw in ({"max_size": -1}, {"max_size": "1GiB"}, {"older_than": -5}, {"grace": float("nan")}):
             with pytest.raises(tierstore.InvalidInputError):
                 tier.collect_garbage(**kw)
@@ -340,8 +361,8 @@ def test_bad_arguments_are_clear_errors(tmp_path):
 def test_gc_watch_outlives_an_unreachable_prefix(s3_bucket, s3_server, shim, tmp_path):
     opts = shim.storage_options(s3_server.storage_options)
     url = f"s3://{s3_bucket}/kv"
-    with RemoteTier(url=url, storage_options=opts) as writer:
-        assert all(writer.put_many([(key(i), value(i)) for i in range(4)]))
+    with FsspecBackend(url=url, storage_options=opts) as writer:
+        write(writer, [(key(i), value(i)) for i in range(4)])
     cfg = tmp_path / "gc.json"
     cfg.write_text(json.dumps({"tiers": [{"kind": "remote", "url": url, "storage_options": opts, "timeout": 1}]}))
     prom = tmp_path / "gc.prom"

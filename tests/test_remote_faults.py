@@ -18,11 +18,13 @@ from typing import Any
 import pytest
 
 import tierstore
+from tierstore.backends.base import Hit
+from tierstore.backends.fsspec import FsspecBackend
+from tierstore.backends.guarded import DEFAULT_TIMEOUT, S3_CLIENT_DEFAULTS, Unavailable
 from tierstore.bench.s3shim import S3Shim
 from tierstore.errors import ClosedError
 from tierstore.testing.data import assert_same, chunk, key_of
-from tierstore.tiers.remote import RemoteTier
-from tierstore.tiers.remote_storage import DEFAULT_TIMEOUT, S3_CLIENT_DEFAULTS
+from tierstore.transfers import Level
 
 SLACK = 4.0  # seconds on top of a deadline: thread start-up and a busy two-core CI machine
 
@@ -55,8 +57,8 @@ def prefix(s3_server, shim):
     bucket = s3_server.new_bucket("faults")
     url = f"s3://{bucket}/kv-{uuid.uuid4().hex[:8]}"
     direct = s3_server.storage_options
-    with RemoteTier(url=url, storage_options=direct) as writer:  # another engine published key 1
-        assert writer.put(key_of(1), chunk(1))
+    with FsspecBackend(url=url, storage_options=direct) as writer:  # another engine published key 1
+        writer.write(key_of(1), chunk(1))
     shim.set_fault("pass")
     yield url, shim.storage_options(direct), direct
     shim.set_fault("pass")
@@ -67,9 +69,14 @@ def open_store(url: str, options: dict, **remote: Any) -> tierstore.TieredStore:
                                      {"kind": "remote", "url": url, "storage_options": options, **remote}]})
 
 
-def remote_tier(store: tierstore.TieredStore) -> RemoteTier:
-    (tier,) = [t for t in store.tiers if isinstance(t, RemoteTier)]
-    return tier
+def remote_level(store: tierstore.TieredStore) -> Level:
+    level = store.tier("remote")
+    assert isinstance(level.backend, FsspecBackend)
+    return level
+
+
+def remote_stats(store: tierstore.TieredStore) -> dict[str, Any]:
+    return store.stats()["tiers"]["remote"]
 
 
 @pytest.mark.parametrize("mode", ["blackhole", *(pytest.param(m, marks=pytest.mark.slow)
@@ -78,8 +85,8 @@ def test_sick_endpoint_is_a_bounded_miss_then_fails_fast_then_recovers(prefix, s
     """Probe rows 7.2-7.4: a blackhole blocked one get for 408 s, resets for 48.8 s (default settings)."""
     url, options, _ = prefix
     with open_store(url, options, list_on_open=False) as store:  # key 1 is known to no index here
-        tier = remote_tier(store)
-        tier.storage.retry_after = 3.0  # long enough that the calls below all fall inside one back-off
+        storage = remote_level(store).backend.storage
+        storage.retry_after = 3.0  # long enough that the calls below all fall inside one back-off
         shim.set_fault(mode)
         got, took = within(DEFAULT_TIMEOUT + SLACK, lambda: store.get(key_of(1)))
         assert got is None
@@ -89,9 +96,11 @@ def test_sick_endpoint_is_a_bounded_miss_then_fails_fast_then_recovers(prefix, s
             result, fast = within(1.0 + SLACK, call)
             assert not result
         assert shim.stats()["requests"] == requests  # backing off: no request reached the endpoint
-        assert tier.stats()["errors"] >= 1 and tier.stats()["corrupt"] == 0
+        stats = remote_stats(store)
+        assert stats["errors"] >= 1 and stats["corrupt"] == 0 and stats["backoff_s"] >= 3.0
+        assert stats["failures"].get("down") == 1  # one outage, reported once
         shim.set_fault("pass")
-        time.sleep(tier.storage.retry_after + 0.2)
+        time.sleep(storage.retry_after + 0.2)
         got, _ = within(DEFAULT_TIMEOUT + SLACK, lambda: store.get(key_of(1)))
         assert_same(got, chunk(1))  # healed: the same store hits again
 
@@ -106,7 +115,7 @@ def test_slow_endpoint_within_the_deadline_still_serves(prefix, shim):
         shim.set_fault("slow", delay=30.0)
         got, _ = within(1.0 + SLACK, lambda: store.get(key_of(1)))
         assert got is None
-        assert remote_tier(store).stats()["errors"] >= 1
+        assert remote_stats(store)["errors"] >= 1
 
 
 def test_put_and_close_during_a_blackhole_are_bounded(prefix, shim):
@@ -118,72 +127,87 @@ def test_put_and_close_during_a_blackhole_are_bounded(prefix, shim):
         store.put(key_of(i), chunk(i))
     _, took = within(2 * 1.0 + SLACK, store.close)
     shim.set_fault("pass")
-    with RemoteTier(url=url, storage_options=direct, list_on_open=False) as check:
-        for i in range(10, 30):  # whatever reached S3 before the outage is exact; the rest is absent
-            got = check.get(key_of(i))
-            assert got is None or all(got[n].equal(v) for n, v in chunk(i).items())
+    with FsspecBackend(url=url, storage_options=direct, list_on_open=False) as check:
+        # whatever reached S3 before the outage is exact; the rest is absent
+        got = check.read_many([key_of(i) for i in range(10, 30)])
+        for i, g in zip(range(10, 30), got, strict=True):
+            assert g is None or (isinstance(g, Hit) and all(g.value[n].equal(v) for n, v in chunk(i).items()))
 
 
-def test_tier_close_does_not_wait_for_stuck_requests(prefix, shim):
+def test_backend_close_does_not_wait_for_stuck_requests(prefix, shim):
     url, options, _ = prefix
-    tier = RemoteTier(url=url, storage_options=options, timeout=2.0, max_in_flight=4)
+    backend = FsspecBackend(url=url, storage_options=options, timeout=2.0, max_in_flight=4)
     shim.set_fault("blackhole")
     outcome: list[object] = []
 
     def read() -> None:
         try:
-            outcome.append(tier.get_many([key_of(i) for i in range(100, 140)]))
+            outcome.append(backend.read_many([key_of(i) for i in range(100, 140)]))
         except ClosedError as exc:  # its queued lookups were dropped by close()
             outcome.append(exc)
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     time.sleep(0.3)  # the pool is busy with requests nobody will answer
-    within(2.0 + SLACK, tier.close)
+    within(2.0 + SLACK, backend.close)
     reader.join(2.0 + SLACK)
     assert not reader.is_alive() and len(outcome) == 1
-    assert isinstance(outcome[0], ClosedError) or outcome[0] == [None] * 40
+    # the lookups nobody answered: each item failed (timed out, or refused while backing off), none found
+    assert isinstance(outcome[0], ClosedError) or (
+        len(outcome[0]) == 40 and all(isinstance(r, (TimeoutError, Unavailable)) for r in outcome[0])), outcome
+    with pytest.raises(ClosedError):
+        backend.read_many([key_of(1)])
 
 
 def test_server_errors_back_off(prefix, shim):
     url, options, _ = prefix
-    with RemoteTier(url=url, storage_options=options, list_on_open=False) as tier:
-        tier.storage.retry_after = 3.0
+    with FsspecBackend(url=url, storage_options=options, list_on_open=False) as backend:
+        backend.storage.retry_after = 3.0
         shim.set_fault("status", status=503)
-        assert within(DEFAULT_TIMEOUT + SLACK, lambda: tier.get(key_of(1)))[0] is None
+        (got,), _ = within(DEFAULT_TIMEOUT + SLACK, lambda: backend.read_many([key_of(1)]))
+        assert isinstance(got, OSError) and not isinstance(got, Unavailable)  # the 503, after botocore's retries
         requests = shim.stats()["requests"]
-        assert tier.put(key_of(2), chunk(2)) is False and tier.get(key_of(1)) is None
+        (err,) = backend.write_many([(key_of(2), backend.prepare(key_of(2), chunk(2)))])
+        (again,) = backend.read_many([key_of(1)])
+        assert isinstance(err, Unavailable) and isinstance(again, Unavailable)
+        assert backend.stat_many([key_of(1)]) == [None]
         assert shim.stats()["requests"] == requests  # a failing service is given a rest
+        assert backend.stats()["backoff_s"] >= 3.0
 
 
 def test_head_denied_without_list_permission_is_a_quiet_miss(prefix, shim, caplog):
     """S3 answers 403 for a missing key when the caller lacks s3:ListBucket: a miss, not an error storm."""
     caplog.set_level(logging.WARNING, logger="tierstore")
     url, options, _ = prefix
-    with RemoteTier(url=url, storage_options=options, list_on_open=False) as tier:
+    with open_store(url, options, list_on_open=False) as store:
+        backend = remote_level(store).backend
         shim.set_fault("status", status=403, methods=["HEAD"])
         for i in range(20, 30):
-            assert not tier.contains(key_of(i))
-        assert tier.get(key_of(20)) is None
-        assert tier.stats()["errors"] == 0
+            assert not store.contains(key_of(i))
+        assert backend.stat_many([key_of(i) for i in range(30, 35)]) == [None] * 5
+        assert store.get(key_of(20)) is None
+        stats = remote_stats(store)
+        assert stats["errors"] == 0 and stats["backoff_s"] == 0
+        assert set(stats["failures"]) == {"head-403"}, stats["failures"]  # not one lookup counted as failed
         assert len([r for r in caplog.records if "denied" in r.getMessage()]) == 1
         shim.set_fault("pass")
-        assert tier.contains(key_of(1))  # the tier never backed off: a 403 is an answer
+        assert store.contains(key_of(1))  # the tier never backed off: a 403 is an answer
 
 
 def test_client_timeouts_default_and_can_be_overridden(s3_server):
     url = f"s3://{s3_server.new_bucket('cfg')}/kv"
-    with RemoteTier(url=url, storage_options=s3_server.storage_options, list_on_open=False) as tier:
-        assert tier.fs.config_kwargs == {**S3_CLIENT_DEFAULTS, "max_pool_connections": 32}  # one per request in flight
-        assert tier.timeout == DEFAULT_TIMEOUT
+    with FsspecBackend(url=url, storage_options=s3_server.storage_options, list_on_open=False) as backend:
+        # one connection per request in flight
+        assert backend.fs.config_kwargs == {**S3_CLIENT_DEFAULTS, "max_pool_connections": 32}
+        assert backend.timeout == backend.storage.timeout == DEFAULT_TIMEOUT
     options = {**s3_server.storage_options, "config_kwargs": {"read_timeout": 30}}
-    with RemoteTier(url=url, storage_options=options, list_on_open=False, timeout=60, max_in_flight=4) as tier:
-        assert tier.fs.config_kwargs == {**S3_CLIENT_DEFAULTS, "read_timeout": 30, "max_pool_connections": 4}
-        assert tier.timeout == 60
+    with FsspecBackend(url=url, storage_options=options, list_on_open=False, timeout=60, max_in_flight=4) as backend:
+        assert backend.fs.config_kwargs == {**S3_CLIENT_DEFAULTS, "read_timeout": 30, "max_pool_connections": 4}
+        assert backend.timeout == backend.storage.timeout == 60
     assert options["config_kwargs"] == {"read_timeout": 30}  # the caller's mapping is not modified
     options = {**s3_server.storage_options, "config_kwargs": {"max_pool_connections": 2}}
-    with RemoteTier(url=url, storage_options=options, list_on_open=False) as tier:
-        assert tier.fs.config_kwargs["max_pool_connections"] == 2  # the user's value wins
+    with FsspecBackend(url=url, storage_options=options, list_on_open=False) as backend:
+        assert backend.fs.config_kwargs["max_pool_connections"] == 2  # the user's value wins
 
 
 @pytest.mark.slow  # starts two proxies

@@ -15,10 +15,10 @@ import torch
 
 import tierstore
 from tierstore import KVCacheStore, KVNamespace, objformat
+from tierstore.backends.layout import object_relpath
 from tierstore.keyring import format_entries, new_secret
 from tierstore.keys import ChunkKey
 from tierstore.testing.data import reencode
-from tierstore.tiers.layout import object_relpath
 
 NS = KVNamespace(model="guessable/model", dtype="float32")
 C = 16
@@ -305,15 +305,26 @@ def test_encrypted_objects_hide_the_kv_and_load_as_before(prefix, keys_file, cod
 
 def test_a_tier_reading_encrypted_objects_counts_their_stored_size(prefix, keys_file):
     # what a cold read indexes (and counts as read) is the object as stored, not the plain copy it decrypts to
-    from tierstore.tiers.remote import RemoteTier
+    from tierstore.backends.base import Hit
+    from tierstore.backends.fsspec import FsspecBackend
 
     url, options = prefix
     keys = save(config(url, options, keys_file, encrypt=True), kv_layers(14))
-    stored = sum(len(CoWriter(url, options).read(k)) for k in keys)
-    with RemoteTier(url=url, storage_options=options, list_on_open=False, touch_after=None,
-                    auth={"keys_file": keys_file}) as remote:
-        assert all(g is not None for g in remote.get_many(keys))
-        assert remote.used_bytes == remote.stats()["bytes_out"] == stored
+    sizes = [len(CoWriter(url, options).read(k)) for k in keys]
+    with FsspecBackend(url=url, storage_options=options, list_on_open=False, touch_after=None,
+                       auth={"keys_file": keys_file}) as remote:
+        got = remote.read_many(keys)
+        assert all(isinstance(g, Hit) for g in got) and [g.size for g in got] == sizes
+        objects = remote.read_objects(keys)
+        assert [o.size for o in objects] == sizes
+        assert all(o.value.header.seal is None and o.value.size < size for o, size in zip(objects, sizes, strict=True))
+        assert remote.stat_many(keys) == sizes
+    cold = config(url, options, keys_file)
+    cold["tiers"][0]["list_on_open"] = False
+    with tierstore.open(cold) as store:  # a cold store indexes what its reads found
+        assert all(g is not None for g in store.get_many(keys))
+        counts = store.stats()["tiers"]["remote"]
+        assert counts["used_bytes"] == counts["bytes_out"] == sum(sizes)
 
 
 def test_an_encrypted_object_is_a_miss_without_keys_and_is_left_in_place(prefix, keys_file):
@@ -321,6 +332,7 @@ def test_an_encrypted_object_is_a_miss_without_keys_and_is_left_in_place(prefix,
     keys = save(config(url, options, keys_file, encrypt=True), kv_layers(12))
     loaded, counts = load(config(url, options))  # a tier with no keys at all
     assert loaded is None and counts["unsupported"] == len(keys) and counts["hits"] == 0
+    assert counts["forged"] == counts["corrupt"] == counts["errors"] == 0
     assert all(CoWriter(url, options).exists(k) for k in keys)
 
 

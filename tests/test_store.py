@@ -90,7 +90,7 @@ def test_retain_promotes_and_transient_does_not(tmp_path):
             # which chunks the host gave up depends on write-back timing (a victim being written is kept)
             i = next(i for i in range(6) if s.where(key_of(i)) == "lower")
             assert_same(s.get(key_of(i)), chunk(i, CHUNK))
-            _wait_for(lambda: s.where(key_of(i)) == "host", promoted)  # (a promotion is a background job)
+            _wait_for(lambda i=i: s.where(key_of(i)) == "host", promoted)  # (a promotion is a background job)
             assert (s.where(key_of(i)) == "host") is promoted
             assert "lower" in s.holders(key_of(i))  # a promoted chunk stays below too
 

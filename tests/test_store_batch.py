@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import tierstore
-from tierstore.errors import ClosedError, InvalidInputError, InvalidTypeError
 from tierstore.backends.fsspec import FsspecBackend
+from tierstore.errors import ClosedError, InvalidInputError, InvalidTypeError
 from tierstore.testing.data import assert_same, chunk, key_of, run_threads
 
 CHUNK = 8000

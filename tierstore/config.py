@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .backends.layout import PERMISSIONS
 from .errors import ConfigError
 from .residency import Pressure
 from .sizes import parse_size
-from .backends.layout import PERMISSIONS
 from .urls import check_endpoint, check_url
 
 E = TypeVar("E", bound=enum.Enum)

@@ -35,6 +35,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -42,12 +43,12 @@ import torch
 
 from .backends import backend_class
 from .backends.base import Backend
-from .config import MetricsConfig, PrefetchPolicy, Pressure, StoreConfig, WritePolicy, parse_config
-from .errors import ClosedError, InvalidInputError, InvalidTypeError, TierTimeoutError, WriteBackError
+from .config import MetricsConfig, PrefetchPolicy, StoreConfig, WritePolicy, parse_config
+from .errors import ClosedError, ConfigError, InvalidInputError, InvalidTypeError, TierTimeoutError, WriteBackError
 from .keys import ChunkKey, check_key
 from .lifecycle import Lifecycle, track, untrack
 from .objformat import Encoded, validate_chunk
-from .residency import Hold, LevelSpec, Residency
+from .residency import Hold, LevelSpec, Pressure, Residency
 from .telemetry import Counters, Latency
 from .tensors import TensorDict, check_outs
 from .transfers import FlushReport, Level, Promoter, Transfers, WriteBack
@@ -147,6 +148,10 @@ class TieredStore:
         levels = []
         for i, entry in enumerate(backends):
             backend, capacity = entry if isinstance(entry, tuple) else (entry, None)
+            if capacity is not None and backend.capabilities.shared and backend.capabilities.writable:
+                from .config import REMOTE_CAPACITY_REFUSED
+
+                raise ConfigError(f"tier {getattr(backend, 'name', backend.kind)!r}: {REMOTE_CAPACITY_REFUSED}")
             if backend.capacity is not None:
                 capacity = backend.capacity if capacity is None else min(capacity, backend.capacity)
             levels.append(Level(i, getattr(backend, "name", None) or backend.kind, backend.kind, backend, capacity))
@@ -238,8 +243,8 @@ class TieredStore:
         with self._life.call():
             n = 0
             for k in dict.fromkeys(keys):
-                res.wait_until(lambda k=k: True if res.begin_delete(k) else None)
-                levels = res.wait_until(lambda k=k: res.delete_ready(k))
+                res.wait_until(partial(_true_or_none, res.begin_delete, k))
+                levels = res.wait_until(partial(res.delete_ready, k))
                 assert levels is not None
                 for level in levels:
                     lv = self.tiers[level]
@@ -268,8 +273,9 @@ class TieredStore:
         """Wait until write-back has brought every chunk put so far to every tier below it.
 
         A write that fails is retried with back-off while the chunk is held; ``flush`` first grants failing
-        writes a fresh round of retries. A chunk counts as safely written below once a ``flush`` that began
-        after its ``put`` returns without raising and without naming it in ``dropped``.
+        writes a fresh round of retries. Promotions under way when it begins (after a read, a prefetch) finish
+        first, and the tiers they fill are waited for too. A chunk counts as safely written below once a
+        ``flush`` that began after its ``put`` returns without raising and without naming it in ``dropped``.
 
         Returns:
             a :class:`~tierstore.transfers.FlushReport`: the chunks the ``drop`` pressure policy gave up
@@ -280,7 +286,9 @@ class TieredStore:
             TierTimeoutError: ``timeout`` seconds passed with writes still in progress.
         """
         with self._life.call():
-            return self._writeback.flush(timeout)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            self._promoter.wait(deadline)  # promotions under way: the tiers they fill count as put
+            return self._writeback.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     # ------------------------------------------------------------------ reads
     def get_many(self, keys: Sequence[ChunkKey], *, out: Outs | None = None,
@@ -328,8 +336,8 @@ class TieredStore:
             if len(out) != len(keys):
                 raise InvalidInputError(f"out has {len(out)} entries for {len(keys)} keys")
             check_outs(out)
-        top = self._transfers.top
-        retain = self.prefetch_policy is PrefetchPolicy.RETAIN and top is not None
+        top = self._transfers.top if self._transfers.top is not None else len(self.tiers)
+        retain = self.prefetch_policy is PrefetchPolicy.RETAIN and top < len(self.tiers)
         # objects read from a shared level are decoded here, so a promotion writes them without reading again
         objects = [lv.index for lv in self.tiers if retain and lv.shared and lv.caps.objects and lv.index > top]
         with self._life.call():
@@ -342,7 +350,7 @@ class TieredStore:
                 if isinstance(value, tuple):
                     value, obj = value
                 results.append(value)
-                if retain and src is not None and src[0] > top and src[1] >= 0 and k not in seen:  # type: ignore[operator]
+                if retain and src is not None and src[0] > top and src[1] >= 0 and k not in seen:
                     seen.add(k)
                     admit.append((k, src[0], src[1], obj))
             self._note_use_below(keys, source)
@@ -585,6 +593,11 @@ def _check_keys(keys: Sequence[ChunkKey]) -> list[ChunkKey]:
     return [check_key(k) for k in keys]
 
 
+def _true_or_none(fn: Any, *args: Any) -> bool | None:
+    """``True`` if ``fn(*args)`` is, else ``None`` (what :meth:`Residency.wait_until` waits past)."""
+    return True if fn(*args) else None
+
+
 def _leading(found: Sequence[object], start: int = 0) -> int:
     """End of the run of entries that are neither ``None`` nor ``False`` from ``start`` on."""
     for i in range(start, len(found)):
@@ -603,7 +616,7 @@ def build_levels(config: StoreConfig) -> list[Level]:
             capacity = options.pop("capacity", None)
             if "capacity" in inspect.signature(cls.__init__).parameters:
                 options["capacity"] = capacity
-            backend = cls(name=tc.name, **options)
+            backend = cls(name=tc.name, **options)  # type: ignore[call-arg]  # every backend takes a name
             cap = backend.capacity if backend.capacity is not None else capacity
             levels.append(Level(i, tc.name, tc.kind, backend, cap))
     except BaseException:

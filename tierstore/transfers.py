@@ -31,8 +31,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from time import perf_counter
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -51,6 +52,7 @@ from .telemetry import Failures, Latency
 from .tensors import TensorDict
 
 log = logging.getLogger("tierstore")
+T = TypeVar("T")
 
 COUNTERS = ("hits", "misses", "puts", "bytes_in", "bytes_out", "corrupt", "unsupported", "forged", "errors",
             "skipped", "enospc")
@@ -123,7 +125,7 @@ class Jobs:
         self._running: dict[int, Job] = {}
         self.done = 0
 
-    def run(self, kind: str, level: str, keys: int, fn: Callable[[], Any]) -> Any:
+    def run(self, kind: str, level: str, keys: int, fn: Callable[[], T]) -> T:
         """Run ``fn`` on this thread as a job."""
         job = self._start(kind, level, keys)
         try:
@@ -220,10 +222,10 @@ class Transfers:
         while todo:
             held, busy = [], []
             for i in todo:
-                slot = self.res.begin_write(items[i][0], lv.index, items[i][1])
-                if slot is Slot.OK:
+                status = self.res.begin_write(items[i][0], lv.index, items[i][1])
+                if status is Slot.OK:
                     held.append(i)
-                elif slot is Slot.BUSY:
+                elif status is Slot.BUSY:
                     busy.append(i)
                 else:
                     outcome[i] = None
@@ -244,6 +246,8 @@ class Transfers:
                    outcome: list[bool | None], put: bool, queue_below: bool, deadline: float) -> None:
         """Land ``items[i]`` for each ``i`` in ``todo`` (their slots held) into ``lv``, setting ``outcome[i]``."""
         res, level = self.res, lv.index
+        if res.space_probe_due(level):  # full after ENOSPC: is there room again?
+            res.space_probed(level, lv.backend.free_space())
         prepared: dict[int, Any] = {}
         for i in todo:
             key, gen, chunk = items[i]
@@ -340,12 +344,6 @@ class Transfers:
         lv.failures.report("enospc", "no space left on device; holding at most what is held now, re-probing "
                            "free space in %.1fs (doubling while full)", backoff)
 
-    def probe_space(self) -> None:
-        """Probe free space of levels whose ENOSPC limit is due for a look."""
-        for lv in self.levels:
-            if self.res.space_probe_due(lv.index):
-                self.res.space_probed(lv.index, lv.backend.free_space())
-
     def remove_stale(self, key: ChunkKey, levels: Iterable[int]) -> None:
         """Remove ``key``'s copies in ``levels`` that hold an older value than the current one."""
         for j in levels:
@@ -366,9 +364,8 @@ class Transfers:
         then remove it unless it must stay. Whether it went."""
         down, tried = victim.down, []
         try:
-            while down is not None and down is not False:
-                if self.jobs.run("write-down", self.levels[down].name, 1,
-                                 lambda d=down: self._write_down(victim, d)):
+            while isinstance(down, int) and down is not False:
+                if self.jobs.run("write-down", self.levels[down].name, 1, partial(self._write_down, victim, down)):
                     break
                 tried.append(down)
                 down = self.res.written_down_failed(victim, tried)
@@ -517,7 +514,8 @@ class Transfers:
                 break
             if not lv.shared:
                 continue
-            ask = [i for i in todo if lv.index not in probed.get(i, ()) and lv.index in res.probe_levels(keys[i])]
+            ask = [i for i in todo if lv.index not in probed.get(i, ()) and lv.index not in skip.get(i, ())
+                   and lv.index in res.probe_levels(keys[i])]
             for i in ask:
                 probed.setdefault(i, set()).add(lv.index)
             if not ask:
@@ -827,7 +825,7 @@ class Promoter:
 
         name = self.t.levels[self.t.top].name if self.t.top is not None else ""
         for k in keys:
-            self.t.jobs.submit(self._pool, "prefetch", name, 1, lambda k=k: self.promote_current(k)
+            self.t.jobs.submit(self._pool, "prefetch", name, 1, partial(self.promote_current, k)
                                ).future.add_done_callback(finished)
         return done
 
@@ -874,6 +872,15 @@ class Promoter:
             while n < len(keys) and keys[n] in self._in_flight:
                 n += 1
             return n
+
+    def wait(self, deadline: float | None) -> None:
+        """Wait (until ``deadline``, ``time.monotonic``) for the promotion jobs running or queued now."""
+        for job in self.t.jobs.running():
+            if job.kind in ("promote", "prefetch"):
+                try:
+                    job.future.exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                except Exception:  # noqa: BLE001 - a timeout: the flush's own deadline decides
+                    return
 
     def stop(self) -> None:
         """Cancel queued jobs (running ones finish; the store's close waits for them)."""

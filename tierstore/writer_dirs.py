@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .backends.file import FileBackend
 from .store import TieredStore
 
 log = logging.getLogger("tierstore")
@@ -55,7 +56,7 @@ def _disk_bases(config: Mapping[str, Any]) -> list[tuple[int, Path]]:
 def announce(config: Mapping[str, Any], store: TieredStore, key: str | None = None) -> None:
     """Record, for each disk tier of ``config``, the directory ``store`` (the writer rank's) opened."""
     key = key or engine_key()
-    taken = [Path(t.backend.path).name for t in store.tiers if t.kind == "disk"]
+    taken = [Path(t.backend.path).name for t in store.tiers if isinstance(t.backend, FileBackend)]
     for _, base in _disk_bases(config):
         # "" when the writer runs without it (every candidate locked): the readers then need not wait
         name = next((n for n in taken if _one_of(n, base)), "")

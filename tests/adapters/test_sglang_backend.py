@@ -114,6 +114,7 @@ def test_two_instances_share_a_prefix_through_s3(tmp_path, monkeypatch, s3_serve
         loaded, got = b.ctl.prefetch(PROMPT)
         assert loaded == 10 and torch.equal(kv_bytes(b.pool, got), want)
         keys = b.backend.chunk_keys(page_hashes(PROMPT, PAGE))
+        b.backend.store.flush()  # promotion is a background job; a flush waits for it
         assert {b.backend.store.where(k) for k in keys} == {"disk"}, "retain: hits are promoted to local disk"
     with node("c", model_id="other/model") as c:
         assert c.ctl.prefetch(PROMPT)[0] == 0, "another model never reads these pages"

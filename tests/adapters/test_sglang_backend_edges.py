@@ -63,8 +63,15 @@ def test_a_damaged_page_fails_alone_and_the_prefetch_stops_before_it(tmp_path):
 def test_a_page_no_tier_takes_is_reported_alone(tmp_path, monkeypatch):
     with Instance(disk(tmp_path / "kv"), seed=9) as a:
         refused = a.backend.chunk_keys([KEYS[1]])[0]
-        put = a.backend.store._put_claimed
-        monkeypatch.setattr(a.backend.store, "_put_claimed", lambda k, t: k != refused and put(k, t))
+        disk_backend = a.backend.store.tier("disk").backend
+        write = disk_backend._store
+
+        def refuse_one(key, payload):
+            if key == refused:
+                raise OSError("injected: no room")
+            return write(key, payload)
+
+        monkeypatch.setattr(disk_backend, "_store", refuse_one)
         assert a.backend.batch_set_v1(KEYS[:4], a.pool.alloc(4 * PAGE)) == [True, False, True, True]
         assert a.backend.counters["pages_not_written"] == 1
         assert a.backend.batch_exists(KEYS[:4]) == 1
@@ -142,7 +149,7 @@ def test_default_config_is_a_per_rank_disk_under_home(tmp_path, monkeypatch):
     options = BackendOptions.parse({"backend_name": "tierstore", "interface_v1": 1})
     assert [t["kind"] for t in options.config["tiers"]] == ["disk"]
     with Instance({}, tp_rank=1, tp_size=2) as r:
-        assert r.backend.store.tier("disk").path == str(tmp_path / ".cache/tierstore/sglang/disk/tp1of2-pp0of1")
+        assert r.backend.store.tier("disk").backend.path == str(tmp_path / ".cache/tierstore/sglang/disk/tp1of2-pp0of1")
         r.backend.clear()  # SGLang's /flush_cache keeps what is stored
         slots = r.pool.alloc(PAGE)
         assert r.backend.batch_set_v1(KEYS[:1], slots) == [True]
@@ -161,13 +168,14 @@ def test_concurrent_prefetch_and_backup_get_exact_pages(tmp_path, monkeypatch):
             slots = {p: a.pool.alloc(6 * PAGE) for p in range(8)}
             want = {p: kv_bytes(a.pool, slots[p]) for p in range(8)}
             lock = threading.Lock()  # the fake pool's allocator is not thread-safe (SGLang's has a lock)
-            put = a.backend.store._put_claimed
+            disk_backend = a.backend.store.tier("disk").backend
+            write = disk_backend._store
 
-            def slow_put(key, tensors):  # pages of one batch become visible one by one, mid-prefetch
+            def slow_put(key, payload):  # pages of one batch become visible one by one, mid-prefetch
                 time.sleep(0.002)
-                return put(key, tensors)
+                return write(key, payload)
 
-            monkeypatch.setattr(a.backend.store, "_put_claimed", slow_put)
+            monkeypatch.setattr(disk_backend, "_store", slow_put)
 
             def backup(p: int) -> None:
                 try:

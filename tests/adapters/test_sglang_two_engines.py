@@ -28,12 +28,12 @@ inst = Instance(extra, mla=True, seed=rank + offset, tp_rank=rank, tp_size=2)
 if rank == 0:
     assert inst.ctl.backup(inst.pool.alloc(10 * PAGE), prompt) == 10
     (work / "written").touch()
-    result = {"dir": inst.backend.store.tiers[0].path}
+    result = {"dir": inst.backend.store.tiers[0].backend.path}
 else:
     while not (work / "written").exists():
         time.sleep(0.02)
     loaded, _ = inst.ctl.prefetch(prompt)
-    result = {"dir": inst.backend.store.tiers[0].path, "loaded": loaded}
+    result = {"dir": inst.backend.store.tiers[0].backend.path, "loaded": loaded}
 print(json.dumps(result), flush=True)
 while not (work / "stop").exists():
     time.sleep(0.02)

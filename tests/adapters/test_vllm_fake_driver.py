@@ -108,8 +108,7 @@ def test_hit_is_what_every_rank_holds(tmp_path, saved):
     try:
         rank1 = b.workers[1]
         second = rank1.kv(None).keys(PROMPT)[1]
-        for t in rank1.store.tiers:
-            t.delete(second)
+        rank1.store.delete(second)
         assert b.matched(Request("b", PROMPT)) == CHUNK
     finally:
         b.close()
@@ -144,8 +143,7 @@ def test_chunk_vanished_before_load_is_reported_as_failed_blocks(tmp_path, saved
         b.scheduler.update_state_after_alloc(req, B_BLOCKS, HIT)
         rank0 = b.workers[0]
         second = rank0.kv(None).keys(PROMPT)[1]
-        for t in rank0.store.tiers:
-            t.delete(second)
+        rank0.store.delete(second)
         b.step(SchedulerOutput([NewRequestData("b", PROMPT, (B_BLOCKS,), HIT)], num_scheduled_tokens={"b": 16}))
         assert rank0.take_failed_blocks() == set(B_BLOCKS[CHUNK // BLOCK:HIT // BLOCK])
         assert b.workers[1].take_failed_blocks() == set()

@@ -26,7 +26,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 
@@ -34,6 +34,9 @@ from .. import objformat
 from ..errors import ConfigError
 from ..keys import ChunkKey
 from ..tensors import TensorDict
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 Chunk = Mapping[str, torch.Tensor] | objformat.Encoded
 
@@ -210,7 +213,7 @@ class Backend(ABC):
             raise ConfigError(f"{where}: unknown key(s) for a {cls.kind} backend: {', '.join(sorted(unknown))}")
         return dict(options)
 
-    def __enter__(self) -> Backend:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

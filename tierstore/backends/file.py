@@ -30,6 +30,7 @@ removes a file and is never written.
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures
 import contextlib
 import logging
@@ -122,6 +123,8 @@ class FileBackend(Backend):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._closed = False
+        #: calls in flight: the directory's descriptor and lock stay until the last one ends, even past close()
+        self._users = 0
         self._worker = threading.local()
         self._reads = BatchedReader(self)
         self._lock: DirLock | None = None
@@ -156,7 +159,11 @@ class FileBackend(Backend):
 
     def list(self) -> Iterator[Listed]:
         """Every object, oldest mtime first; our stale temp files are removed on the way (unless read-only)."""
-        found: list[Listed] = []
+        with self._in_use():
+            return self._list()
+
+    def _list(self) -> Iterator[Listed]:
+        found: builtins.list[Listed] = []
         stale = 0
         if not self.read_only:
             stale += self._remove_legacy_temp()
@@ -220,10 +227,14 @@ class FileBackend(Backend):
         enc = objformat.as_encoded(key, chunk, self.codec)
         return Prepared(enc, enc.size)
 
-    def write_many(self, items: Sequence[tuple[ChunkKey, Prepared]]) -> list[BaseException | None]:
+    def write_many(self, items: Sequence[tuple[ChunkKey, Prepared]]) -> builtins.list[BaseException | None]:
         if self.read_only:
             raise ReadOnlyError(f"disk tier {self.name!r} at {self.path!r} is read-only")
-        return self._map(lambda item: _none(self._store(item[0], item[1].payload)), items)
+        def store(item: tuple[ChunkKey, Prepared]) -> None:
+            self._store(item[0], item[1].payload)
+
+        with self._in_use():
+            return self._map(store, items)
 
     def _store(self, key: ChunkKey, payload: objformat.Encoded) -> None:
         sub, name = object_relpath(key).split("/")
@@ -289,7 +300,7 @@ class FileBackend(Backend):
 
         return self._opened(key, read)
 
-    def read_many(self, keys: Sequence[ChunkKey], device: str | torch.device = "cpu") -> list[ReadResult]:
+    def read_many(self, keys: Sequence[ChunkKey], device: str | torch.device = "cpu") -> builtins.list[ReadResult]:
         device = torch.device(device)
 
         def one(key: ChunkKey) -> Hit | None:
@@ -298,22 +309,30 @@ class FileBackend(Backend):
                 hit = Hit({n: t.to(device) for n, t in hit.value.items()}, hit.size)
             return hit
 
-        return self._map(one, keys)
+        with self._in_use():
+            return self._map(one, keys)
 
-    def read_into_many(self, keys: Sequence[ChunkKey], outs: Sequence[Mapping[str, torch.Tensor]]) -> list[ReadResult]:
+    def read_into_many(self, keys: Sequence[ChunkKey], outs: Sequence[Mapping[str, torch.Tensor]]
+                       ) -> builtins.list[ReadResult]:
         """Payloads straight into ``outs`` (contiguous CPU tensors): no allocation (see :mod:`.file_reads`).
         On a checksum failure ``out`` holds unspecified bytes."""
-        return self._reads.read_many_into(list(keys), list(outs))
+        with self._in_use():
+            return self._reads.read_many_into(list(keys), list(outs))
 
-    def read_objects(self, keys: Sequence[ChunkKey]) -> list[ReadResult]:
-        return self._map(lambda key: self._opened(key, lambda fd, st: Hit(objfile.read_encoded(fd, st, key),
-                                                                          st.st_size)), keys)
+    def read_objects(self, keys: Sequence[ChunkKey]) -> builtins.list[ReadResult]:
+        with self._in_use():
+            return self._map(lambda key: self._opened(key, lambda fd, st: Hit(objfile.read_encoded(fd, st, key),
+                                                                              st.st_size)), keys)
 
     # ------------------------------------------------------------------ the rest
-    def delete_many(self, keys: Sequence[ChunkKey]) -> list[BaseException | None]:
+    def delete_many(self, keys: Sequence[ChunkKey]) -> builtins.list[BaseException | None]:
         if self.read_only:
             raise ReadOnlyError(f"disk tier {self.name!r} at {self.path!r} is read-only; deletes are refused")
-        return results_of(self._remove, keys)
+        try:
+            with self._in_use():
+                return results_of(self._remove, keys)
+        except ClosedError as exc:  # each item's result: an eviction or delete racing close() keeps its bookkeeping
+            return [exc] * len(keys)
 
     def _remove(self, key: ChunkKey) -> None:
         sub, name = object_relpath(key).split("/")
@@ -328,8 +347,8 @@ class FileBackend(Backend):
         finally:
             os.close(folder)
 
-    def stat_many(self, keys: Sequence[ChunkKey]) -> list[int | None]:
-        sizes: list[int | None] = []
+    def stat_many(self, keys: Sequence[ChunkKey]) -> builtins.list[int | None]:
+        sizes: builtins.list[int | None] = []
         for k in keys:
             try:
                 st = os.lstat(self.object_path(k))
@@ -344,7 +363,7 @@ class FileBackend(Backend):
         except OSError:
             return None
 
-    def _map(self, fn: Callable[[T], R], items: Sequence[T]) -> list[R | BaseException]:
+    def _map(self, fn: Callable[[T], R], items: Sequence[T]) -> builtins.list[R | BaseException]:
         """Per-item work on a small pool, the first item on the caller's thread (all inline for one item, for
         ``io_threads=1`` and inside a worker); each item's exception is its result. Returns only once every
         item is done: none is left using the caller's buffers."""
@@ -371,6 +390,24 @@ class FileBackend(Backend):
             if isinstance(got, BaseException):
                 raise got
 
+    @contextlib.contextmanager
+    def _in_use(self) -> Iterator[None]:
+        """A call's hold on the directory: refused with :class:`ClosedError` once :meth:`close` began (whatever
+        the batch size or ``io_threads``); one admitted before keeps the directory's descriptor (and lock) open
+        until it ends, so no write goes through a descriptor number closed and reused meanwhile."""
+        with self._pool_lock:
+            if self._closed:
+                raise ClosedError(f"tier {self.name!r} is closed")
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._pool_lock:
+                self._users -= 1
+                last = self._closed and self._users == 0
+            if last:
+                self._release()
+
     def _mark_worker(self) -> None:
         self._worker.active = True
 
@@ -386,8 +423,15 @@ class FileBackend(Backend):
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-        lock, self._lock = self._lock, None
-        fd, self._root_fd = self._root_fd, -1
+        with self._pool_lock:
+            idle = self._users == 0
+        if idle:  # else the last call still running releases the directory
+            self._release()
+
+    def _release(self) -> None:
+        with self._pool_lock:
+            lock, self._lock = self._lock, None
+            fd, self._root_fd = self._root_fd, -1
         try:
             if lock is not None:
                 lock.release()
@@ -397,10 +441,6 @@ class FileBackend(Backend):
 
     def __repr__(self) -> str:
         return f"<FileBackend {self.name!r} {self.path}>"
-
-
-def _none(_: object) -> None:
-    return None
 
 
 def _scandir(dir_fd: int) -> list[os.DirEntry[str]]:

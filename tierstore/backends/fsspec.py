@@ -8,12 +8,13 @@ Rules this tier keeps:
 
 * **Atomic publish, never an older value.** A put first reads the stored object's checksum (one
   ranged read of its first 32 bytes): the same value is there already (on a shared prefix another engine
-  has often published it) and nothing is uploaded. Otherwise a new object is published create-only — on
-  S3 one PUT with ``If-None-Match: *``; on a local/shared mount a unique temp file in the same folder
-  hard-linked into place (``os.replace`` where links are unsupported); elsewhere one ``pipe_file`` with
-  ``mode="create"`` — and an object holding another value is replaced in one atomic step (a plain PUT;
-  temp file + ``os.replace``). A reader never sees part of an object, and two processes publishing the
-  same value at once is harmless.
+  has often published it) and nothing is uploaded — unless a read here found that object damaged (its
+  header, checksum field included, may be intact): then it is replaced. Otherwise a new object is
+  published create-only — on S3 one PUT with ``If-None-Match: *``; on a local/shared mount a unique temp
+  file in the same folder hard-linked into place (``os.replace`` where links are unsupported); elsewhere
+  one ``pipe_file`` with ``mode="create"`` — and an object holding another value is replaced in one atomic
+  step (a plain PUT; temp file + ``os.replace``). A reader never sees part of an object, and two processes
+  publishing the same value at once is harmless.
 * **Sharing.** The store's index is rebuilt by listing at open (``list_on_open``); keys missing from it are
   looked up in storage every time — negative results are never cached, since another process may publish
   a key at any moment. A lookup costs one HEAD per such key (concurrently); a read needs no HEAD at all:
@@ -25,7 +26,7 @@ Rules this tier keeps:
   never deleted by a reader (``shared``): the store forgets it, and ``tierstore verify --repair`` removes
   damaged ones.
 * **Never stuck.** Every storage request has a deadline (``timeout``, 5 s by default) and a sick
-  endpoint makes the tier fail fast for a back-off (:mod:`tierstore.tiers.remote_storage`); ``close()``
+  endpoint makes the tier fail fast for a back-off (:mod:`.guarded`); ``close()``
   waits for in-flight requests at most ``timeout``. Local paths (``file://``) block as the mount does:
   use NFS ``soft`` mounts with ``timeo``.
 * **No capacity.** The prefix is shared, so a per-process LRU over it would delete other writers' fresh
@@ -42,8 +43,10 @@ Rules this tier keeps:
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures
 import errno
+import inspect
 import logging
 import os
 import re
@@ -51,8 +54,9 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any, TypeVar
 
 import fsspec
@@ -89,7 +93,8 @@ _NO_LINK = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.EX
 
 #: seconds after which a read refreshes its object's modification time (its last use, for ``gc --max-size``)
 TOUCH_AFTER_S = 600.0
-#: keys whose objects this process could not open that it remembers (see ``FsspecBackend._refused``)
+#: keys whose objects this process could not open (or found damaged) that it remembers (see
+#: ``FsspecBackend._refused`` and ``_damaged``)
 REFUSED_KEPT = 65536
 #: paths removed per request by ``collect_garbage`` (S3 DeleteObjects takes at most 1,000)
 _DELETE_BATCH = 1000
@@ -122,7 +127,7 @@ class FsspecBackend(Backend):
         An unknown scheme, or one whose package is missing, raises :class:`ConfigError` before any I/O.
     storage_options:
         Keyword arguments for the filesystem (``endpoint_url``, ``key``, ``secret``, ``config_kwargs`` …).
-        For ``s3://``, ``config_kwargs`` defaults to ``remote_storage.S3_CLIENT_DEFAULTS`` key by key.
+        For ``s3://``, ``config_kwargs`` defaults to ``guarded.S3_CLIENT_DEFAULTS`` key by key.
     compression:
         ``None``/``"none"`` or ``"zstd"`` for objects this tier writes; it reads either.
     max_in_flight:
@@ -168,6 +173,10 @@ class FsspecBackend(Backend):
         # keys whose object failed to open here: absent to lookups (no HEAD), so the next save replaces a
         # forgery instead of skipping a key that looks held; a read or put that succeeds clears the mark
         self._refused: OrderedDict[ChunkKey, None] = OrderedDict()
+        # keys whose object a read here found damaged: the next write replaces it whatever its checksum field
+        # says (a damaged payload keeps the header, and with it the checksum of the value it was); cleared as
+        # ``_refused`` is
+        self._damaged: OrderedDict[ChunkKey, None] = OrderedDict()
         self._lock = threading.Lock()
         self.failures = Failures(log, f"tier {self.name}: ")
         self._touches = 0
@@ -188,6 +197,7 @@ class FsspecBackend(Backend):
         self.root = root.rstrip("/")
         self.storage = GuardedStorage(self.fs, self.url, self.timeout, self._log_down)
         self._io = self.storage.call
+        self._async = bool(getattr(self.fs, "async_impl", False))
         self._local = isinstance(self.fs, LocalFileSystem)
         self._s3 = type(self.fs).__module__.startswith("s3fs")
         self._create_mode = True  # whether pipe_file takes mode="create" (cleared if the fs rejects it)
@@ -325,7 +335,7 @@ class FsspecBackend(Backend):
             key = key_from_name(base)
         return key if key is not None and rel.startswith(key.hex()[:2] + "/") and "/" not in base else None
 
-    def _remove(self, paths: list[str]) -> None:
+    def _remove(self, paths: builtins.list[str]) -> None:
         """Remove ``paths`` (one request on S3); already gone is fine."""
         if self._s3:
             try:
@@ -395,13 +405,36 @@ class FsspecBackend(Backend):
         head: Mapping[str, Any] = self._io("call_s3", "head_object", self.fs.kwargs, Bucket=bucket, Key=name)
         return head
 
+    # ------------------------------------------------------------------ one request per key, batched
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """``fs.<name>`` as part of one key's work: on an asynchronous filesystem its coroutine (awaited inside
+        the batch's gather, which guards it), on others the guarded call's result."""
+        if self._async:
+            return getattr(self.fs, "_" + name)(*args, **kwargs)
+        return self._io(name, *args, **kwargs)
+
+    def _each(self, what: str, fn: Callable[[T], Coroutine[Any, Any, R]], items: Sequence[T]
+              ) -> builtins.list[R | BaseException]:
+        """``await fn(x)`` for every item, each item's exception its result: on an asynchronous filesystem one
+        ``asyncio.gather`` on its event loop (at most ``max_in_flight`` at a time, each under ``timeout``); on
+        others on the backend's pool, where ``fn``'s coroutine never suspends and runs to its end at once."""
+        if self._async:
+            return self.storage.gather(what, [partial(fn, x) for x in items], self.max_in_flight)
+        return self._map(lambda x: _run_inline(fn(x)), items)
+
     def _stat(self, key: ChunkKey) -> int | None:
-        """Size of ``key``'s object in storage, ``None`` if absent. Raises ``OSError`` on I/O failure."""
+        """Size of ``key``'s object in storage, ``None`` if absent (a filesystem that is not asynchronous).
+        Raises ``OSError`` on I/O failure."""
+        return _run_inline(self._astat(key))
+
+    async def _astat(self, key: ChunkKey) -> int | None:
         path = self._path(key)
         try:
             if self._s3:
-                return int(self._head(path)["ContentLength"])
-            info = self._io("info", path)
+                bucket, name, _ = self.fs.split_path(path)
+                head = await _resolved(self._call("call_s3", "head_object", self.fs.kwargs, Bucket=bucket, Key=name))
+                return int(head["ContentLength"])
+            info = await _resolved(self._call("info", path))
         except FileNotFoundError:
             return None
         except PermissionError as exc:
@@ -412,23 +445,23 @@ class FsspecBackend(Backend):
             return None
         return info["size"] if info.get("type", "file") == "file" else None
 
-    def stat_many(self, keys: Sequence[ChunkKey]) -> list[int | None]:
+    def stat_many(self, keys: Sequence[ChunkKey]) -> builtins.list[int | None]:
         """Sizes of the objects stored for ``keys`` (a HEAD each, concurrently); ``None`` for a key that has
         none, whose object this reader refused (forged), or whose lookup failed (counted)."""
         self._check_open()
         with self._lock:
             refused = {k for k in keys if k in self._refused}
 
-        def one(key: ChunkKey) -> int | None:
-            if key in refused:
-                return None
-            try:
-                return self._stat(key)
-            except OSError as exc:
-                self.failures.report("probe", "lookup failed (%s); treating as a miss", exc)
-                return None
-
-        return [None if isinstance(r, BaseException) else r for r in self._map(one, keys)]
+        ask = [k for k in keys if k not in refused]
+        if self._async:
+            found = self.storage.gather("head", [partial(self._astat, k) for k in ask], self.max_in_flight)
+        else:
+            found = self._map(self._stat, ask)
+        size = dict(zip(ask, found, strict=True))
+        for r in found:
+            if isinstance(r, BaseException):
+                self.failures.report("probe", "lookup failed (%s); treating as a miss", r)
+        return [None if isinstance(r := size.get(k), BaseException) else r for k in keys]
 
     # ------------------------------------------------------------------ writes
     def prepare(self, key: ChunkKey, chunk: Chunk) -> Prepared:
@@ -437,33 +470,39 @@ class FsspecBackend(Backend):
             enc = sealing.seal(enc, self.keyring)
         return Prepared(enc, enc.size)
 
-    def write_many(self, items: Sequence[tuple[ChunkKey, Prepared]]) -> list[BaseException | None]:
+    def write_many(self, items: Sequence[tuple[ChunkKey, Prepared]]) -> builtins.list[BaseException | None]:
         self._check_open()
         return [r if isinstance(r, BaseException) else None
-                for r in self._map(lambda item: self._store(item[0], item[1].payload), items)]
+                for r in self._each("put", lambda item: self._store(item[0], item[1].payload), items)]
 
-    def _store(self, key: ChunkKey, payload: objformat.Encoded) -> None:
+    async def _store(self, key: ChunkKey, payload: objformat.Encoded) -> None:
         path = self._path(key)
+        with self._lock:
+            damaged = key in self._damaged
         try:
-            if self._stored_checksum(path) == payload.checksum:
+            if damaged:  # a read found it damaged: its checksum field may name this very value, replace it
+                await _resolved(self._replace(path, payload))
+            elif await _resolved(self._stored_checksum(path)) == payload.checksum:
                 return  # this value is there already (published by another writer, or by us before)
-            try:
-                if self._local:
-                    self._publish_local(path, payload)
-                else:
-                    self._publish(path, _join(payload))
-            except FileExistsError:  # another value appeared meanwhile: ours is the newer put
-                if self._stored_checksum(path) != payload.checksum:
-                    self._replace(path, payload)
+            else:
+                try:
+                    if self._local:
+                        self._publish_local(path, payload)
+                    else:
+                        await _resolved(self._publish(path, _join(payload)))
+                except FileExistsError:  # another value appeared meanwhile: ours is the newer put
+                    if await _resolved(self._stored_checksum(path)) != payload.checksum:
+                        await _resolved(self._replace(path, payload))
             self._uses.refreshed(key, time.time())
             self._mark_refused(key, False)
+            self._mark_damaged(key, False)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 # the space is shared with other writers: skip the put, keep our capacity (no disk-style shrink)
                 raise OSError(f"no space left under {self.url}: {exc}") from exc
             raise
 
-    def _stored_checksum(self, path: str) -> bytes | None:
+    async def _stored_checksum(self, path: str) -> bytes | None:
         """The checksum field of the object at ``path`` (its bytes 16-32), from one small ranged read;
         ``None`` if there is none (or no valid prefix). Raises ``OSError`` on I/O failure."""
         try:
@@ -474,36 +513,36 @@ class FsspecBackend(Backend):
                 finally:
                     os.close(fd)
             elif self._s3:
-                head = self.storage.run("get", lambda: read_s3_range(self.fs, path, 0, objformat.PREFIX_SIZE))
+                head = await read_s3_range(self.fs, path, 0, objformat.PREFIX_SIZE)
             else:
-                head = self._io("cat_file", path, start=0, end=objformat.PREFIX_SIZE)
+                head = await _resolved(self._call("cat_file", path, start=0, end=objformat.PREFIX_SIZE))
         except (FileNotFoundError, CorruptObjectError):
             return None
         return bytes(head[16:32]) if len(head) == objformat.PREFIX_SIZE else None
 
-    def _replace(self, path: str, enc: objformat.Encoded) -> None:
+    async def _replace(self, path: str, enc: objformat.Encoded) -> None:
         """Put ``enc`` at ``path`` in place of what is there, in one atomic step."""
         if self._local:
             self._publish_local(path, enc, replace=True)
         else:
-            self._io("pipe_file", path, _join(enc))
+            await _resolved(self._call("pipe_file", path, _join(enc)))
 
-    def _publish(self, path: str, data: bytes | bytearray) -> None:
+    async def _publish(self, path: str, data: bytes | bytearray) -> None:
         if self._create_mode:
             try:
-                self._io("pipe_file", path, data, mode="create")
+                await _resolved(self._call("pipe_file", path, data, mode="create"))
                 return
-            except OSError as exc:
-                if not isinstance(exc.__cause__, TypeError):
+            except (TypeError, OSError) as exc:
+                if not isinstance(exc, TypeError) and not isinstance(exc.__cause__, TypeError):
                     raise
                 # an fs without mode=: check, then write. A writer racing in between may have its object
                 # replaced by ours, whole (pipe_file publishes at once); both are valid values of the key
                 self._create_mode = False
                 self.failures.report("create-mode", "%s has no create-only writes; checking existence first",
                                      type(self.fs).__name__)
-        if self._io("exists", path):
+        if await _resolved(self._call("exists", path)):
             raise FileExistsError(path)
-        self._io("pipe_file", path, data)
+        await _resolved(self._call("pipe_file", path, data))
 
     def _publish_local(self, path: str, enc: objformat.Encoded, replace: bool = False) -> None:
         """Write a unique temp file next to ``path``, then link it into place (fails if it exists), or with
@@ -564,11 +603,18 @@ class FsspecBackend(Backend):
         data: bytes = self._io("cat_file", path)
         return data, 0.0
 
-    def _read_verified(self, key: ChunkKey) -> tuple[objformat.Encoded, int, float]:
+    async def _aread(self, path: str) -> tuple[torch.Tensor | bytes, float]:
+        """:meth:`_read` as part of a batch on an asynchronous filesystem."""
+        if self._s3:
+            return await read_s3_object(self.fs, path)
+        return await self.fs._cat_file(path), 0.0
+
+    def _read_verified(self, key: ChunkKey, fetched: Any = None) -> tuple[objformat.Encoded, int, float]:
         """``key``'s whole object, checked (header, size, checksum and, with keys, its seal) but not decoded
         (an encrypted one decrypted into its plain object), its size as stored, and its modification time
         (0 when unknown). With keys, a sealed object's MAC stands for its checksum (on a mount it is computed
-        as the object is read, while in cache)."""
+        as the object is read, while in cache). ``fetched``: what a batch's request got for it already (the
+        object's bytes and time, or the request's exception)."""
         path = self._path(key)
         mac = None
         try:
@@ -580,7 +626,9 @@ class FsspecBackend(Backend):
                     os.close(fd)
                 enc, modified = objformat.Encoded.of_object(buf, hdr), st.st_mtime
             else:
-                raw, modified = self._read(path)
+                if isinstance(fetched, BaseException):
+                    raise fetched
+                raw, modified = self._read(path) if fetched is None else fetched
                 enc = objformat.verified(raw, key, sealed_checked=self.keyring is not None)
             if self.keyring is not None:
                 try:
@@ -600,34 +648,41 @@ class FsspecBackend(Backend):
         except ForgedObjectError:
             self._mark_refused(key, True)
             raise
+        except CorruptObjectError:
+            self._mark_damaged(key, True)
+            raise
         if self.keyring is not None:
             self._mark_refused(key, False)
+        self._mark_damaged(key, False)
         return enc, stored, modified
 
     def _mac_for(self, hdr: objformat.Header, first: memoryview) -> Any:
         return sealing.start(hdr, first, self.keyring) if self.keyring is not None and hdr.seal is not None else None
 
     def _mark_refused(self, key: ChunkKey, refused: bool) -> None:
+        self._remember(self._refused, key, refused)
+
+    def _mark_damaged(self, key: ChunkKey, damaged: bool) -> None:
+        self._remember(self._damaged, key, damaged)
+
+    def _remember(self, table: OrderedDict[ChunkKey, None], key: ChunkKey, flag: bool) -> None:
+        """Add ``key`` to ``table`` (the oldest entry goes past :data:`REFUSED_KEPT`) or take it out."""
+        if not flag and not table:
+            return  # the common case (a good read, nothing remembered): no lock
         with self._lock:
-            if refused:
-                self._refused[key] = None
-                self._refused.move_to_end(key)
-                if len(self._refused) > REFUSED_KEPT:
-                    self._refused.popitem(last=False)
+            if flag:
+                table[key] = None
+                table.move_to_end(key)
+                if len(table) > REFUSED_KEPT:
+                    table.popitem(last=False)
             else:
-                self._refused.pop(key, None)
+                table.pop(key, None)
 
-    def _read_object(self, key: ChunkKey) -> Hit | None:
-        """``key``'s object, verified, decoded into tensors (views over its buffer when uncompressed), with its
-        stored size; ``None`` if there is none."""
-        got = self._read_encoded(key)
-        return None if got is None else Hit(objformat.decode_encoded(got.value), got.size)
-
-    def _read_encoded(self, key: ChunkKey) -> Hit | None:
+    def _read_encoded(self, key: ChunkKey, fetched: Any = None) -> Hit | None:
         """``key``'s object, verified, not decoded, with its stored size; ``None`` if there is none (or S3
-        denied the read: a missing key without s3:ListBucket)."""
+        denied the read: a missing key without s3:ListBucket). ``fetched`` as for :meth:`_read_verified`."""
         try:
-            enc, stored, modified = self._read_verified(key)
+            enc, stored, modified = self._read_verified(key, fetched)
         except FileNotFoundError:
             return None
         except PermissionError as exc:
@@ -640,38 +695,42 @@ class FsspecBackend(Backend):
         self._note_use(key, modified)
         return Hit(enc, stored)
 
-    def read_many(self, keys: Sequence[ChunkKey], device: str | torch.device = "cpu") -> list[ReadResult]:
+    def _objects(self, keys: Sequence[ChunkKey]) -> builtins.list[ReadResult]:
+        """Each key's object, verified, not decoded: on an asynchronous filesystem the GETs are one gather and
+        the objects are checked here, afterwards; on others each is read and checked on the pool."""
         self._check_open()
+        keys = builtins.list(keys)
+        if not self._async:
+            return self._map(self._read_encoded, keys)
+        fetched = self.storage.gather("get", [partial(self._aread, self._path(k)) for k in keys], self.max_in_flight)
+        return results_of(lambda kf: self._read_encoded(*kf), builtins.list(zip(keys, fetched, strict=True)))
+
+    def read_many(self, keys: Sequence[ChunkKey], device: str | torch.device = "cpu") -> builtins.list[ReadResult]:
         device = torch.device(device)
 
-        def one(key: ChunkKey) -> Hit | None:
-            hit = self._read_object(key)
-            if hit is not None and device.type != "cpu":
-                hit = Hit({n: t.to(device) for n, t in hit.value.items()}, hit.size)
-            return hit
+        def decoded(hit: Hit) -> Hit:
+            tensors = objformat.decode_encoded(hit.value)
+            if device.type != "cpu":
+                tensors = {n: t.to(device) for n, t in tensors.items()}
+            return Hit(tensors, hit.size)
 
-        return self._map(one, keys)
+        return [_then(r, decoded) for r in self._objects(keys)]
 
-    def read_into_many(self, keys: Sequence[ChunkKey], outs: Sequence[Mapping[str, torch.Tensor]]) -> list[ReadResult]:
+    def read_into_many(self, keys: Sequence[ChunkKey], outs: Sequence[Mapping[str, torch.Tensor]]
+                       ) -> builtins.list[ReadResult]:
+        got = self._objects(keys)
+        return [_then(r, partial(_filled, out)) for r, out in zip(got, outs, strict=True)]
+
+    def read_objects(self, keys: Sequence[ChunkKey]) -> builtins.list[ReadResult]:
+        return self._objects(keys)
+
+    def delete_many(self, keys: Sequence[ChunkKey]) -> builtins.list[BaseException | None]:
         self._check_open()
+        return [r if isinstance(r, BaseException) else None for r in self._each("rm", self._remove_one, keys)]
 
-        def one(item: tuple[ChunkKey, Mapping[str, torch.Tensor]]) -> Hit | None:
-            hit = self._read_object(item[0])
-            return None if hit is None else Hit(fill_out(item[1], hit.value), hit.size)
-
-        return self._map(one, list(zip(keys, outs, strict=True)))
-
-    def read_objects(self, keys: Sequence[ChunkKey]) -> list[ReadResult]:
-        self._check_open()
-        return self._map(self._read_encoded, keys)
-
-    def delete_many(self, keys: Sequence[ChunkKey]) -> list[BaseException | None]:
-        self._check_open()
-        return [r if isinstance(r, BaseException) else None for r in self._map(self._remove_one, keys)]
-
-    def _remove_one(self, key: ChunkKey) -> None:
+    async def _remove_one(self, key: ChunkKey) -> None:
         try:
-            self._io("rm_file", self._path(key))
+            await _resolved(self._call("rm_file", self._path(key)))
         except FileNotFoundError:
             pass
 
@@ -682,7 +741,8 @@ class FsspecBackend(Backend):
             return
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
-        concurrent.futures.wait(self._in_flight.copy(), timeout=self.timeout)
+        concurrent.futures.wait(self._in_flight | self.storage.in_flight, timeout=self.timeout)
+        self.storage.cancel()
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
@@ -692,3 +752,32 @@ class FsspecBackend(Backend):
 
     def __repr__(self) -> str:
         return f"<FsspecBackend {self.name!r} {self.url}>"
+
+
+def _run_inline(coro: Coroutine[Any, Any, R]) -> R:
+    """Run a coroutine that never suspends (one key's work on a filesystem that is not asynchronous) to its end."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coro.close()
+    raise RuntimeError("a coroutine suspended outside an event loop")
+
+
+async def _resolved(value: Any) -> Any:
+    """``value``, awaited first if it is awaitable (a request on an asynchronous filesystem)."""
+    return await value if inspect.isawaitable(value) else value
+
+
+def _filled(out: Mapping[str, torch.Tensor], hit: Hit) -> Hit:
+    return Hit(fill_out(out, objformat.decode_encoded(hit.value)), hit.size)
+
+
+def _then(result: ReadResult, fn: Callable[[Hit], Hit]) -> ReadResult:
+    """``fn(hit)`` for a hit, its exception as the result if it raises; a miss or an error as it is."""
+    if not isinstance(result, Hit):
+        return result
+    try:
+        return fn(result)
+    except Exception as exc:  # noqa: BLE001 - the item's result
+        return exc

@@ -12,15 +12,16 @@ a local mount blocks as the kernel does.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import fsspec
 import torch
 
-from ..errors import TierstoreError
+from ..errors import ClosedError, TierstoreError
 from ..objformat import alloc_bytes
 from .listing import mtime_of
 
@@ -127,6 +128,13 @@ async def read_s3_range(fs: Any, path: str, start: int, end: int) -> bytes:
         body.close()
 
 
+def _raiser(exc: BaseException) -> Callable[[], Any]:
+    def fn() -> Any:
+        raise exc
+
+    return fn
+
+
 def _server_error(exc: BaseException) -> bool:
     """Whether ``exc`` (or what caused it) is an HTTP 5xx answer: the service is failing, not the request."""
     seen: BaseException | None = exc
@@ -156,6 +164,8 @@ class GuardedStorage:
         self.timeout = timeout
         self._on_down = on_down
         self._async = bool(getattr(fs, "async_impl", False))
+        #: batches on the event loop not finished yet (a closing backend waits for them, bounded)
+        self.in_flight: set[concurrent.futures.Future[Any]] = set()
         self._health = threading.Lock()
         self._down_until = 0.0
         self._backoff = 0.0
@@ -175,15 +185,78 @@ class GuardedStorage:
         whole coroutine (request and body) shares one deadline. ``what`` names it in a timeout message."""
         return self._guarded(lambda: self._on_loop(what, make, timeout or self.timeout))
 
+    def gather(self, what: str, makers: Sequence[Callable[[], Awaitable[T]]], limit: int,
+               timeout: float | None = None) -> list[T | BaseException]:
+        """``await make()`` for every maker in one ``asyncio.gather`` on the filesystem's event loop, at most
+        ``limit`` at a time, each under its own deadline (default :attr:`timeout`): the caller's thread waits on
+        one future for the whole batch, not one per request. Each request is classified as :meth:`call` does
+        (its exception, wrapped the same way, is its result); while the storage backs off every result is
+        :class:`Unavailable`, without I/O. Asynchronous filesystems only."""
+        if not makers:
+            return []
+        now = time.monotonic()
+        if now < self._down_until:
+            down = Unavailable(f"{self.url} is unreachable; next attempt in {self._down_until - now:.1f}s")
+            return [down] * len(makers)
+        deadline = timeout or self.timeout
+
+        async def one(make: Callable[[], Awaitable[T]], gate: asyncio.Semaphore) -> T | BaseException:
+            async with gate:
+                now = time.monotonic()
+                if now < self._down_until:  # an earlier request of the batch found the storage down
+                    return Unavailable(f"{self.url} is unreachable; next attempt in {self._down_until - now:.1f}s")
+                try:
+                    result: T | BaseException = await asyncio.wait_for(make(), deadline)
+                except asyncio.TimeoutError:
+                    result = TimeoutError(f"{self.url}: {what} got no answer within {deadline:g}s")
+                except Exception as exc:  # noqa: BLE001 - the item's result, once classified
+                    result = exc
+                classified: T | BaseException = self._classified(result)
+                return classified
+
+        async def batch() -> list[T | BaseException]:
+            gate = asyncio.Semaphore(limit)
+            return list(await asyncio.gather(*(one(m, gate) for m in makers)))
+
+        future = asyncio.run_coroutine_threadsafe(batch(), self.fs.loop)
+        self.in_flight.add(future)
+        future.add_done_callback(self.in_flight.discard)
+        waves = -(-len(makers) // max(1, limit))
+        try:
+            return future.result(deadline * waves + 1.0)  # the extra second covers a busy event loop
+        except concurrent.futures.CancelledError:  # cancelled by a closing backend
+            raise ClosedError(f"{self.url}: closed while {what} ran") from None
+        except TimeoutError:
+            future.cancel()
+            late = TimeoutError(f"{self.url}: {what} of {len(makers)} got no answer in time")
+            self._mark_down(late)
+            return [late] * len(makers)
+
+    def cancel(self) -> None:
+        """Cancel the batches still running (their callers get :class:`~tierstore.ClosedError`)."""
+        for future in list(self.in_flight):
+            future.cancel()
+
+    def _classified(self, result: Any) -> Any:
+        """One request's outcome as :meth:`_guarded` sees it: the storage marked up or down, the error as it
+        would be raised (wrapped in ``OSError`` where ``_guarded`` wraps it)."""
+        if not isinstance(result, BaseException):
+            self._mark_up()
+            return result
+        try:
+            return self._guarded(_raiser(result), check=False)
+        except BaseException as exc:  # noqa: BLE001 - the classified error is the result
+            return exc
+
     def start_client(self) -> None:
         """Create an s3fs client in the background now (no request is sent), so that the first request
         does not wait for it; a failure here is retried by that request."""
         if self._async and hasattr(self.fs, "set_session"):
             asyncio.run_coroutine_threadsafe(self.fs.set_session(), self.fs.loop)
 
-    def _guarded(self, fn: Callable[[], T]) -> T:
+    def _guarded(self, fn: Callable[[], T], check: bool = True) -> T:
         now = time.monotonic()
-        if now < self._down_until:
+        if check and now < self._down_until:
             raise Unavailable(f"{self.url} is unreachable; next attempt in {self._down_until - now:.1f}s")
         try:
             out = fn()

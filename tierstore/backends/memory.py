@@ -225,7 +225,7 @@ class HostBackend(MemoryBackend):
                         self._lent[run] = n
                     elif run in self._retired:
                         self._retired.discard(run)
-                        self.pool.free(run)  # type: ignore[union-attr]  # runs exist only with a pool
+                        self.pool.free(run)
 
     def _free(self, run: Extent) -> None:
         """Return ``run`` to the pool now, or when its last reader is done (lock held)."""

@@ -2,7 +2,7 @@
 
 No coordinator and no object is read: a listing gives each object's size and last use (its modification
 time, which readers refresh at most once per ``touch_after`` seconds fleet-wide: see
-:meth:`RemoteTier._note_use <tierstore.tiers.remote.RemoteTier>`). :func:`plan` is the whole decision:
+:meth:`FsspecBackend._note_use <tierstore.backends.fsspec.FsspecBackend>`). :func:`plan` is the whole decision:
 
 * temp files (a killed writer's ``*.tso.<hex>.tmp``, a killed publish's ``.publish-*``) older than
   ``stale_after`` (and the grace period) go;

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from ..backends.layout import object_relpath
 from ..keys import ChunkKey
-from ..tiers.layout import object_relpath
 
 Measured = tuple[float, dict[str, Any]]
 
@@ -51,15 +51,15 @@ def measure(s3: Any, count: int = 64, size: int = 1 << 20, in_flight: int = 32, 
 
     import tierstore
 
-    from ..tiers.remote import RemoteTier
+    from ..backends.fsspec import FsspecBackend
     from .s3shim import S3Shim
 
     items = _objects(count, size)
     keys = [k for k, _ in items]
     url = f"s3://{s3.new_bucket('cold')}/kv"
     log(f"  cold: publishing {count} x {size >> 10} KiB")
-    with RemoteTier(url=url, storage_options=s3.storage_options) as writer:
-        if not all(writer.put_many(items)):
+    with FsspecBackend(url=url, storage_options=s3.storage_options) as writer:
+        if any(writer.write_many([(k, writer.prepare(k, v)) for k, v in items])):
             raise RuntimeError("could not publish the cold prefix")
     paths = [f"{url[len('s3://'):]}/{object_relpath(k)}" for k in keys]
     samples: dict[str, list[Measured]] = {}
@@ -86,7 +86,10 @@ def measure(s3: Any, count: int = 64, size: int = 1 << 20, in_flight: int = 32, 
         def started_store() -> tierstore.TieredStore:
             """A fresh store whose client is started and whose connections are open (no key of ours seen)."""
             store = tierstore.open(config(False))
-            store.tier("remote").contains_many([ChunkKey.from_bytes(b"cold-warm-up-%d" % i) for i in range(in_flight)])
+            # HEADs of other keys on the remote level's backend: the client starts, connections open, and the
+            # store's index learns nothing
+            store.tier("remote").backend.stat_many([ChunkKey.from_bytes(b"cold-warm-up-%d" % i)
+                                                    for i in range(in_flight)])
             return store
 
         def lookup_then_load(store: tierstore.TieredStore) -> list[Any]:

@@ -1,10 +1,11 @@
 """``tierstore bench control``: the control plane's cost as the index grows — ``lookup`` time per key and
 index memory per key at 10k, 100k and 1M keys.
 
-The index is a tier's in-memory map of the chunks it holds (:class:`tierstore.policy.LRUPolicy` under
-every tier). Keys are registered the way a disk tier's index rebuild registers what it finds on disk, so
-a million-key index is measured without writing a million files. Memory is what ``tracemalloc`` sees
-the index allocate, the keys included (the index keeps them alive), the bench's list of them excluded.
+The index is the store's control plane (:class:`tierstore.residency.Residency`: per level, the copies it
+holds in LRU order). Keys are registered with ``store.residency.adopt`` on the disk level, the way a store
+opening a disk directory registers what its backend lists, so a million-key index is measured without
+writing a million files. Memory is what ``tracemalloc`` sees the index allocate, the keys included (the
+index keeps them alive), the bench's list of them excluded.
 ``lookup`` is timed on prompts of ``--prompt-chunks`` keys (a 32k-token prompt is 128 chunks of 256
 tokens) at random places in the index, through ``TieredStore.lookup`` as an engine's scheduler calls it.
 """
@@ -23,7 +24,6 @@ import tracemalloc
 from typing import Any
 
 from ..keys import ChunkKey
-from ..tiers.disk import DiskTier
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,14 +40,13 @@ def measure(n_keys: int, prompt_chunks: int = 128, seconds: float = 0.5, workdir
     with tempfile.TemporaryDirectory(prefix="tierstore-bench-control-", dir=workdir) as tmp:
         cfg = {"tiers": [{"kind": "disk", "path": os.path.join(tmp, "disk"), "capacity": n_keys << 20}]}
         with tierstore.open(cfg) as store:
-            tier = store.tier("disk")
-            assert isinstance(tier, DiskTier)
+            level = store.tier("disk").index
             gc.collect()
             tracemalloc.start()
             before = tracemalloc.get_traced_memory()[0]
             keys = [ChunkKey(hashlib.blake2b(i.to_bytes(8, "little"), digest_size=32).digest())
                     for i in range(n_keys)]
-            tier.index_objects((k, 1 << 20) for k in keys)  # as opening the tier registers what it finds
+            store.residency.adopt(level, ((k, 1 << 20) for k in keys))  # as opening the store registers them
             gc.collect()
             index_bytes = tracemalloc.get_traced_memory()[0] - before - sys.getsizeof(keys)  # the bench's own list
             tracemalloc.stop()

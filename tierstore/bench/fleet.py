@@ -26,6 +26,7 @@ import json
 import statistics
 import threading
 import time
+from contextlib import closing
 from typing import Any
 
 import torch
@@ -67,7 +68,7 @@ def one_fleet(s3: Any, n: int, users: int = 2, rounds: int = 4, chunk_tokens: in
     from tierstore.errors import MissingKeyError
     from tierstore.kv import KVCacheStore, KVNamespace
 
-    from ..tiers.remote import RemoteTier
+    from ..backends.fsspec import FsspecBackend
     from .s3shim import S3Shim
 
     bucket = s3.new_bucket("bench-fleet")
@@ -131,7 +132,7 @@ def one_fleet(s3: Any, n: int, users: int = 2, rounds: int = 4, chunk_tokens: in
                 errors.append(exc)
 
         def sidecar() -> None:
-            with RemoteTier(url=url, storage_options=opts, list_on_open=False) as gc:
+            with closing(FsspecBackend(url=url, storage_options=opts, list_on_open=False)) as gc:
                 while not stop_gc.wait(gc_every):
                     before = shim.stats()
                     done = gc.collect_garbage(max_size=budget, grace=0.5)

@@ -1,10 +1,11 @@
 """``tierstore bench gc``: what keeping a shared prefix within budget costs, against its object count.
 
 For each count, a prefix on the local S3 server (through the request-counting shim, no added latency)
-and a ``file://`` prefix are filled with that many objects (object names as the remote tier writes them;
-gc reads names, sizes and times only, so the bodies are a few bytes) with spread-out modification times,
-then ``collect_garbage(max_size=half)`` runs once. Reported: LIST requests, object GETs (target 0),
-DeleteObjects requests, objects removed and seconds. A ``file://`` gc reads no file either way.
+and a ``file://`` prefix are filled with that many objects (object names as the remote backend writes
+them; gc reads names, sizes and times only, so the bodies are a few bytes) with spread-out modification
+times, then the remote backend's ``collect_garbage(max_size=half)`` runs once. Reported: LIST requests,
+object GETs (target 0), DeleteObjects requests, objects removed and seconds. A ``file://`` gc reads no file
+either way.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import json
 import os
 import tempfile
 import time
+from contextlib import closing
 from typing import Any
 
+from ..backends.layout import object_relpath
 from ..keys import ChunkKey
-from ..tiers.layout import object_relpath
 
 BODY = b"x" * 64
 
@@ -34,7 +36,7 @@ def _names(n: int) -> list[str]:
 
 
 def measure_s3(s3: Any, n: int) -> dict[str, Any]:
-    from ..tiers.remote import RemoteTier
+    from ..backends.fsspec import FsspecBackend
     from .s3shim import S3Shim
 
     fs = s3.filesystem()
@@ -42,11 +44,11 @@ def measure_s3(s3: Any, n: int) -> dict[str, Any]:
     root = f"{bucket}/kv"
     fs.pipe({f"{root}/{name}": BODY for name in _names(n)}, batch_size=256)
     with S3Shim(s3.endpoint_url, latency=0.0, bandwidth=0, lifetime=3600) as shim, \
-            RemoteTier(url=f"s3://{root}", storage_options=shim.storage_options(s3.storage_options),
-                       list_on_open=False) as tier:
+            closing(FsspecBackend(url=f"s3://{root}", storage_options=shim.storage_options(s3.storage_options),
+                                  list_on_open=False)) as backend:
         shim.reset()
         t0 = time.perf_counter()
-        done = tier.collect_garbage(max_size=n * len(BODY) // 2, grace=0)
+        done = backend.collect_garbage(max_size=n * len(BODY) // 2, grace=0)
         seconds = time.perf_counter() - t0
         st = shim.stats()
     return {"backend": "s3", "objects": n, "lists": st["lists"], "object_gets": sum(st["gets"].values()),
@@ -55,7 +57,7 @@ def measure_s3(s3: Any, n: int) -> dict[str, Any]:
 
 
 def measure_file(n: int, workdir: str | None = None) -> dict[str, Any]:
-    from ..tiers.remote import RemoteTier
+    from ..backends.fsspec import FsspecBackend
 
     with tempfile.TemporaryDirectory(prefix="tierstore-bench-gc-", dir=workdir) as tmp:
         now = time.time()
@@ -66,9 +68,9 @@ def measure_file(n: int, workdir: str | None = None) -> dict[str, Any]:
                 f.write(BODY)
             t = now - 3600 - i  # spread last uses: LRU order is the creation order reversed
             os.utime(path, (t, t))
-        with RemoteTier(url=f"file://{tmp}", list_on_open=False) as tier:
+        with closing(FsspecBackend(url=f"file://{tmp}", list_on_open=False)) as backend:
             t0 = time.perf_counter()
-            done = tier.collect_garbage(max_size=n * len(BODY) // 2, grace=0)
+            done = backend.collect_garbage(max_size=n * len(BODY) // 2, grace=0)
             seconds = time.perf_counter() - t0
     return {"backend": "file", "objects": n, "lists": 1, "object_gets": 0, "bulk_deletes": 0,
             "requests": None, "removed": done.removed_objects, "seconds": seconds}

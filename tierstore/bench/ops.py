@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,6 +37,15 @@ def get_all_into(store: Any, keys: Sequence[ChunkKey], outs: Sequence[Mapping[st
 
 
 def delete_all(store: Any, keys: Sequence[ChunkKey]) -> None:
-    """Remove ``keys`` from every tier of ``store``."""
-    for tier in store.tiers:
-        tier.delete_many(list(keys))
+    """Remove ``keys`` from every tier of ``store`` (``store.delete``: its index and its storage alike)."""
+    store.delete(list(keys))
+
+
+def wait_for_jobs(store: Any, kinds: Sequence[str] = ("promote", "prefetch"), timeout: float = 60.0) -> None:
+    """Wait until ``store`` runs no transfer job of ``kinds`` (``stats()["jobs"]``): promotions run in the
+    background after the read that admitted them returns. Raises ``TimeoutError`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while any(j["kind"] in kinds for j in store.stats()["jobs"]["running"]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{', '.join(kinds)} jobs still running after {timeout:g} s")
+        time.sleep(0.002)

@@ -28,12 +28,12 @@ import torch
 import xxhash
 
 from .. import objformat
+from ..backends.file import FileBackend
+from ..backends.file_reads import CORES, ONE_READ, raw_view
+from ..backends.objfile import open_for_read
 from ..iov import PIECE
 from ..keys import ChunkKey
 from ..sizes import format_size, parse_size
-from ..tiers.disk import DiskTier
-from ..tiers.disk_batch import CORES, ONE_READ, raw_view
-from ..tiers.objfile import open_for_read
 from .ops import get_all_into, put_all
 
 LMCACHE = "lmcache==0.5.6"
@@ -140,8 +140,8 @@ def run_ours(folder: str, keys: int, size: int, rounds: int) -> dict[str, float]
                 raise RuntimeError(f"tierstore disk tier missed its own objects in round {r}")
         if not all(torch.equal(o["kv"], d["kv"]) for o, d in zip(outs, data, strict=True)):
             raise RuntimeError("tierstore disk tier returned wrong bytes")
-        disk = store.tier("disk")
-        assert isinstance(disk, DiskTier)
+        disk = store.tier("disk").backend
+        assert isinstance(disk, FileBackend)
         paths = [[disk.object_path(k) for k in batch] for batch in batches]
         with ThreadPoolExecutor(CORES) as pool:
             bare_load_t = [bare_read(pool, p, outs) for p in paths]

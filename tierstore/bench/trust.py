@@ -7,7 +7,8 @@ as the MAC is). Per backend, in alternation, median of ``rounds``:
 
 * ``remote get_many``: one ``get_many(out=)`` of every chunk from a remote-only store — every byte crosses
   the trust boundary and is authenticated (target: on ≥ 0.9× off);
-* ``promoted disk load``: the chunks promoted into a disk tier above the remote (under ``retain``), then
+* ``promoted disk load``: the chunks promoted into a disk tier above the remote (under ``retain``, by the
+  promotion job a ``get_many`` starts, waited for untimed by ``flush``), then
   one ``get_many(out=)`` served by the disk tier — local tiers do not verify, so it should not move
   (target: on ≥ 0.95× off);
 * ``encrypted``: the remote ``get_many`` again from a prefix written with ``encrypt: true`` (sealed and
@@ -89,9 +90,9 @@ def _backend(tiers: dict[str, dict[str, Any]], disk_dir: str, items: list[tuple[
                                            tiers[m]], "prefetch_policy": "retain"}) for m in ("on", "off")}
     try:
         for s in stores.values():
-            s.get_many(keys)  # promoted into the disk tier
-            s.flush()
-            if not all(s.tier("disk").contains_many(keys)):
+            s.get_many(keys)  # promoted into the disk tier by a background job once this returns
+            s.flush()  # waits for the promotions under way too
+            if not all("disk" in s.holders(k) for k in keys):
                 raise RuntimeError("the chunks were not promoted into the disk tier")
         disk = _alternate(_reader(stores["on"], keys, outs), _reader(stores["off"], keys, outs), rounds)
     finally:

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from ..backends.layout import PUBLISH_PREFIX
 from ..errors import InvalidInputError
 from ..tensors import byte_view
-from ..backends.layout import PUBLISH_PREFIX
 from .checkpoint import CAS_LAYOUT, INDEX_SUFFIX, open_checkpoint
 from .digest import object_name
 from .header import build_header
