@@ -51,7 +51,7 @@ class VanishingConnector(TierstoreConnector):
         worker = self._worker
         for spec in self._get_connector_metadata().plan.loads:
             keys = worker.kv(spec.tenant).keys(spec.token_ids)
-            deleted = sum(t.delete_many(keys) for t in worker.store.tiers)
+            deleted = worker.store.delete(keys)
             record(deleted=deleted, req=spec.req_id)
         super().start_load_kv(forward_context, **kwargs)
 
