@@ -577,3 +577,26 @@ def test_one_storage_mutation_per_key_and_level(busy_level):
     res.commit_write(KEYS[0], 1 - busy_level, g2, UNIT, 0, put=True)
     res.abort_write(KEYS[0], busy_level, g1)
     assert res.begin_write(KEYS[0], busy_level, g1) is Slot.SUPERSEDED  # a newer put committed meanwhile
+
+
+def test_a_newer_chunk_is_never_dropped_in_place_of_an_older_one_being_written_below():
+    """While the least recently used chunk is being written below, a put that needs room waits for it rather
+    than drop a newer dirty chunk the policy would otherwise give up (the newest chunks are the ones kept)."""
+    res = Residency([LevelSpec("host", 2 * UNIT), LevelSpec("remote", None, shared=True)], Pressure.DROP,
+                    clock=Clock())
+    plane = Plane(res, {})
+    for k in KEYS[:2]:
+        _put(res, plane, k)
+    (in_flight,), _ = res.take_due(1, 1)  # the older chunk's write to the remote is under way
+    assert in_flight.key == KEYS[0]
+    (failing,), _ = res.take_due(1, 1)  # the newer one's write failed: the remote backs off for it
+    res.unpin([Hold(failing.key, failing.source, failing.source_size, failing.gen)])
+    res.abort_write(failing.key, 1, failing.gen, failed=True)
+    gen = res.next_gen()
+    assert res.begin_write(KEYS[2], 0, gen) is Slot.OK
+    room = res.reserve(KEYS[2], 0, UNIT)
+    assert room.reserved is None and not room.victims and room.wait  # wait for the write under way
+    assert res.losses() == ({}, {})
+    res.unpin([Hold(in_flight.key, in_flight.source, in_flight.source_size, in_flight.gen)])
+    res.abort_write(in_flight.key, 1, in_flight.gen, failed=True)  # it failed too: now the oldest may go
+    assert [v.key for v in res.reserve(KEYS[2], 0, UNIT).victims] == [KEYS[0]]

@@ -69,16 +69,18 @@ def test_dirty_chunk_is_written_back_before_eviction(tmp_path):
             return original(items)
 
         lower.write_many = stalled_background_writes
-        for i in range(8):  # host holds 3: five dirty evictions must write synchronously
+        s._transfers.pin_wait = 0.2  # a put whose only victims are being written waits this long, then skips
+        for i in range(8):  # host holds 3: dirty evictions must write synchronously (or the put goes below)
             s.put(key_of(i), chunk(i, CHUNK))
         for i in range(8):
             assert s.where(key_of(i)) is not None, i
-        assert s.stats()["tiers"]["lower"]["writeback_done"] >= 5  # done by evictions, not the writer
+        st = s.stats()["tiers"]
+        assert st["host"]["evictions"] >= 1
+        assert st["lower"]["writeback_done"] >= st["host"]["evictions"]  # each written down, not by the writer
         blocker.set()
         s.flush()
         for i in range(8):
             assert_same(s.get(key_of(i)), chunk(i, CHUNK))
-        assert s.stats()["tiers"]["host"]["evictions"] >= 5
 
 
 def test_retain_promotes_and_transient_does_not(tmp_path):

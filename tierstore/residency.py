@@ -45,7 +45,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from .keys import ChunkKey
 
@@ -91,9 +91,8 @@ class LevelSpec:
     shared: bool = False
 
 
-@dataclass(frozen=True)
-class Hold:
-    """A copy a read may use: pinned until :meth:`Residency.unpin`."""
+class Hold(NamedTuple):
+    """A copy a read may use: pinned until :meth:`Residency.unpin` (a tuple: one is made per key read)."""
 
     key: ChunkKey
     level: int
@@ -111,6 +110,8 @@ class Victim:
     size: int
     gen: int
     down: int | None
+    #: whether the pressure policy may drop it when no level below takes it (not past a chunk being written)
+    droppable: bool = True
 
 
 @dataclass(frozen=True)
@@ -397,18 +398,23 @@ class Residency:
         does. ``touch`` marks the copies most recently used. Each hold goes back through :meth:`unpin`."""
         order = list(range(len(self.levels))) if levels is None else sorted(levels)
         holds: list[Hold | None] = []
+        append, records = holds.append, self._keys
+        candidates = [(i, self.levels[i]) for i in order]
         with self._lock:
             for key in keys:
-                i = self._first_current(key, order)
-                if i is None:
-                    holds.append(None)
-                    continue
-                lv = self.levels[i]
-                packed = lv.copies[key]
-                if touch and key not in lv.evicting:
-                    lv.copies.move_to_end(key)
-                lv.pins[key] = lv.pins.get(key, 0) + 1
-                holds.append(Hold(key, i, packed & _SIZE_MASK, packed >> _SIZE_BITS))
+                rec = records.get(key)
+                found = None
+                if rec is None or not rec.deleting:
+                    for i, lv in candidates:
+                        packed = lv.copies.get(key)
+                        if packed is not None and (rec is None or packed >> _SIZE_BITS == rec.gen):
+                            if touch and key not in lv.evicting:
+                                lv.copies.move_to_end(key)
+                            pins = lv.pins
+                            pins[key] = pins.get(key, 0) + 1
+                            found = Hold(key, i, packed & _SIZE_MASK, packed >> _SIZE_BITS)
+                            break
+                append(found)
         return holds
 
     def unpin(self, holds: Iterable[Hold | None]) -> None:
@@ -580,34 +586,40 @@ class Residency:
 
     def _select_victims(self, level: int, deficit: int, exclude: ChunkKey | None,
                         blocked: list[bool] | None = None) -> list[Victim]:
-        """Victims worth ``deficit`` bytes, least recently used first; ``blocked[0]`` is set when a candidate was
-        passed over because a write of it below is in flight (room will come: wait)."""
+        """Victims worth ``deficit`` bytes, least recently used first. A candidate whose write below is in flight
+        is passed over with ``blocked[0]`` set (room comes when the write ends: wait), and no newer candidate is
+        dropped in its place: past it, a dirty chunk goes only if it can be written below."""
         lv = self.levels[level]
         victims: list[Victim] = []
         freed = 0
+        may_drop = True
         for key, packed in lv.copies.items():
             if freed >= deficit:
                 break
-            if key == exclude or key in lv.pins or key in lv.evicting:
+            if key == exclude or key in lv.evicting:
                 continue
             rec = self._keys.get(key)
-            if rec is not None and (level in rec.busy or rec.deleting):
+            if rec is not None and any(j > level for j in rec.busy):  # being written below (its source pinned)
+                may_drop = False
+                if blocked is not None:
+                    blocked[0] = True
+                continue
+            if key in lv.pins or (rec is not None and (level in rec.busy or rec.deleting)):
                 continue
             gen = packed >> _SIZE_BITS
-            down = self._down_target(key, level, gen)
+            down = self._down_target(key, level, gen, may_drop=may_drop)
             if down is False:
-                if blocked is not None and rec is not None and any(j > level for j in rec.busy):
-                    blocked[0] = True
-                continue  # dirty, not to be saved now (being written below, or the policy keeps it)
+                continue  # dirty and kept by the policy (or, past a chunk being written below, not dropped)
             size = packed & _SIZE_MASK
             self._record(key).busy[level] = REMOVING
             lv.evicting[key] = size
             lv.evicting_bytes += size
-            victims.append(Victim(key, level, size, gen, down if isinstance(down, int) else None))
+            victims.append(Victim(key, level, size, gen, down if isinstance(down, int) else None, may_drop))
             freed += size
         return victims
 
-    def _down_target(self, key: ChunkKey, level: int, gen: int, tried: Iterable[int] = ()) -> int | None | bool:
+    def _down_target(self, key: ChunkKey, level: int, gen: int, tried: Iterable[int] = (),
+                     may_drop: bool = True) -> int | None | bool:
         """Where a victim must be written before it goes: a level (dirty), ``None`` (clean: it may go), or
         ``False`` (dirty and must stay: a write of it below is in flight, or no level below can take it now
         and the policy keeps it). Under ``drop`` a dirty victim with nowhere to go is dropped (``None``), its
@@ -629,7 +641,7 @@ class Residency:
                 in_flight = True  # being written there now: it will be saved (keep it until then)
             elif j not in tried and not self._backing_off(rec, key, j):
                 return j
-        if in_flight or self.pressure is Pressure.KEEP:
+        if in_flight or self.pressure is Pressure.KEEP or not may_drop:
             return False
         for j in range(level + 1, len(self.levels)):
             packed = self.levels[j].copies.get(key)
@@ -676,7 +688,7 @@ class Residency:
         """The write of ``victim`` to its ``down`` level (and ``tried`` ones) failed: the next level to try,
         ``None`` (drop it: clean now, or dropped by the policy) or ``False`` (keep it: call :meth:`keep`)."""
         with self._lock:
-            return self._down_target(victim.key, victim.level, victim.gen, tried)
+            return self._down_target(victim.key, victim.level, victim.gen, tried, may_drop=victim.droppable)
 
     def may_evict(self, victim: Victim) -> bool:
         """Whether ``victim`` may be removed now (no reader pinned it since it was chosen); if not it is kept

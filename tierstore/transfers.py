@@ -457,12 +457,20 @@ class Transfers:
                     got = self._read_level(level, [keys[i] for i in idx],
                                            None if outs is None else [outs[i] for i in idx], device,
                                            level in as_objects)
+                    hits = read = 0
                     for i, r in zip(idx, got, strict=True):
                         h = holds[i]
                         assert h is not None
-                        if not self._settle(i, h.level, h.gen, keys[i], r, results, source):
-                            skip.setdefault(i, set()).add(h.level)
+                        if type(r) is Hit:  # the common case, counted once per level below
+                            results[i] = r.value
+                            source[i] = (level, h.gen)
+                            hits += 1
+                            read += r.size
+                        elif not self._settle(i, level, h.gen, keys[i], r, results, source):
+                            skip.setdefault(i, set()).add(level)
                             again.append(i)
+                    if hits:
+                        self.levels[level].count(hits=hits, bytes_out=read)
             finally:
                 res.unpin(holds)
             unseen = [i for i in todo if holds[i] is None]

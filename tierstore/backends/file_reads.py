@@ -25,8 +25,8 @@ import ctypes
 import os
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
@@ -56,6 +56,9 @@ ONE_READ = 1 << 20
 CORES = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 _P = objformat.PREFIX_SIZE
+#: a byte past a planned read's size: a longer file fills it (its content is never looked at, so every thread
+#: may read into this one)
+_BEYOND = bytearray(1)
 
 
 #: memoryviews of caller buffers by (address, length): an engine reads into the same KV pages again and again,
@@ -63,6 +66,11 @@ _P = objformat.PREFIX_SIZE
 #: tensor at exactly that address and length, so a view outliving its first tensor is never dangling when used.
 _VIEWS: dict[tuple[int, int], memoryview] = {}
 _VIEWS_MAX = 65536
+#: one object per distinct object layout (see ``Plan.layout``)
+_LAYOUTS: dict[tuple[Any, int], tuple[Any, int]] = {}
+_LAYOUTS_MAX = 4096
+#: segments kept per ``out`` mapping (see ``BatchedReader.segments``)
+_SEGMENTS_MAX = 4096
 
 
 def raw_view(t: torch.Tensor) -> memoryview:
@@ -91,6 +99,8 @@ class Plan:
     tensors: tuple[tuple[str, torch.Size, torch.dtype | None, int], ...]
     tail: int  # padding after the last tensor
     mtime_ns: int  # the file's mtime as last seen or set (when to touch it again)
+    #: ``(tensors, tail)``, one shared object for every plan of the same layout (so ``is`` compares them)
+    layout: tuple[Any, int] = field(default=((), 0), repr=False, compare=False)
 
     @classmethod
     def of(cls, path: str, head: bytes, hdr: objformat.Header, mtime_ns: int) -> Plan:
@@ -98,10 +108,13 @@ class Plan:
         for s in hdr.tensors:
             specs.append((s.name, torch.Size(s.shape), s.dtype, s.offset - pos))
             pos = s.offset + s.nbytes
-        return cls(path, head, hdr.object_size, tuple(specs), hdr.raw_size - pos, mtime_ns)
+        tensors, tail = tuple(specs), hdr.raw_size - pos
+        layout = _LAYOUTS.setdefault((tensors, tail), (tensors, tail))
+        if len(_LAYOUTS) > _LAYOUTS_MAX:
+            _LAYOUTS.clear()
+        return cls(path, head, hdr.object_size, tensors, tail, mtime_ns, layout)
 
     def segments(self, out: Mapping[str, torch.Tensor]) -> list[memoryview] | None:
-        """Buffers for the payload in ``out``, or ``None`` when ``out`` does not fit this plan exactly."""
         if len(out) != len(self.tensors):
             return None
         segs: list[memoryview] = []
@@ -125,6 +138,25 @@ class BatchedReader:
         self.backend = backend
         self._plans: dict[ChunkKey, Plan] = {}  # read without the lock (one dict lookup); written under it
         self._lock = threading.Lock()
+        # id(out) -> (out, [(name, tensor, address, numel)], layout, segments): see segments()
+        self._segments: dict[int, tuple[Any, list[tuple[str, torch.Tensor, int, int]], Any, list[memoryview]]] = {}
+
+    def segments(self, plan: Plan, out: Mapping[str, torch.Tensor]) -> list[memoryview] | None:
+        """``plan.segments(out)``, kept per ``out`` with the tensors it was made for (and their addresses and
+        sizes): an engine reads key after key into the same staging buffers, and checking shapes, dtypes and
+        layout costs more than the rest of a 256 KiB read's bookkeeping. Reused for any plan of the same
+        layout while ``out`` holds the same tensors."""
+        kept = self._segments.get(id(out))
+        if kept is not None and kept[0] is out and kept[2] is plan.layout and all(
+                out.get(name) is t and t.data_ptr() == ptr and t.numel() == n for name, t, ptr, n in kept[1]):
+            return kept[3]
+        segs = plan.segments(out)
+        if segs is not None:
+            if len(self._segments) >= _SEGMENTS_MAX:
+                self._segments.clear()
+            self._segments[id(out)] = (out, [(name, t, t.data_ptr(), t.numel()) for name, t in out.items()],
+                                       plan.layout, segs)
+        return segs
 
     def read_many_into(self, keys: list[ChunkKey], outs: list[Mapping[str, torch.Tensor]]) -> list[ReadResult]:
         """Each object into its ``out``, one slice of the batch per I/O thread; per item ``out`` as a dict,
@@ -138,7 +170,7 @@ class BatchedReader:
                 key, out = keys[i], outs[i]
                 size = self._read_planned(key, out)
                 if size:  # verified: nothing to classify
-                    results[i] = Hit(dict(out), size)
+                    results[i] = Hit(out if type(out) is dict else dict(out), size)
                     continue
                 try:
                     results[i] = self.read_into(key, out)
@@ -157,24 +189,23 @@ class BatchedReader:
         plan = self._plans.get(key)  # no lock: one dict lookup
         if plan is None:
             return 0
-        segments = plan.segments(out)
+        segments = self.segments(plan, out)
         if segments is None or len(segments) + 2 > IOV_MAX:
             return 0
         scratch = bytearray(len(plan.head))
-        beyond = bytearray(1)  # a byte past the planned size: a longer file fills it
         try:
             fd = objfile.open_for_read(plan.path)  # a FIFO or directory fails the read below, a symlink the open
         except OSError:
             return 0
         try:
             if plan.size <= ONE_READ:
-                got = os.preadv(fd, [scratch, *segments, beyond], 0)
+                got = os.preadv(fd, [scratch, *segments, _BEYOND], 0)
                 h = xxhash.xxh3_128(memoryview(scratch)[_P:])
                 for s in segments:
                     h.update(s)
             else:
                 h = xxhash.xxh3_128()
-                got = read_into(fd, [scratch, *segments, beyond], h, skip=_P)
+                got = read_into(fd, [scratch, *segments, _BEYOND], h, skip=_P)
             if got != plan.size or scratch != plan.head or h.digest() != plan.head[16:32]:
                 return 0
             plan.mtime_ns = self.backend.touch(fd, plan.mtime_ns)
