@@ -5,7 +5,6 @@ shared level of a store."""
 from __future__ import annotations
 
 import asyncio
-
 import json
 import logging
 import os
