@@ -62,7 +62,8 @@ LOSSES_KEPT = 1 << 16
 
 
 def _pack(gen: int, size: int) -> int:
-    return gen << _SIZE_BITS | size
+    """One int for a copy's generation and size (``size`` itself, no new int, for a copy found in storage)."""
+    return gen << _SIZE_BITS | size if gen else size
 
 
 class Pressure(str, enum.Enum):
