@@ -552,7 +552,7 @@ class TieredStore:
             self._closed.wait(timeout)
             return
         try:
-            self._promoter.stop()
+            self._promoter.stop(deadline)
             self._flush_for_close(deadline)
             self._writeback.stop(max(0.1, deadline - time.monotonic()))
             self._async_pool.shutdown(wait=False, cancel_futures=True)

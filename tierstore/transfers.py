@@ -149,11 +149,17 @@ class Jobs:
             self._finish(job, result=result)
 
         try:
-            executor.submit(body)
+            queued = executor.submit(body)
         except RuntimeError:  # shut down by a racing close()
             self._finish(job, exc=ClosedError("store is closed"))
             raise ClosedError("store is closed") from None
+        queued.add_done_callback(partial(self._cancelled, job))
         return job
+
+    def _cancelled(self, job: Job, queued: Future[None]) -> None:
+        """A job that close() took off its executor's queue before it ran ends with :class:`ClosedError`."""
+        if queued.cancelled():
+            self._finish(job, exc=ClosedError("store is closed"))
 
     def _start(self, kind: str, level: str, keys: int) -> Job:
         job = Job(next(self._ids), kind, level, keys)
@@ -890,6 +896,8 @@ class Promoter:
                 except Exception:  # noqa: BLE001 - a timeout: the flush's own deadline decides
                     return
 
-    def stop(self) -> None:
-        """Cancel queued jobs (running ones finish; the store's close waits for them)."""
+    def stop(self, deadline: float) -> None:
+        """Cancel queued jobs and wait (until ``deadline``) for the running ones: they write into the levels
+        close() is about to shut."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self.wait(deadline)
