@@ -138,13 +138,14 @@ def test_gc_of_an_s3_prefix_reads_no_object_and_lists_once_per_thousand(s3_bucke
 
 
 def test_a_long_listing_has_a_deadline_per_page_not_for_the_whole_walk(s3_bucket, s3_server, shim):
-    n = 1500  # two LIST pages, each answered 0.6 s late: the walk takes longer than any one deadline
+    n = 1500  # two LIST pages, each answered 1 s late: the walk takes longer than any one deadline (each page
+    # still has 0.8 s to spare: a busy CI machine failed the first version of this test, which left 0.3 s)
     opts = shim.storage_options(s3_server.storage_options)
     url = f"s3://{s3_bucket}/kv"
     fill_s3(url, opts, n)
-    with FsspecBackend(url=url, storage_options=opts, list_on_open=False, timeout=1.0) as tier:
-        tier.list_timeout = 0.9
-        shim.set_fault("slow", delay=0.6, methods=["GET"])
+    with FsspecBackend(url=url, storage_options=opts, list_on_open=False, timeout=1.8) as tier:
+        tier.list_timeout = 1.8
+        shim.set_fault("slow", delay=1.0, methods=["GET"])
         try:
             t0 = time.monotonic()
             done = tier.collect_garbage(max_size=None, grace=0)

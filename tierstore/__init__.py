@@ -22,6 +22,7 @@ from .errors import (
     InvalidTypeError,
     LockedError,
     MissingKeyError,
+    ServerUnavailableError,
     TierstoreError,
     TierTimeoutError,
     UnsupportedObjectError,
@@ -60,7 +61,7 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "ChunkKey", "TierstoreError", "ConfigError", "InvalidInputError", "InvalidTypeError",
     "CorruptObjectError", "UnsupportedObjectError", "ForgedObjectError", "MissingKeyError", "CapacityError",
-    "LockedError",
+    "LockedError", "ServerUnavailableError",
     "TierTimeoutError", "ClosedError", "ForkedError", "WriteBackError", "open", "TieredStore", "KVNamespace",
     "KVCacheStore", "weights",
 ]

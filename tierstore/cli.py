@@ -1,5 +1,5 @@
-"""``tierstore`` command line: demo, bench {tiers,kv,weights,peers,control,promotion,metrics,trust,serve,gc,fleet,all,
-vllm}, stats, verify, gc, crashtest, keygen.
+"""``tierstore`` command line: demo, serve, bench {tiers,kv,weights,peers,control,promotion,metrics,server,trust,
+serve,gc,fleet,all,vllm}, stats, verify, gc, crashtest, keygen.
 
 Each verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them up, importing a verb's module when it runs.
@@ -18,6 +18,7 @@ VERBS = {
     "verify": ("tierstore.admin", "re-check every stored object's checksum (read-only unless --repair)"),
     "gc": ("tierstore.admin", "remove stale temp files and corrupt objects (refused while a process owns a disk)"),
     "crashtest": ("tierstore.crashtest", "SIGKILL a writer at random moments and check every acknowledged chunk"),
+    "serve": ("tierstore.serve.command", "one store per node, shared by its engine processes over a Unix socket"),
     "keygen": ("tierstore.keyring", "make a key for sealed shared tiers, or derive a tenant's keys (auth: keys_file)"),
 }
 BENCHES = {
@@ -29,6 +30,7 @@ BENCHES = {
     "promotion": ("tierstore.bench.promotion", "what promotion and write-back cost a reader (S3 shim)"),
     "metrics": ("tierstore.bench.metrics", "the put/get path with Prometheus metrics on vs off"),
     "serve": ("tierstore.bench.serve", "multi-round QA TTFT per round and QPS against an OpenAI-compatible endpoint"),
+    "server": ("tierstore.bench.server", "a get through a node server (tierstore serve) vs the same get in process"),
     "trust": ("tierstore.bench.trust", "what sealing a shared tier (auth) costs a reader: file:// and S3"),
     "gc": ("tierstore.bench.gc", "gc of a shared prefix: requests vs object count (S3 and file://)"),
     "fleet": ("tierstore.bench.fleet", "8-64 instances on one S3 prefix with a gc sidecar: lookup cost vs N"),

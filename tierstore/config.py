@@ -279,7 +279,8 @@ _PERMISSIONS = _one_of(*PERMISSIONS)
 #: every option of every tier kind, with the check that validates (and normalises) its value
 TIER_OPTIONS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
     "device": {"device": _any, "capacity": _capacity},
-    "host": {"capacity": _host_capacity, "pinned": _bool, "pool": _optional_bool, "slot_size": _slot_size},
+    "host": {"capacity": _host_capacity, "pinned": _bool, "pool": _optional_bool, "slot_size": _slot_size,
+             "shared_memory": _bool},
     "disk": {"path": _path, "capacity": _capacity, "durable": _bool, "read_only": _bool,
              "codec": _one_of("none", "zstd"), "io_threads": _positive_int, "permissions": _PERMISSIONS,
              "instances": _positive_int},

@@ -84,6 +84,11 @@ class WriteBackError(TierstoreError, OSError):
         return str(self.args[0])
 
 
+class ServerUnavailableError(TierstoreError, ConnectionError):
+    """A node server (``tierstore serve``) cannot be reached; raised only where a miss would be a lie
+    (``flush``)."""
+
+
 class ClosedError(TierstoreError, RuntimeError):
     """The store or tier has been closed."""
 

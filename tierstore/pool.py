@@ -28,13 +28,22 @@ Extent = tuple[int, int]  # (first slot, slot count)
 class SlotPool:
     """``capacity`` bytes as ``capacity // slot_size`` slots of one flat uint8 tensor."""
 
-    def __init__(self, capacity: int, slot_size: int = 64, pinned: bool = False):
+    def __init__(self, capacity: int, slot_size: int = 64, pinned: bool = False, shared: bool = False):
         if not isinstance(slot_size, int) or slot_size <= 0 or slot_size % 64:
             raise InvalidInputError(f"slot_size must be a positive multiple of 64, got {slot_size}")
         self.slot_size = slot_size
         self.nslots = capacity // slot_size
         self.pinned = pinned and torch.cuda.is_available()
-        self.buffer = torch.empty(self.nslots * slot_size, dtype=torch.uint8, pin_memory=self.pinned)
+        #: with ``shared``: the sealed memfd holding the pool (what a node server hands its clients)
+        self.memfd: int | None = None
+        if shared:
+            from .serve import shm
+
+            self.memfd = shm.create("tierstore-host-pool", self.nslots * slot_size)
+            self.buffer = shm.map_bytes(self.memfd, self.nslots * slot_size)
+            self.pinned = self.pinned and shm.register_for_dma(self.buffer, read_only=False)
+        else:
+            self.buffer = torch.empty(self.nslots * slot_size, dtype=torch.uint8, pin_memory=self.pinned)
         self._lock = threading.Lock()
         self._by_start: dict[int, int] = {}  # free run: first slot -> count
         self._by_end: dict[int, int] = {}  # free run: one past its last slot -> first slot
@@ -78,6 +87,10 @@ class SlotPool:
             if start + n in self._by_start:
                 n += self._remove(start + n)
             self._add(start, n)
+
+    def offset_of(self, t: torch.Tensor) -> int:
+        """Byte offset of ``t``'s first element in the pool (``t`` a view of it)."""
+        return t.data_ptr() - self.buffer.data_ptr()
 
     def view(self, run: Extent) -> torch.Tensor:
         start, n = run

@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from time import perf_counter
@@ -43,7 +44,7 @@ import torch
 
 from .backends import backend_class
 from .backends.base import Backend
-from .config import MetricsConfig, PrefetchPolicy, StoreConfig, WritePolicy, parse_config
+from .config import MetricsConfig, PrefetchPolicy, StoreConfig, WritePolicy, parse_config, read_config
 from .errors import ClosedError, ConfigError, InvalidInputError, InvalidTypeError, TierTimeoutError, WriteBackError
 from .keys import ChunkKey, check_key
 from .lifecycle import Lifecycle, track, untrack
@@ -87,6 +88,18 @@ class Pin:
     keys: tuple[ChunkKey, ...]
     ready: int
     _held: list[Hold] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class Loan:
+    """What :meth:`TieredStore.lend` lent: per key the top tier's own tensors (views of its memory, no copy)
+    or ``None``; valid until :meth:`close`, which gives them back (a second close does nothing)."""
+
+    tensors: list[TensorDict | None]
+    _stack: ExitStack = field(default_factory=ExitStack, repr=False)
+
+    def close(self) -> None:
+        self._stack.close()
 
 
 class TieredStore:
@@ -487,6 +500,37 @@ class TieredStore:
         held, pin._held = pin._held, []
         self.residency.unpin(held)
 
+    def lend(self, keys: Sequence[ChunkKey]) -> Loan:
+        """Each key's tensors as a top tier that lends its memory holds them (the ``host`` pool): views, no
+        copy, held against eviction and against reuse by an overwrite until :meth:`Loan.close`. ``None``
+        where that tier does not hold the key's current value (read those with :meth:`get_many`); all
+        ``None`` if the top tier does not lend. What a node server hands its clients."""
+        keys = _check_keys(keys)
+        with self._life.call():
+            loan = Loan([None] * len(keys))
+            top = self.tiers[0] if self.tiers else None
+            if top is None or not top.caps.zero_copy:
+                return loan
+            holds = self.residency.pin(keys, [0])
+            loan._stack.callback(self.residency.unpin, holds)
+            held = [k for k, h in zip(keys, holds, strict=True) if h is not None]
+            lend = getattr(top.backend, "lend_many", None)
+            if lend is not None:  # the host pool: one pass under its lock
+                tensors, runs = lend(held)
+                loan._stack.callback(top.backend.give_back, runs)  # type: ignore[attr-defined]
+            else:
+                tensors = [loan._stack.enter_context(top.backend.borrow(k)) for k in held]
+            got = iter(tensors)
+            lent = 0
+            for i, h in enumerate(holds):
+                if h is not None:
+                    loan.tensors[i] = t = next(got)
+                    lent += t is not None
+            if lent:
+                top.count(hits=lent)
+                self._count(gets=lent, hits=lent)
+            return loan
+
     # ------------------------------------------------------------------ async forms
     def get_many_async(self, keys: Sequence[ChunkKey], *, out: Outs | None = None,
                        device: str | torch.device = "cpu") -> Future[list[TensorDict | None]]:
@@ -629,10 +673,19 @@ def build_levels(config: StoreConfig) -> list[Level]:
 def open(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> TieredStore:  # noqa: A001 - public name
     """Open a store from a dict, a YAML/JSON file, ``$TIERSTORE_CONFIG`` or the embedded default.
 
+    ``{"server": "unix:///run/tierstore/tierstore.sock"}`` opens a node's ``tierstore serve`` instead: a
+    :class:`~tierstore.serve.client.ServerStore`, with the same methods (optional keys: ``timeout``,
+    ``connections``).
+
     The whole configuration is validated first; a bad key raises :class:`~tierstore.ConfigError`
     naming it before any tier touches storage.
     """
-    cfg = parse_config(config)
+    raw = read_config(config)
+    if "server" in raw:  # a node's `tierstore serve`: the same API, through its socket
+        from .serve.client import ServerStore
+
+        return ServerStore.from_config(raw)  # type: ignore[return-value]
+    cfg = parse_config(raw)
     levels = build_levels(cfg)
     try:
         return TieredStore(levels, cfg.write_policy, cfg.prefetch_policy, cfg.max_in_flight, cfg.close_timeout,

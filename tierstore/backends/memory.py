@@ -15,6 +15,7 @@ When fragmentation leaves no run long enough a write fails with ``ENOMEM`` and t
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -139,21 +140,23 @@ class HostBackend(MemoryBackend):
         pinned: pin the pool (page-locked, DMA-able) when CUDA is present.
         pool: force the pool on or off (default: on from :data:`POOL_MIN` bytes).
         slot_size: the pool's allocation unit (a positive multiple of 64).
+        shared_memory: keep the pool in a sealed memfd (``pool.memfd``) that a node server hands its clients.
     """
 
     kind = "host"
 
     def __init__(self, name: str | None = None, capacity: int | None = None, pinned: bool = True,
-                 pool: bool | None = None, slot_size: int = 64):
+                 pool: bool | None = None, slot_size: int = 64, shared_memory: bool = False):
         opts = check_tier_options("host", {"capacity": capacity, "pinned": pinned, "pool": pool,
-                                           "slot_size": slot_size}, where=f"host tier {name or self.kind!r}")
+                                           "slot_size": slot_size, "shared_memory": shared_memory},
+                                  where=f"host tier {name or self.kind!r}")
         super().__init__(name, device="cpu", pinned=pinned)
         capacity = opts["capacity"]
         use_pool = (capacity is not None and capacity >= POOL_MIN) if pool is None else pool
         self.pool: SlotPool | None = None
         if use_pool and capacity:
             slot_size = max(ALIGN, min(slot_size, capacity // ALIGN * ALIGN))  # a tiny pool still gets a slot
-            self.pool = SlotPool(capacity, slot_size, pinned=self.pinned)
+            self.pool = SlotPool(capacity, slot_size, pinned=self.pinned, shared=opts["shared_memory"])
             self.capacity = self.pool.capacity
         self._runs: dict[ChunkKey, Extent] = {}
         self._lent: dict[Extent, int] = {}  # runs being read or borrowed -> how many readers
@@ -206,26 +209,40 @@ class HostBackend(MemoryBackend):
 
     @contextmanager
     def borrow(self, key: ChunkKey) -> Iterator[TensorDict | None]:
-        if self.pool is None:
-            with super().borrow(key) as data:
-                yield data
-            return
-        with self._lock:
-            data = self._data.get(key)
-            run = self._runs.get(key)
-            if run is not None:
-                self._lent[run] = self._lent.get(run, 0) + 1
+        (data,), runs = self.lend_many([key])
         try:
             yield data
         finally:
-            if run is not None:
-                with self._lock:
-                    n = self._lent.pop(run) - 1
-                    if n:
-                        self._lent[run] = n
-                    elif run in self._retired:
-                        self._retired.discard(run)
-                        self.pool.free(run)
+            self.give_back(runs)
+
+    def lend_many(self, keys: Sequence[ChunkKey]) -> tuple[list[TensorDict | None], list[Extent]]:
+        """Each key's tensors (its own memory, ``None`` if not held) and the pool runs now lent: none is reused
+        — by an overwrite, a delete or an eviction — before :meth:`give_back` returns them."""
+        runs: list[Extent] = []
+        with self._lock:
+            data = [self._data.get(k) for k in keys]
+            if self.pool is not None:
+                lent = self._lent
+                for k in keys:
+                    run = self._runs.get(k)
+                    if run is not None:
+                        lent[run] = lent.get(run, 0) + 1
+                        runs.append(run)
+        return data, runs
+
+    def give_back(self, runs: Sequence[Extent]) -> None:
+        if not runs:
+            return
+        assert self.pool is not None
+        with self._lock:
+            lent = self._lent
+            for run in runs:
+                n = lent.pop(run) - 1
+                if n:
+                    lent[run] = n
+                elif run in self._retired:
+                    self._retired.discard(run)
+                    self.pool.free(run)
 
     def _free(self, run: Extent) -> None:
         """Return ``run`` to the pool now, or when its last reader is done (lock held)."""
@@ -267,3 +284,7 @@ class HostBackend(MemoryBackend):
         with self._lock:
             self._data.clear()
             self._runs.clear()
+            memfd = None if self.pool is None else self.pool.memfd
+            if memfd is not None:  # the mapping stays until its last view is gone
+                self.pool.memfd = None  # type: ignore[union-attr]
+                os.close(memfd)

@@ -1,0 +1,69 @@
+"""Shared memory between the node server and its clients: sealed ``memfd`` regions.
+
+The server makes each region (its host pool, one staging area per connection) and seals it against
+shrinking and growing before any client sees it, so no client can truncate memory the server reads or
+writes (a truncated mapping would kill the server with SIGBUS). The pool goes to clients through a
+read-only descriptor: a client can read chunks out of it but never write into another client's data.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import warnings
+
+import torch
+
+from ..errors import InvalidInputError
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def create(name: str, size: int) -> int:
+    """A new sealed memfd of ``size`` bytes (zero-filled, close-on-exec)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_sealed(fd: int, size: int) -> None:
+    """Refuse a region that could shrink under us or is smaller than ``size``."""
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    if seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL) != fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL:
+        raise InvalidInputError("shared region is not sealed against shrinking")
+    if os.fstat(fd).st_size < size:
+        raise InvalidInputError(f"shared region holds {os.fstat(fd).st_size} bytes, expected {size}")
+
+
+def read_only(fd: int) -> int:
+    """A second, read-only descriptor of the memfd ``fd`` (mapping it writable is refused by the kernel)."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
+def map_bytes(fd: int, size: int, writable: bool = True) -> torch.Tensor:
+    """``size`` bytes of ``fd`` mapped shared, as a flat uint8 tensor (the mapping lives as long as it)."""
+    if size == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    region = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+    with warnings.catch_warnings():  # a read-only mapping: torch warns that writes would fault; we never write
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(region, dtype=torch.uint8)
+
+
+#: cudaHostRegisterReadOnly: the mapping is read-only (the client's view of the pool)
+_REGISTER_READ_ONLY = 8
+
+
+def register_for_dma(t: torch.Tensor, read_only: bool) -> bool:
+    """Page-lock ``t``'s memory for CUDA (copies between it and a GPU are then DMA); whether it was done."""
+    if t.numel() == 0 or not torch.cuda.is_available():
+        return False
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), _REGISTER_READ_ONLY if read_only else 0)
+    return int(rc) == 0
