@@ -118,3 +118,25 @@ def test_two_engines_share_a_remote_tier(tiny_model, baseline, tmp_path, shared_
     assert [r["cached"] for r in b["results"]] == [CHUNK, CHUNK]
     assert [r["tokens"] for r in b["results"]] == baseline
     assert list((tmp_path / "disk-b").rglob("*.tso")), "B promoted the chunk to its own disk tier"
+
+
+def test_engines_on_one_node_server_share_its_host_tier(tiny_model, baseline, tmp_path):
+    """Issue 18: engines whose config names a node server (no tiers of their own, no remote tier): the second
+    engine hits the first's prefix from the server's host memory; a restarted engine hits its own earlier
+    prefix; the scheduler asks the server directly (vLLM's default multiprocess mode too)."""
+    from tierstore.serve.server import NodeServer
+
+    socket_path = tmp_path / "run" / "ts.sock"
+    node = {"tiers": [{"kind": "host", "capacity": "256MiB", "pinned": False}], "serve": {"socket": str(socket_path)}}
+    kv = {**kv_config([]), "kv_connector_extra_config": {"config": {"server": f"unix://{socket_path}"}}}
+    with NodeServer(node).start() as server:
+        a = run_engine({"model": tiny_model, "prompts": PROMPTS[:1], "kv": kv})
+        assert a["results"][0]["cached"] == 0 and a["results"][0]["tokens"] == baseline[0]
+        assert server.store.stats()["tiers"]["host"]["objects"] >= 1
+        assert server.stats()["connections"] >= 2  # the worker's client and the scheduler's own
+        b = run_engine({"model": tiny_model, "prompts": PROMPTS, "kv": kv, "reset_between": True})
+        assert [r["cached"] for r in b["results"]] == [CHUNK, CHUNK]
+        assert [r["tokens"] for r in b["results"]] == baseline
+        again = run_engine({"model": tiny_model, "prompts": PROMPTS[:1], "kv": kv, "inprocess": False})
+        assert again["results"][0]["cached"] == CHUNK and again["results"][0]["tokens"] == baseline[0]
+        assert server.stats()["leases"] == 0

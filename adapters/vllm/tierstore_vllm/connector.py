@@ -62,7 +62,9 @@ class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
     """Shares vLLM's prompt KV through a tierstore (host, disk, S3/shared-fs tiers).
 
     In the scheduler process it answers how many prompt tokens can be loaded by asking every worker
-    rank over a local socket; each worker rank owns its own store (see ``adapters/vllm/README.md``).
+    rank over a local socket; each worker rank owns its own store (see ``adapters/vllm/README.md``). With a
+    node server in the config (``{"server": "unix:///..."}``) every rank loads and saves through it and the
+    scheduler asks it directly (no lookup sockets).
     Supports one full-attention KV cache group (``--disable-hybrid-kv-cache-manager`` is not needed).
     """
 
@@ -86,14 +88,19 @@ class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._server: LookupServer | None = None
         self._client: LookupClient | None = None
         self._deltas: StatsDeltas | None = None
+        self._server_ranks: list[WorkerSide] = []
         if role == KVConnectorRole.SCHEDULER:
             if options.load_failure_policy == "recompute":
                 # read by vLLM's scheduler right after it builds this connector
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
-            paths = [socket_path(options.socket_dir, engine_id, tp, pp)
-                     for pp in range(pp_size) for tp in range(tp_size)]
-            self._client = LookupClient(paths)
-            self._scheduler = SchedulerSide(self._client.ask, chunk_tokens=self._chunk_tokens,
+            if options.through_server:  # a node's `tierstore serve`: ask it directly, no per-rank sockets
+                ask = self._ask_server(vllm_config, options, spec, tp_size, pp_size)
+            else:
+                paths = [socket_path(options.socket_dir, engine_id, tp, pp)
+                         for pp in range(pp_size) for tp in range(tp_size)]
+                self._client = LookupClient(paths)
+                ask = self._client.ask
+            self._scheduler = SchedulerSide(ask, chunk_tokens=self._chunk_tokens,
                                             block_size=self._block_size,
                                             lookup_timeout_s=options.lookup_timeout_s,
                                             remote_wait_s=options.remote_wait_s)
@@ -108,12 +115,27 @@ class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker = WorkerSide(store, namespace, chunk_tokens=self._chunk_tokens, block_size=spec.block_size,
                                   num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
                                   save_memory=options.save_memory)
-        self._server = LookupServer(socket_path(options.socket_dir, engine_id, tp_rank, pp_rank),
-                                    self._worker.answer)
+        if not options.through_server:
+            self._server = LookupServer(socket_path(options.socket_dir, engine_id, tp_rank, pp_rank),
+                                        self._worker.answer)
         self._deltas = StatsDeltas(store, rank=f"tp{tp_rank}pp{pp_rank}")
         atexit.register(self.shutdown)  # flush write-back even when vLLM exits without shutting us down
         log.info("tierstore: worker tp%d/%d pp%d/%d serving %s, chunk %d tokens", tp_rank, tp_size, pp_rank,
                  pp_size, store, self._chunk_tokens)
+
+    def _ask_server(self, vllm_config: VllmConfig, options: ConnectorOptions, spec: Any, tp_size: int,
+                    pp_size: int) -> Any:
+        """Lookups answered from the node server: one answerer per rank over the scheduler's own client, each
+        naming that rank's KV (what the rank's worker would have answered over its socket)."""
+        store = open_store(options.config)
+        model, revision = _model_name(vllm_config, options)
+        ranks = [WorkerSide(store, KVNamespace(model=model, revision=revision, dtype=spec.dtype, layout="mha",
+                                               tp_rank=tp, tp_size=tp_size, pp_rank=pp, pp_size=pp_size),
+                            chunk_tokens=self._chunk_tokens, block_size=spec.block_size,
+                            num_kv_heads=spec.num_kv_heads, head_size=spec.head_size)
+                 for pp in range(pp_size) for tp in range(tp_size)]
+        self._server_ranks = ranks
+        return lambda request: [rank.answer(request) for rank in ranks]
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -179,6 +201,9 @@ class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._client is not None:
             self._client.close()
             self._client = None
+        for rank in self._server_ranks:
+            rank.close()
+        self._server_ranks = []
         if self._scheduler is not None:
             log.info("tierstore: scheduler counters %s, %.3f s in lookups", self._scheduler.counters,
                      self._scheduler.lookup_seconds)

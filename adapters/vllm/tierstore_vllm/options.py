@@ -99,6 +99,12 @@ class ConnectorOptions:
                    remote_wait_s=float(extra.get("remote_wait_s", cls.remote_wait_s)),
                    socket_dir=extra.get("socket_dir"))
 
+    @property
+    def through_server(self) -> bool:
+        """The config names a node server (``{"server": "unix:///..."}``): every rank and the scheduler use it,
+        and the scheduler asks it directly instead of the ranks' lookup sockets."""
+        return "server" in self.config
+
     def chunk_size(self, block_size: int) -> int:
         """Tokens per chunk for vLLM blocks of ``block_size``: a whole number of blocks, so every hit and
         every load is block-aligned."""
