@@ -1,12 +1,16 @@
 """examples/deploy stays deployable: the systemd units pass ``systemd-analyze verify``, the Kubernetes manifests
 refer only to what they define (labels, volumes, ports, Services, the ConfigMap key the connector reads), and
-every tierstore config in them is one tierstore accepts. The launch script itself runs real engines in
+every tierstore config in them is one tierstore accepts. The node server's examples (node-server/, the
+DaemonSet and the engines using it) agree on the socket, its directory's mode and the paths they mount, and
+their node config runs a real ``NodeServer`` here. The launch script itself runs real engines in
 ``make test-engines`` (tests/engines/test_vllm_deploy.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 from urllib.parse import urlparse
@@ -14,11 +18,17 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
+import tierstore
 from tierstore.config import parse_config
+from tierstore.errors import ConfigError
+from tierstore.serve import access
+from tierstore.serve.server import DEFAULT_SOCKET, NodeServer, parse_serve
+from tierstore.testing.data import assert_same, chunk, key_of
 
 DEPLOY = Path(__file__).resolve().parents[1] / "examples" / "deploy"
 K8S = DEPLOY / "k8s"
 SYSTEMD = DEPLOY / "systemd"
+NODE = DEPLOY / "node-server"
 
 
 def test_the_launch_script_parses():
@@ -36,11 +46,11 @@ def systemd_root(tmp_path):
     shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
     units = root / "etc/systemd/system"
     units.mkdir(parents=True)
-    for unit in SYSTEMD.glob("*.service"):
+    for unit in [*SYSTEMD.glob("*.service"), *NODE.glob("*.service")]:
         shutil.copy(unit, units)
     bin_dir = root / "opt/vllm/bin"
     bin_dir.mkdir(parents=True)
-    for name in ("vllm", "vllm-router"):
+    for name in ("vllm", "vllm-router", "tierstore"):
         (bin_dir / name).write_text("#!/bin/sh\n")
         (bin_dir / name).chmod(0o755)
     return root
@@ -53,6 +63,11 @@ def verify(root: Path, *units: str) -> subprocess.CompletedProcess[str]:
 
 def test_the_systemd_units_verify_cleanly(systemd_root):
     r = verify(systemd_root, "tierstore-vllm@a.service", "tierstore-vllm@b.service", "vllm-router.service")
+    assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
+
+
+def test_the_node_server_unit_verifies_cleanly(systemd_root):
+    r = verify(systemd_root, "tierstore-serve.service")
     assert r.returncode == 0 and not (r.stdout + r.stderr).strip(), r.stdout + r.stderr
 
 
@@ -81,6 +96,112 @@ def test_the_systemd_instances_agree_with_the_router_and_their_configs():
     assert _env(SYSTEMD / "a.env")["CUDA_VISIBLE_DEVICES"] != _env(SYSTEMD / "b.env")["CUDA_VISIBLE_DEVICES"]
 
 
+# ---------------------------------------------------------------- the node server (tierstore serve)
+
+def _unit(path: Path) -> dict[str, list[str]]:
+    """``Key=value`` lines of a unit (no continuation lines), every value of a key in order."""
+    out: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        if "=" in line and not line.startswith(("#", ";", "[")):
+            key, value = line.split("=", 1)
+            out.setdefault(key.strip(), []).append(value.strip())
+    return out
+
+
+def runnable(raw: dict, tmp_path: Path) -> dict:
+    """A node config made to run on this machine: a 64 MiB host tier, the disk tier and the socket under
+    ``tmp_path``, our own group in place of the allowed ones (same directory mode), /metrics on any free port."""
+    tiers = [dict(t) for t in raw["tiers"]]
+    tiers[0]["capacity"] = "64MiB"
+    for t in tiers:
+        if t["kind"] == "disk":
+            t["path"] = str(tmp_path / "disk")
+    serve = {**raw["serve"], "socket": str(tmp_path / "run" / Path(raw["serve"]["socket"]).name)}
+    if serve.get("allow_gids"):
+        serve["allow_gids"] = [os.getgid()]
+    out = {**raw, "tiers": tiers, "serve": serve}
+    if "metrics" in out:
+        out["metrics"] = {**out["metrics"], "port": 0, "host": "127.0.0.1"}
+    return out
+
+
+def _mounted(pod: dict, container: dict, path: str) -> dict:
+    """The volume a container mounts at ``path``."""
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    return {v["name"]: v for v in pod["volumes"]}[mounts[path]]
+
+
+def daemonset_node_config() -> dict:
+    """The node config the DaemonSet's server reads: its ``--config`` file, from the ConfigMap mounted there."""
+    pod = by_kind("DaemonSet")["tierstore-node"]["spec"]["template"]["spec"]
+    (server,) = pod["containers"]
+    path = Path(server["command"][server["command"].index("--config") + 1])
+    source = _mounted(pod, server, str(path.parent))["configMap"]["name"]
+    return yaml.safe_load(by_kind("ConfigMap")[source]["data"][path.name])
+
+
+def node_configs() -> dict[str, dict]:
+    return {"node-server/node.yaml": yaml.safe_load((NODE / "node.yaml").read_text()),
+            "k8s DaemonSet": daemonset_node_config()}
+
+
+def test_the_node_configs_agree():
+    """The DaemonSet's ConfigMap is node.yaml with /metrics on the pod's address."""
+    a, b = node_configs().values()
+    assert {k: v for k, v in a.items() if k != "metrics"} == {k: v for k, v in b.items() if k != "metrics"}
+    assert a["serve"]["socket"] == DEFAULT_SOCKET
+
+
+@pytest.mark.parametrize("source", ["node-server/node.yaml", "k8s DaemonSet"])
+def test_the_node_config_runs_a_node_server(source, tmp_path):
+    raw = node_configs()[source]
+    serve = parse_serve(raw["serve"])
+    assert raw["tiers"][0]["kind"] == "host" and raw["tiers"][0]["capacity"]  # what a node server requires
+    mine = runnable(raw, tmp_path)
+    cfg = parse_config({k: v for k, v in mine.items() if k != "serve"})
+    assert [t.kind for t in cfg.tiers] == [t["kind"] for t in raw["tiers"]] == ["host", "disk"]
+    with NodeServer(mine).start() as server:
+        dir_mode, sock_mode = access.modes(serve.allow_uids, serve.allow_gids)
+        assert (dir_mode, sock_mode) == (0o710, 0o660)  # allow_gids: the engines' group may connect
+        assert stat.S_IMODE(os.stat(os.path.dirname(server.config.socket)).st_mode) == dir_mode
+        assert stat.S_IMODE(os.stat(server.config.socket).st_mode) == sock_mode
+        with tierstore.open({"server": f"unix://{server.config.socket}"}) as store:
+            items = [(key_of(i), chunk(i, 100_000)) for i in range(8)]
+            assert store.put_many(items) == [True] * len(items)
+            for (_, value), got in zip(items, store.get_many([k for k, _ in items]), strict=True):
+                assert_same(got, value)
+
+
+def test_the_node_server_unit_fits_the_node_config():
+    unit = _unit(NODE / "tierstore-serve.service")
+    raw = node_configs()["node-server/node.yaml"]
+    serve = parse_serve(raw["serve"])
+    binary, *args = unit["ExecStart"][0].split()
+    assert binary.endswith("/tierstore") and args == ["serve", "--config", "/etc/tierstore/node.yaml"]
+    assert unit["Restart"] == ["always"]
+    # systemd makes the socket directory (/run is root's) with the mode the server itself asks for
+    assert "/run/" + unit["RuntimeDirectory"][0] == os.path.dirname(serve.socket)
+    assert int(unit["RuntimeDirectoryMode"][0], 8) == access.modes(serve.allow_uids, serve.allow_gids)[0]
+    if serve.allow_gids:
+        assert unit.get("SupplementaryGroups")  # the server gives the directory to that group: it must be in it
+    disk = next(t for t in raw["tiers"] if t["kind"] == "disk")
+    assert "/var/cache/" + unit["CacheDirectory"][0] == disk["path"]  # writable under ProtectSystem=strict
+    assert unit["ProtectSystem"] == ["strict"] and unit["NoNewPrivileges"] == ["yes"]
+    assert unit["PrivateTmp"] == ["yes"]
+
+
+def test_the_server_takes_the_runtime_directory_of_the_unit_and_refuses_a_wider_one(tmp_path):
+    """What the RuntimeDirectoryMode comment says: systemd's default 0755 would be refused."""
+    mine = runnable(node_configs()["node-server/node.yaml"], tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    run.chmod(0o755)
+    with pytest.raises(ConfigError, match="wider than 710"):
+        NodeServer(mine)
+    run.chmod(int(_unit(NODE / "tierstore-serve.service")["RuntimeDirectoryMode"][0], 8))
+    NodeServer(mine).close()
+
+
 # ---------------------------------------------------------------- Kubernetes
 
 def manifests() -> list[dict]:
@@ -95,18 +216,35 @@ def by_kind(kind: str) -> dict[str, dict]:
 
 
 def test_every_manifest_is_a_known_kind_with_a_name():
-    known = {("apps/v1", "Deployment"), ("v1", "Service"), ("v1", "ConfigMap"), ("v1", "Secret"),
-             ("v1", "PersistentVolumeClaim")}
+    known = {("apps/v1", "Deployment"), ("apps/v1", "DaemonSet"), ("v1", "Service"), ("v1", "ConfigMap"),
+             ("v1", "Secret"), ("v1", "PersistentVolumeClaim")}
     docs = manifests()
     assert len(docs) >= 8
     for d in docs:
         assert (d["apiVersion"], d["kind"]) in known and d["metadata"]["name"], d
-    assert set(by_kind("Deployment")) == {"engine-a", "engine-b", "vllm-router"}
+    assert set(by_kind("Deployment")) == {"engine-a", "engine-b", "vllm-router", "engine-node"}
+    assert set(by_kind("DaemonSet")) == {"tierstore-node"}
+
+
+def test_each_setup_is_applied_by_its_label():
+    """README: ``kubectl apply -f k8s/ -l app.kubernetes.io/part-of=tierstore-kv`` (two engines, a shared tier)
+    or ``...=tierstore-node`` (the node server and the engines using it)."""
+    parts: dict[str, set[tuple[str, str]]] = {}
+    for d in manifests():
+        parts.setdefault(d["metadata"]["labels"]["app.kubernetes.io/part-of"], set()).add(
+            (d["kind"], d["metadata"]["name"]))
+    assert set(parts) == {"tierstore-kv", "tierstore-node"}
+    assert parts["tierstore-node"] == {("ConfigMap", "tierstore-node-config"), ("DaemonSet", "tierstore-node"),
+                                       ("Deployment", "engine-node"), ("Service", "engine-node")}
+
+
+def workloads() -> dict[str, dict]:
+    return {**by_kind("Deployment"), **by_kind("DaemonSet")}
 
 
 def test_deployments_refer_only_to_what_is_defined():
     configmaps, pvcs, secrets = by_kind("ConfigMap"), by_kind("PersistentVolumeClaim"), by_kind("Secret")
-    for name, dep in by_kind("Deployment").items():
+    for name, dep in workloads().items():
         spec, pod = dep["spec"], dep["spec"]["template"]
         labels = pod["metadata"]["labels"]
         assert spec["selector"]["matchLabels"].items() <= labels.items(), name
@@ -116,7 +254,7 @@ def test_deployments_refer_only_to_what_is_defined():
                 assert v["configMap"]["name"] in configmaps, (name, v)
             if "persistentVolumeClaim" in v:
                 assert v["persistentVolumeClaim"]["claimName"] in pvcs, (name, v)
-        for c in pod["spec"]["containers"]:
+        for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]:
             ports = {p["name"] for p in c.get("ports", [])}
             for m in c.get("volumeMounts", []):
                 assert m["name"] in volumes, (name, m)
@@ -173,3 +311,52 @@ def test_the_engines_read_a_tierstore_config_that_tierstore_accepts():
         assert volumes[mounts[shared_mount]].get("persistentVolumeClaim"), "the shared tier is the shared volume"
         disk = next(t for t in cfg.tiers if t.kind == "disk")
         assert "emptyDir" in volumes[mounts[disk.options["path"]]]  # each pod its own disk tier
+
+
+def test_the_daemonset_serves_the_node_config_on_host_paths():
+    ds = by_kind("DaemonSet")["tierstore-node"]
+    assert (ds["apiVersion"], ds["kind"]) == ("apps/v1", "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    (server,) = pod["containers"]
+    assert server["command"][:3] == ["tierstore", "serve", "--config"]
+    raw = daemonset_node_config()
+    serve = parse_serve(raw["serve"])
+    socket_dir = os.path.dirname(serve.socket)
+    # the socket's directory and the disk tier are the node's, so engine pods and the next server find them
+    socket_volume = _mounted(pod, server, socket_dir)["hostPath"]
+    assert socket_volume["type"] == "DirectoryOrCreate"
+    disk = next(t for t in raw["tiers"] if t["kind"] == "disk")
+    assert "hostPath" in _mounted(pod, server, disk["path"])
+    assert server["readinessProbe"]["exec"]["command"] == ["test", "-S", serve.socket]
+    # kubelet makes a missing hostPath root:root 0755; the init container hands both to the server's user with
+    # the mode the server asks for, and the server must be in the allowed group to give the socket to it
+    ctx = pod["securityContext"]
+    assert set(serve.allow_gids) <= set(ctx["supplementalGroups"])
+    (init,) = pod["initContainers"]
+    script = init["command"][-1]
+    assert f"chown {ctx['runAsUser']}:{ctx['runAsGroup']} {socket_dir} {disk['path']}" in script
+    assert f"chmod {access.modes(serve.allow_uids, serve.allow_gids)[0]:04o} {socket_dir}" in script
+    assert {_mounted(pod, init, p)["name"] for p in (socket_dir, disk["path"])} == \
+        {_mounted(pod, server, p)["name"] for p in (socket_dir, disk["path"])}
+    ports = {p["name"]: p["containerPort"] for p in server["ports"]}
+    assert ports["tierstore-metrics"] == raw["metrics"]["port"]
+
+
+def test_the_engines_reach_the_node_server_through_the_same_host_path():
+    ds_pod = by_kind("DaemonSet")["tierstore-node"]["spec"]["template"]["spec"]
+    serve = parse_serve(daemonset_node_config()["serve"])
+    assert serve.socket == parse_serve(node_configs()["node-server/node.yaml"]["serve"]).socket
+    socket_dir = os.path.dirname(serve.socket)
+    host_dir = _mounted(ds_pod, ds_pod["containers"][0], socket_dir)["hostPath"]["path"]
+    pod = by_kind("Deployment")["engine-node"]["spec"]["template"]["spec"]
+    (engine,) = pod["containers"]
+    cmd = engine["command"]
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "TierstoreConnector" and kv["kv_connector_module_path"] == "tierstore_vllm"
+    config = kv["kv_connector_extra_config"]["config"]
+    assert config == {"server": "unix://" + serve.socket}
+    # the node's socket directory (not the socket file: a restarted server makes a new one) where the URL points
+    assert _mounted(pod, engine, socket_dir)["hostPath"]["path"] == host_dir
+    assert pod["securityContext"]["runAsGroup"] in serve.allow_gids  # what SO_PEERCRED reports to the server
+    with tierstore.open(config) as store:  # a client config tierstore accepts (no server here: misses)
+        assert store.get(key_of(0)) is None

@@ -14,7 +14,9 @@ One thread per connection: a client that sends garbage, never reads, or stalls c
 
 from __future__ import annotations
 
+import functools
 import itertools
+import json
 import logging
 import os
 import secrets
@@ -338,8 +340,6 @@ class Connection:
     def _answer(self, msg: dict[str, Any]) -> None:
         handler = self._handlers.get(msg["op"])
         try:
-            if "release" in msg:  # leases the client is done with, carried by its next request
-                self._release({"op": "release", "leases": msg["release"]})
             if handler is None:
                 raise ProtocolError(f"unknown message type {msg['op']!r}")
             reply = {"ok": True, **handler(msg)}
@@ -349,6 +349,8 @@ class Connection:
         except (errors.TierstoreError, ValueError, TypeError, KeyError, MemoryError) as exc:
             reply = error_reply(exc)
         self._answer_with(reply)
+        if "release" in msg:  # leases the client is done with, carried by this request: given back once it is answered
+            self._release({"op": "release", "leases": msg["release"]})
 
     def _answer_with(self, reply: dict[str, Any]) -> None:
         if not self._send(reply):
@@ -566,15 +568,24 @@ def _wanted(msg: dict[str, Any], n: int) -> list[list[Spec]] | None:
         return None
     if len(specs) > n:
         raise ProtocolError("get: more specs than keys")
-    parsed = []
-    for one in specs:
-        if not isinstance(one, list) or not all(isinstance(x, list) and len(x) == 3 for x in one):
-            raise ProtocolError("get: an out is a list of [name, dtype, shape]")
-        parsed.append(parse_spec([[*x, 0] for x in one], 1 << 62))
+    parsed = [_parsed_out(one) for one in specs]
     index = get_field(msg, "outs", list)
     if len(index) != n or not all(type(j) is int and 0 <= j < len(parsed) for j in index):
         raise ProtocolError("get: outs must give each key the index of its spec")
     return [parsed[j] for j in index]
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_out(text: str) -> list[Spec]:
+    one = json.loads(text)
+    if not isinstance(one, list) or not all(isinstance(x, list) and len(x) == 3 for x in one):
+        raise ProtocolError("get: an out is a list of [name, dtype, shape]")
+    return parse_spec([[*x, 0] for x in one], 1 << 62)
+
+
+def _parsed_out(one: Any) -> list[Spec]:
+    """One ``out``'s tensor list, validated once per distinct list (an engine asks with the same few)."""
+    return _parse_out(json.dumps(one))
 
 
 def _matches(tensors: Mapping[str, Any], want: list[Spec]) -> bool:
