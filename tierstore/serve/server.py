@@ -339,6 +339,8 @@ class Connection:
 
     def _answer(self, msg: dict[str, Any]) -> None:
         handler = self._handlers.get(msg["op"])
+        if "release" in msg:  # leases the client is done with, carried by this request
+            self._release({"op": "release", "leases": msg["release"]})
         try:
             if handler is None:
                 raise ProtocolError(f"unknown message type {msg['op']!r}")
@@ -349,8 +351,6 @@ class Connection:
         except (errors.TierstoreError, ValueError, TypeError, KeyError, MemoryError) as exc:
             reply = error_reply(exc)
         self._answer_with(reply)
-        if "release" in msg:  # leases the client is done with, carried by this request: given back once it is answered
-            self._release({"op": "release", "leases": msg["release"]})
 
     def _answer_with(self, reply: dict[str, Any]) -> None:
         if not self._send(reply):
