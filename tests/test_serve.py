@@ -429,3 +429,34 @@ def test_kv_saved_by_one_process_loads_into_another_ones_paged_cache_through_the
     while node.stats()["leases"] and time.monotonic() < deadline:
         time.sleep(0.02)
     assert node.stats()["leases"] == 0 and node.store.stats()["tiers"]["host"]["pinned"] == 0
+
+
+# ---------------------------------------------------------------------- weights through the server
+WEIGHTS_CLIENT = """
+import json, sys
+import tierstore
+from tierstore import weights
+stats = {}
+with tierstore.open({"server": sys.argv[1]}) as store:
+    got = weights.load(sys.argv[2], store=store, block_size=60_000, stats=stats)
+print(json.dumps({"stats": {k: stats[k] for k in ("source_reads", "cache_hits", "cache_misses")},
+                  "sums": {k: float(v.double().sum()) for k, v in got.items()}}), flush=True)
+"""
+
+
+def test_a_checkpoint_is_read_once_per_node_however_many_processes_load_it(node, tmp_path):
+    from tierstore.weights.synth import write_llm_checkpoint
+
+    write_llm_checkpoint(str(tmp_path / "ckpt"), 2_000_000, shard_size=1_000_000)
+
+    def load_in_a_process():
+        out = subprocess.run([sys.executable, "-c", WEIGHTS_CLIENT, url_of(node), str(tmp_path / "ckpt")],
+                             capture_output=True, text=True, timeout=300, check=True)
+        return json.loads(out.stdout.splitlines()[-1])
+
+    first = load_in_a_process()
+    assert first["stats"]["source_reads"] > 0 and first["stats"]["cache_misses"] > 0
+    for _ in range(2):  # every other process on the node loads it from the server, not from the checkpoint
+        again = load_in_a_process()
+        assert again["stats"]["source_reads"] == 0 and again["stats"]["cache_misses"] == 0
+        assert again["stats"]["cache_hits"] > 0 and again["sums"] == first["sums"]

@@ -28,6 +28,27 @@ def test_fresh_instance_prefetches_what_another_backed_up_bit_exact(tmp_path, ml
         assert not kv_bytes(b.pool, untouched).any(), "only the loaded pages were written"
 
 
+@pytest.mark.parametrize("mla", [False, True])
+def test_instances_on_one_node_server_share_what_they_back_up(tmp_path, mla):
+    """Issue 18: with a node server in the config, a second instance (every rank) prefetches the first's pages
+    from the server's host tier."""
+    from tierstore.serve.server import NodeServer
+
+    node = {"tiers": [{"kind": "host", "capacity": "64MiB", "pinned": False}],
+            "serve": {"socket": str(tmp_path / "run" / "ts.sock")}}
+    with NodeServer(node).start() as server:
+        config = {"config": {"server": f"unix://{server.config.socket}"}}
+        layout = (MLA_LAYOUTS if mla else MHA_LAYOUTS)[0]
+        with Instance(config, mla=mla, layout=layout, seed=1) as a:
+            slots = a.pool.alloc(10 * PAGE)
+            assert a.ctl.backup(slots, PROMPT) == 10
+            want = kv_bytes(a.pool, slots)
+        with Instance(config, mla=mla, layout=layout) as b:
+            loaded, got_slots = b.ctl.prefetch(PROMPT)
+            assert loaded == 10 and torch.equal(kv_bytes(b.pool, got_slots), want)
+        assert server.store.stats()["tiers"]["host"]["objects"] >= 10
+
+
 def test_controller_works_in_batches_of_128_pages(tmp_path):
     tokens = list(range(300 * 2 + 1))
     with Instance(disk(tmp_path / "kv"), seed=2, page=2, size=700) as a:

@@ -85,6 +85,8 @@ class HiCacheBackend:
     def _open_store(self, config: Mapping[str, Any]) -> TieredStore:
         """MLA: the writer rank tells its reader ranks which directory it got (another engine on the host
         may hold the first one: ``instances``), and they open that one (:mod:`tierstore.writer_dirs`)."""
+        if "server" in config:  # a node's `tierstore serve`: every rank uses its store, no directories of their own
+            return open_store(config)
         own = rank_config(config, self._rank_dir(), read_only=not self.is_writer)
         if not self.is_mla:
             return open_store(own)
