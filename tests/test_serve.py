@@ -256,6 +256,22 @@ def test_clients_killed_holding_leases_give_everything_back(node):
             assert_same(store.get(k), chunk(i, 10_000))
 
 
+def test_a_client_drops_its_mapping_of_a_restarted_servers_old_pool(tmp_path):
+    """Each server has its own pool: a client kept the old one mapped (its memory alive) across restarts."""
+    config = node_config(tmp_path)
+    with NodeServer(config).start() as first:
+        store = tierstore.open({"server": url_of(first)})
+        assert store.put(key_of(1), chunk(1, SIZE)) and store.get(key_of(1)) is not None
+        old = first.id
+    with NodeServer(config).start() as second:
+        deadline = time.monotonic() + 5
+        while store.get(key_of(1)) is None and time.monotonic() < deadline:  # from the disk tier, via the new pool
+            time.sleep(0.05)
+        assert store.get(key_of(1)) is not None
+        assert set(store._pools) == {second.id} and old not in store._pools
+        store.close()
+
+
 def test_a_lease_past_its_ttl_is_taken_back(tmp_path):
     with NodeServer(node_config(tmp_path, lease_ttl=0.3)).start() as server:
         with tierstore.open({"server": url_of(server)}) as store:

@@ -215,6 +215,8 @@ class ServerStore:
         with self._lock:
             self.tiers = conn.tiers
             self._counts["reconnects"] += 1
+            for gone in [sid for sid in self._pools if sid != conn.server]:
+                del self._pools[gone]  # a restarted server's old pool: unmapped once the last view of it goes
         return conn
 
     def _take(self) -> _Connection:
