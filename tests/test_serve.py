@@ -206,6 +206,20 @@ def test_a_peer_whose_uid_is_not_allowed_is_refused(tmp_path):
         assert server.stats()["refused"] >= 2
 
 
+def test_a_client_past_max_clients_is_refused_with_a_reply_and_the_others_go_on(tmp_path):
+    with NodeServer(node_config(tmp_path, max_clients=2)).start() as server:
+        first, second = raw_client(server), raw_client(server)
+        third = raw_client(server, hello=False)
+        reply = protocol.read_frame(third)
+        assert not reply["ok"] and "clients" in reply["message"]
+        assert ask(first, {"op": "ping"})["ok"] and ask(second, {"op": "ping"})["ok"]
+        first.close()
+        deadline = time.monotonic() + 5
+        while server.stats()["clients"] > 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ask(raw_client(server), {"op": "ping"})["ok"]  # a freed place is taken again
+
+
 # ---------------------------------------------------------------------- clients that die
 KILLED_CLIENT = """
 import json, socket, struct, sys, time

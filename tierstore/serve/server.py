@@ -204,12 +204,15 @@ class NodeServer:
         if not access.allowed(peer, self.config.allow_uids, self.config.allow_gids):
             refusal = f"uid {peer.uid} / gid {peer.gid} may not use this server"
         with self._lock:
+            if refusal is None and self._closing.is_set():
+                refusal = "server is closing"
             if refusal is None and len(self._clients) >= self.config.max_clients:
                 refusal = f"server has its {self.config.max_clients} clients"
             if refusal is None:
                 conn = Connection(self, sock, peer)
                 self._clients.add(conn)
                 self.counts["connections"] += 1
+                conn.thread.start()  # under the lock: close() never sees a client whose thread has not started
             else:
                 self.counts["refused"] += 1
         if refusal is not None:
@@ -220,8 +223,6 @@ class NodeServer:
             except OSError:
                 pass
             sock.close()
-            return
-        conn.thread.start()
 
     def _gone(self, conn: Connection) -> None:
         with self._lock:
