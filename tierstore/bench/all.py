@@ -107,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
         from . import metrics
         sections["metrics"] = metrics.measure(64, 4096, 21 if quick else 101)
 
+        step("server: a get through a node server (tierstore serve) vs in process")
+        from . import server
+        sections["server"] = server.measure(5 if quick else 31)
+
         step("trust: what sealing a shared tier costs a reader (file:// and S3)")
         from . import trust
         sections["trust"] = trust.measure(8 if quick else 32, (256 << 10) if quick else (4 << 20),

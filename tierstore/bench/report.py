@@ -189,6 +189,12 @@ def _metrics(m: dict[str, Any]) -> str:
     return table(m)
 
 
+def _server(r: dict[str, Any]) -> str:
+    from .server import table
+
+    return table(r)
+
+
 def _trust(t: dict[str, Any]) -> str:
     from .trust import table
 
@@ -250,6 +256,12 @@ def _targets(s: dict[str, Any]) -> str:
         m = s["metrics"]
         add(f"put/get of {format_size(m['size'])} chunks, metrics on ≥ 0.97× off", f"{m['us_per_call_on']:.1f} µs "
             f"vs {m['us_per_call_off']:.1f} µs per call", m["on_vs_off"] / 0.97, 1.0)
+    for c in s.get("server", {}).get("cases", []):
+        from .server import TARGETS
+
+        want = TARGETS[c["case"]]
+        add(f"{c['case']} through a node server ≥ {want}× in process", f"{c['server_gbps']:.2f} vs "
+            f"{c['in_process_gbps']:.2f} GB/s", c["ratio"] / want, 1.0)
     if "trust" in s:
         t = s["trust"]
         n = f"{t['count']} × {format_size(t['size'])}"
@@ -270,7 +282,7 @@ def _targets(s: dict[str, Any]) -> str:
             _ratio(2.0, big["lookup_us_per_key"]), 1.0)
         add(f"index ≤ 200 B/key at {big['keys']:,} keys", f"{big['index_bytes_per_key']:.0f} B",
             _ratio(200.0, big["index_bytes_per_key"]), 1.0)
-    return md_table(["target (issues 9, 17, 19, 20, 21)", "measured", "ratio", "target", ""], rows)
+    return md_table(["target (issues 9, 17, 18, 19, 20, 21)", "measured", "ratio", "target", ""], rows)
 
 
 def write_report(results: dict[str, Any], out: str) -> list[str]:
@@ -293,6 +305,7 @@ def write_report(results: dict[str, Any], out: str) -> list[str]:
                 ("promotion", "Promotion and write-back as a reader sees them (S3 shim, 20 ms first byte)",
                  _promotion, None),
                 ("metrics", "What the Prometheus metrics cost the put/get path", _metrics, None),
+                ("server", "A get through a node server (tierstore serve) vs in process", _server, None),
                 ("trust", "What sealing a shared tier (auth) costs a reader", _trust, None),
                 ("gc", "Keeping a shared prefix within budget (gc --max-size, from listings only)", _gc, None),
                 ("fleet", "A fleet on one S3 prefix with a gc sidecar (instances are threads, each its own store)",
