@@ -534,6 +534,41 @@ def test_pinned_copies_are_never_victims():
     assert [v.key for v in room.victims] == [KEYS[0]]
 
 
+def test_a_pin_release_wakes_a_waiter_for_room_but_not_the_write_back_scheduler():
+    """A read pins and releases its copies: that must wake whoever waits for room (a pinned victim), but not
+    the write-back scheduler, which never waits for a pin (it woke once per read: a GIL hand-off per get)."""
+    import threading
+    import time
+
+    res = _res()
+    plane = Plane(res, {})
+    _put(res, plane, KEYS[0], 2)
+    (hold,) = res.pin([KEYS[0]])
+    gen = res.next_gen()
+    assert res.begin_write(KEYS[1], 0, gen) is Slot.OK
+    got, scheduler_woke = [], threading.Event()
+
+    def wait_for_room():
+        got.append(res.wait_until(lambda: r if (r := res.reserve(KEYS[1], 0, UNIT)).victims else None, poll=30))
+
+    def scheduler():
+        res.wait_for_change(res.changes, timeout=1.0)
+        if res.changes != seen:
+            scheduler_woke.set()
+
+    seen = res.changes
+    threads = [threading.Thread(target=wait_for_room), threading.Thread(target=scheduler)]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    res.unpin([hold])
+    threads[0].join(5)
+    assert got and [v.key for v in got[0].victims] == [KEYS[0]] and time.monotonic() - t0 < 2  # woken, not polled
+    threads[1].join(5)
+    assert not scheduler_woke.is_set() and res.changes == seen
+
+
 def test_a_failing_level_backs_off_and_a_flush_grants_it_another_round():
     clock = Clock()
     res = _res(clock=clock)

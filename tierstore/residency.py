@@ -209,6 +209,9 @@ class Residency:
         self.clock = clock
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
+        #: what :meth:`wait_for_change` waits on (the write-back scheduler): every change but a pin's release,
+        #: which only waiters for room care about (a read releases its pins: no scheduler wake-up per read)
+        self._scheduler = threading.Condition(self._lock)
         self._keys: dict[ChunkKey, _Key] = {}
         #: bumped by every change of state that may let a waiter go on (see :meth:`wait_for_change`)
         self.changes = 0
@@ -242,16 +245,17 @@ class Residency:
     def _changed(self) -> None:
         self.changes += 1
         self._cond.notify_all()
+        self._scheduler.notify_all()
 
     def wait_for_change(self, seen: int, timeout: float) -> None:
         """Wait until :attr:`changes` differs from ``seen`` (read before looking at the state), or ``timeout``."""
         deadline = time.monotonic() + timeout
-        with self._cond:
+        with self._scheduler:
             while self.changes == seen:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return
-                self._cond.wait(remaining)
+                self._scheduler.wait(remaining)
 
     # ------------------------------------------------------------------ generations and copies
     def next_gen(self) -> int:
@@ -431,8 +435,8 @@ class Residency:
                 else:
                     pins.pop(h.key, None)
                     freed = True
-            if freed:
-                self._changed()
+            if freed:  # waiters for room may go on; the write-back scheduler never waits for a pin
+                self._cond.notify_all()
 
     def probe_levels(self, key: ChunkKey) -> list[int]:
         """Shared levels where ``key`` may be stored by another process with its current value (to probe)."""
