@@ -88,6 +88,22 @@ def test_the_store_api_through_the_server_returns_exact_bytes(node):
         assert node.stats()["leases"] == 0  # every get gave its lease back
 
 
+def test_batches_larger_than_the_staging_area_go_in_several_requests_in_order(tmp_path):
+    with NodeServer(node_config(tmp_path, host="1MiB", staging="512KiB")).start() as server, \
+            tierstore.open({"server": url_of(server)}) as store:
+        items = [(key_of(i % 20), chunk(i, SIZE)) for i in range(30)]  # 3 MB; keys 0-9 put twice, last wins
+        assert store.put_many(items) == [True] * 30
+        keys = [key_of(i) for i in range(20)]
+        want = {k: v for k, v in items}
+        for got, k in zip(store.get_many(keys), keys, strict=True):  # mostly from disk, staged 5 at a time
+            assert_same(got, want[k])
+        outs = [{n: torch.empty_like(t) for n, t in want[k].items()} for k in keys]
+        for got, k in zip(store.get_many(keys, out=outs), keys, strict=True):
+            assert_same(got, want[k])
+        huge = chunk(99, 600_000)  # larger than the staging area: refused, never half-written
+        assert store.put_many([(key_of(99), huge)]) == [False] and store.get(key_of(99)) is None
+
+
 def test_a_get_with_a_wrong_out_is_a_miss_and_a_put_is_copied_before_it_is_acknowledged(node):
     with tierstore.open({"server": url_of(node)}) as store:
         value = chunk(1, SIZE)
