@@ -129,6 +129,31 @@ def test_close_waits_for_running_promotions_and_ends_the_queued_ones(tmp_path):
     assert held is None or held <= len(keys)
 
 
+def test_a_prefetch_racing_a_reads_promotion_of_the_same_key_reports_it_promoted(tmp_path):
+    """CI flake (test_state_machine_file_remote): a read's promotion was landing the key in the top tier when a
+    prefetch of it began; the prefetch found the slot busy and reported 0 at once instead of the outcome."""
+    store = tierstore.open(host_disk(tmp_path))
+    try:
+        store.put(key_of(1), chunk(1))
+        store.flush()
+        assert store.evict([key_of(1)], tier="host") == 1
+        host = store.tier("host").backend
+        original, landing = host.write_many, threading.Event()
+
+        def slow_write(items):
+            landing.set()
+            time.sleep(0.3)
+            return original(items)
+
+        host.write_many = slow_write
+        assert store.get(key_of(1)) is not None  # its promotion to host runs in the background
+        assert landing.wait(10)
+        assert store.prefetch([key_of(1)]).result(timeout=30) == 1
+        assert store.where(key_of(1)) == "host"
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("call", ["contains", "contains_many", "lookup", "where", "readiness", "pin", "delete",
                                   "get_many", "put_many", "flush", "prefetch"])
 def test_a_closed_store_refuses_every_call(tmp_path, call):

@@ -459,6 +459,12 @@ class Residency:
             packed = self.levels[level].copies.get(key)
             return packed is not None and packed >> _SIZE_BITS == gen and self._current(key, packed)
 
+    def writing(self, key: ChunkKey, level: int) -> bool:
+        """Whether a write, promotion or removal of ``key`` in ``level`` is in flight."""
+        with self._lock:
+            rec = self._keys.get(key)
+            return rec is not None and level in rec.busy
+
     # ------------------------------------------------------------------ writes
     def begin_write(self, key: ChunkKey, level: int, gen: int) -> Slot:
         """Take the ``(key, level)`` slot to write generation ``gen`` there (see :class:`Slot`)."""

@@ -775,6 +775,8 @@ class Promoter:
         if top is None or source <= top:
             return source == top
         if not res.begin_promote(key, source, gen, top):
+            # another write into the top may be landing this very value (a read's promotion): its outcome counts
+            res.wait_until(lambda: None if res.writing(key, top) else True, time.monotonic() + self.t.pin_wait)
             return res.current_gen(key, top) is not None
         with ExitStack() as stack:
             if data is None:
