@@ -189,20 +189,7 @@ class TieredStore:
         ``False`` where no tier accepted the chunk or the item is malformed (logged); never raises for one
         item. A chunk larger than a tier skips that tier.
         """
-        if isinstance(items, (Mapping, str, bytes)) or not isinstance(items, Iterable):
-            raise InvalidTypeError("put_many takes an iterable of (ChunkKey, Mapping[str, Tensor]) pairs")
-        items = list(items)
-        valid: list[int] = []
-        for i, item in enumerate(items):
-            try:
-                if not isinstance(item, tuple) or len(item) != 2:
-                    raise InvalidTypeError(f"item is {type(item).__name__}, not a (key, tensors) pair")
-                check_key(item[0])
-                validate_chunk(item[1])  # exactly what put() refuses
-            except (TypeError, ValueError) as exc:
-                log.warning("put_many: item %d rejected: %s", i, exc)
-                continue
-            valid.append(i)
+        items, valid = check_items(items)
         return self._put_valid(items, valid)
 
     def put(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -251,7 +238,7 @@ class TieredStore:
     def delete(self, keys: ChunkKey | Sequence[ChunkKey]) -> int:
         """Remove ``keys`` from every tier this store writes (pending write-back included); returns how many
         were held somewhere. A shared tier that cannot be reached keeps its copy."""
-        keys = _check_keys([keys] if isinstance(keys, ChunkKey) else keys)
+        keys = check_keys([keys] if isinstance(keys, ChunkKey) else keys)
         res = self.residency
         with self._life.call():
             n = 0
@@ -271,7 +258,7 @@ class TieredStore:
         """Remove ``keys``' copies from tier ``tier`` as an eviction would (a chunk not yet written below is
         written there first; a pinned or busy one stays); returns how many copies went. The other tiers keep
         theirs: a demotion, not a delete."""
-        keys = _check_keys([keys] if isinstance(keys, ChunkKey) else keys)
+        keys = check_keys([keys] if isinstance(keys, ChunkKey) else keys)
         level = self.tier(tier).index
         with self._life.call():
             n = 0
@@ -342,7 +329,7 @@ class TieredStore:
 
     def _read_checked(self, keys: Sequence[ChunkKey], out: Outs | None, device: str | torch.device
                       ) -> list[TensorDict | InvalidInputError | None]:
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         if out is not None:
             if isinstance(out, Mapping) or not isinstance(out, Sequence):
                 raise InvalidTypeError("out must be a sequence with one Mapping[str, Tensor] per key")
@@ -382,7 +369,7 @@ class TieredStore:
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Whether some tier holds each key; shared tiers are probed concurrently for keys the index lacks."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         with self._life.call():
             return [f is not None for f in self._levels(keys, probe=True)]
 
@@ -428,7 +415,7 @@ class TieredStore:
         only the tiers that are not shared (no I/O either).
         """
         start = perf_counter()
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         with self._life.call():
             found = self._levels(keys, probe=False, local=local)
             n = _leading(found)
@@ -452,7 +439,7 @@ class TieredStore:
         it that is being promoted now. With ``promote``, a background job probes the shared tiers for the keys
         after ``ready`` and promotes the run they hold; those keys are pending meanwhile.
         """
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         with self._life.call():
             ready = len(self.locate(keys, local=True))
             rest = keys[ready:]
@@ -489,7 +476,7 @@ class TieredStore:
         """Hold each key in the highest tier holding its current value against eviction (no I/O), until
         :meth:`release` (engine-style prepare/complete around a load). ``Pin.ready`` is the leading run
         pinned."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         with self._life.call():
             holds = self.residency.pin(list(dict.fromkeys(keys)))
             pinned = {h.key for h in holds if h is not None}
@@ -505,7 +492,7 @@ class TieredStore:
         copy, held against eviction and against reuse by an overwrite until :meth:`Loan.close`. ``None``
         where that tier does not hold the key's current value (read those with :meth:`get_many`); all
         ``None`` if the top tier does not lend. What a node server hands its clients."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         with self._life.call():
             loan = Loan([None] * len(keys))
             top = self.tiers[0] if self.tiers else None
@@ -631,10 +618,30 @@ class TieredStore:
         return f"<TieredStore {' > '.join(lv.name for lv in self.tiers)} {self.write_policy.value}>"
 
 
-def _check_keys(keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+def check_keys(keys: Sequence[ChunkKey]) -> list[ChunkKey]:
     if isinstance(keys, (ChunkKey, str, bytes)) or not isinstance(keys, Iterable):
         raise InvalidTypeError("expected a sequence of ChunkKey")
     return [check_key(k) for k in keys]
+
+
+def check_items(items: Iterable[Item]) -> tuple[list[Item], list[int]]:
+    """``items`` as a list and the indexes of those well formed (exactly what :meth:`TieredStore.put` refuses
+    is left out, logged); raises only if ``items`` is not an iterable of items at all."""
+    if isinstance(items, (Mapping, str, bytes)) or not isinstance(items, Iterable):
+        raise InvalidTypeError("put_many takes an iterable of (ChunkKey, Mapping[str, Tensor]) pairs")
+    items = list(items)
+    valid: list[int] = []
+    for i, item in enumerate(items):
+        try:
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise InvalidTypeError(f"item is {type(item).__name__}, not a (key, tensors) pair")
+            check_key(item[0])
+            validate_chunk(item[1])
+        except (TypeError, ValueError) as exc:
+            log.warning("put_many: item %d rejected: %s", i, exc)
+            continue
+        valid.append(i)
+    return items, valid
 
 
 def _true_or_none(fn: Any, *args: Any) -> bool | None:

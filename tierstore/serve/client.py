@@ -18,8 +18,9 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,7 @@ from .. import errors
 from ..errors import ClosedError, ConfigError, ServerUnavailableError, WriteBackError
 from ..keys import ChunkKey, check_key
 from ..objformat import validate_chunk
+from ..store import Item, Readiness, check_items, check_keys
 from ..telemetry import Counters
 from ..tensors import TensorDict, byte_alias, check_outs, copy_tensors, dtype_name, wait_for_copies
 from . import shm
@@ -56,9 +58,6 @@ RETRY_INTERVAL = 0.5
 CONNECTIONS = 4
 #: seconds an idle connection keeps the leases of its last get before a background pass gives them back
 RELEASE_AFTER = 0.02
-
-Item = tuple[ChunkKey, Mapping[str, torch.Tensor]]
-
 
 @dataclass(frozen=True)
 class TierInfo:
@@ -276,28 +275,43 @@ class ServerStore:
         for c in idle:
             c.close()
 
-    def _request(self, msg: Mapping[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        """One request/reply; :class:`_Unavailable` if the server cannot answer it."""
+    @contextmanager
+    def _connection(self) -> Iterator[_Connection]:
+        """A pooled connection for the ``with`` body: given back after it (an error reply leaves its stream in
+        step), closed if the body broke off otherwise; one whose exchange failed was dropped by :meth:`_call`."""
         conn = self._take()
         try:
-            reply = conn.call(msg, timeout)
-        except (OSError, ProtocolError, KeyError) as exc:
-            self._broken(conn, exc)
-            raise _Unavailable from None
-        except BaseException:
+            yield conn
+        except _Unavailable:
+            raise
+        except errors.TierstoreError:
             self._give_back(conn)
+            raise
+        except BaseException:
+            conn.close()
             raise
         else:
             self._give_back(conn)
-            return reply
         finally:
             self._slots.release()
+
+    def _call(self, conn: _Connection, msg: Mapping[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """One request/reply on ``conn``; :class:`_Unavailable` (``conn`` dropped) if the server cannot answer."""
+        try:
+            return conn.call(msg, timeout)
+        except (OSError, ProtocolError, KeyError) as exc:
+            self._broken(conn, exc)
+            raise _Unavailable from None
+
+    def _request(self, msg: Mapping[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        with self._connection() as conn:
+            return self._call(conn, msg, timeout)
 
     # ------------------------------------------------------------------ reads
     def get_many(self, keys: Sequence[ChunkKey], *, out: Sequence[Mapping[str, torch.Tensor]] | None = None,
                  device: str | torch.device = "cpu") -> list[TensorDict | None]:
         """As :meth:`TieredStore.get_many`; misses while the server cannot be reached."""
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         if out is not None:
             out = list(out)
             if len(out) != len(keys):
@@ -325,13 +339,8 @@ class ServerStore:
             msg["outs"] = [distinct.setdefault(tuple((n, dtype_name(t.dtype), tuple(t.shape))
                                                      for n, t in out[i].items()), len(distinct)) for i in todo]
             msg["specs"] = [[[n, d, list(shape)] for n, d, shape in one] for one in distinct]
-        conn = self._take()
-        try:
-            try:
-                reply = conn.call(msg)
-            except (OSError, ProtocolError, KeyError) as exc:
-                self._broken(conn, exc)
-                raise _Unavailable from None
+        with self._connection() as conn:
+            reply = self._call(conn, msg)
             if "lease" in reply:
                 conn.done.append(reply["lease"])  # given back with the connection's next request
             again = []
@@ -351,15 +360,7 @@ class ServerStore:
                     results[i] = copy_tensors(src, device)
             if out is not None and any(o.device.type == "cuda" for i in todo for o in out[i].values()):
                 wait_for_copies(*(o for i in todo for o in out[i].values()))
-            self._give_back(conn)
             return again
-        except _Unavailable:
-            raise
-        except BaseException:
-            conn.close()
-            raise
-        finally:
-            self._slots.release()
 
     def get(self, key: ChunkKey, *, out: Mapping[str, torch.Tensor] | None = None,
             device: str | torch.device = "cpu") -> TensorDict | None:
@@ -369,21 +370,8 @@ class ServerStore:
     def put_many(self, items: Iterable[Item]) -> list[bool]:
         """As :meth:`TieredStore.put_many`; not acknowledged (``False``) while the server cannot be reached or
         for a chunk larger than the connection's staging area."""
-        if isinstance(items, (Mapping, str, bytes)) or not isinstance(items, Iterable):
-            raise errors.InvalidTypeError("put_many takes an iterable of (ChunkKey, Mapping[str, Tensor]) pairs")
-        items = list(items)
+        items, valid = check_items(items)
         acks = [False] * len(items)
-        valid = []
-        for i, item in enumerate(items):
-            try:
-                if not isinstance(item, tuple) or len(item) != 2:
-                    raise errors.InvalidTypeError(f"item is {type(item).__name__}, not a (key, tensors) pair")
-                check_key(item[0])
-                validate_chunk(item[1])
-            except (TypeError, ValueError) as exc:
-                log.warning("put_many: item %d rejected: %s", i, exc)
-                continue
-            valid.append(i)
         while valid:
             try:
                 valid = self._put_some(items, valid, acks)
@@ -393,8 +381,7 @@ class ServerStore:
 
     def _put_some(self, items: list[Item], todo: list[int], acks: list[bool]) -> list[int]:
         """Put as many of ``todo`` as fit the staging area in one request; the rest, to put next."""
-        conn = self._take()
-        try:
+        with self._connection() as conn:
             size, pos = conn.staging.numel(), 0
             sent: list[int] = []
             wire: list[dict[str, Any]] = []
@@ -415,24 +402,11 @@ class ServerStore:
                 wire.append({"k": key.hex(), "t": spec(tensors, offsets)})
                 pos = end
             if not sent:
-                self._give_back(conn)
                 return []
-            try:
-                reply = conn.call({"op": "put", "items": wire})
-            except (OSError, ProtocolError, KeyError) as exc:
-                self._broken(conn, exc)
-                raise _Unavailable from None
-            self._give_back(conn)
-            for i, ok in zip(sent, reply["acks"], strict=True):
-                acks[i] = bool(ok)
-            return later
-        except _Unavailable:
-            raise
-        except BaseException:
-            conn.close()
-            raise
-        finally:
-            self._slots.release()
+            reply = self._call(conn, {"op": "put", "items": wire})
+        for i, ok in zip(sent, reply["acks"], strict=True):
+            acks[i] = bool(ok)
+        return later
 
     def put(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
         check_key(key)
@@ -452,23 +426,21 @@ class ServerStore:
             return miss
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         return list(self._ask({"op": "contains", "keys": keys}, "found", [False] * len(keys)))
 
     def contains(self, key: ChunkKey) -> bool:
         return self.contains_many([check_key(key)])[0]
 
     def lookup(self, keys: Sequence[ChunkKey], *, probe: bool = True) -> int:
-        return int(self._ask({"op": "lookup", "keys": _check_keys(keys), "probe": bool(probe)}, "n", 0))
+        return int(self._ask({"op": "lookup", "keys": check_keys(keys), "probe": bool(probe)}, "n", 0))
 
     def locate(self, keys: Sequence[ChunkKey], *, probe: bool = True, local: bool = False) -> list[str]:
-        return list(self._ask({"op": "locate", "keys": _check_keys(keys), "probe": bool(probe),
+        return list(self._ask({"op": "locate", "keys": check_keys(keys), "probe": bool(probe),
                                "local": bool(local)}, "tiers", []))
 
     def readiness(self, keys: Sequence[ChunkKey], *, promote: bool = True) -> Any:
-        from ..store import Readiness
-
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         try:
             reply = self._request({"op": "readiness", "keys": hexes(keys), "promote": bool(promote)})
         except _Unavailable:
@@ -491,7 +463,7 @@ class ServerStore:
 
     # ------------------------------------------------------------------ pins, deletes, flush
     def pin(self, keys: Sequence[ChunkKey]) -> ServerPin:
-        keys = _check_keys(keys)
+        keys = check_keys(keys)
         try:
             reply = self._request({"op": "pin", "keys": hexes(keys)})
         except _Unavailable:
@@ -507,11 +479,11 @@ class ServerStore:
                 pass  # the server is gone, and the pin with it
 
     def delete(self, keys: ChunkKey | Sequence[ChunkKey]) -> int:
-        keys = _check_keys([keys] if isinstance(keys, ChunkKey) else keys)
+        keys = check_keys([keys] if isinstance(keys, ChunkKey) else keys)
         return int(self._ask({"op": "delete", "keys": keys}, "n", 0))
 
     def evict(self, keys: ChunkKey | Sequence[ChunkKey], tier: str) -> int:
-        keys = _check_keys([keys] if isinstance(keys, ChunkKey) else keys)
+        keys = check_keys([keys] if isinstance(keys, ChunkKey) else keys)
         return int(self._ask({"op": "evict", "keys": keys, "tier": str(tier)}, "n", 0))
 
     def flush(self, timeout: float | None = None) -> Any:
@@ -583,12 +555,6 @@ class ServerStore:
 
     def __repr__(self) -> str:
         return f"<ServerStore {self.url}>"
-
-
-def _check_keys(keys: Sequence[ChunkKey]) -> list[ChunkKey]:
-    if isinstance(keys, (ChunkKey, str, bytes)) or not isinstance(keys, Iterable):
-        raise errors.InvalidTypeError("expected a sequence of ChunkKey")
-    return [check_key(k) for k in keys]
 
 
 def _copy_out(region: torch.Tensor, item: list[Any], out: Mapping[str, torch.Tensor]) -> TensorDict:
