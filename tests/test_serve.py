@@ -51,13 +51,13 @@ def raw_client(server, hello=True):
         data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 2)
         for fd in fds:
             os.close(fd)
-        assert protocol.read_frame(sock, data)["ok"]
+        assert protocol.Reader(sock, data).frame()["ok"]
     return sock
 
 
 def ask(sock, msg):
     sock.sendall(protocol.encode(msg) if isinstance(msg, dict) else msg)
-    return protocol.read_frame(sock)
+    return protocol.Reader(sock).frame()
 
 
 # ---------------------------------------------------------------------- the API through the server
@@ -215,7 +215,7 @@ def test_a_peer_whose_uid_is_not_allowed_is_refused(tmp_path):
     other = os.getuid() + 4242
     with NodeServer(node_config(tmp_path, allow_uids=[other])).start() as server:
         sock = raw_client(server, hello=False)
-        reply = protocol.read_frame(sock)
+        reply = protocol.Reader(sock).frame()
         assert not reply["ok"] and "may not use this server" in reply["message"]
         with tierstore.open({"server": url_of(server)}) as store:  # a refused client sees misses
             assert store.put(key_of(1), chunk(1, SIZE)) is False and store.get(key_of(1)) is None
@@ -226,7 +226,7 @@ def test_a_client_past_max_clients_is_refused_with_a_reply_and_the_others_go_on(
     with NodeServer(node_config(tmp_path, max_clients=2)).start() as server:
         first, second = raw_client(server), raw_client(server)
         third = raw_client(server, hello=False)
-        reply = protocol.read_frame(third)
+        reply = protocol.Reader(third).frame()
         assert not reply["ok"] and "clients" in reply["message"]
         assert ask(first, {"op": "ping"})["ok"] and ask(second, {"op": "ping"})["ok"]
         first.close()

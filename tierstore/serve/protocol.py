@@ -45,27 +45,6 @@ def encode(msg: Mapping[str, Any]) -> bytes:
     return _HEADER.pack(len(body)) + body
 
 
-def recv_exact(sock: socket.socket, n: int, first: bytes = b"") -> bytes:
-    """``n`` bytes from ``sock`` (``first``: some already received); ``ConnectionError`` at end of stream."""
-    buf = bytearray(first)
-    while len(buf) < n:
-        got = sock.recv(n - len(buf))
-        if not got:
-            raise ConnectionError("connection closed")
-        buf += got
-    return bytes(buf)
-
-
-def read_frame(sock: socket.socket, first: bytes = b"") -> dict[str, Any]:
-    """One message from ``sock``. Raises ``ConnectionError`` at end of stream, :class:`ProtocolError` for a
-    frame over :data:`MAX_FRAME` (the stream cannot be trusted after it) or one that is not a JSON object."""
-    head = recv_exact(sock, _HEADER.size, first[:_HEADER.size])
-    (n,) = _HEADER.unpack(head)
-    if n > MAX_FRAME:
-        raise FrameTooLarge(f"frame of {n} bytes is over the {MAX_FRAME}-byte limit")
-    return decode(recv_exact(sock, n, first[_HEADER.size:]))
-
-
 class FrameTooLarge(ProtocolError):
     """The length prefix is over :data:`MAX_FRAME`: the connection is closed after the error reply."""
 
@@ -89,7 +68,9 @@ class Reader:
         self._buf = bytearray(first)
 
     def frame(self) -> dict[str, Any]:
-        """The next message; errors as :func:`read_frame`."""
+        """The next message. Raises ``ConnectionError`` at end of stream, :class:`FrameTooLarge` for a frame
+        over :data:`MAX_FRAME` (the stream cannot be trusted after it), :class:`ProtocolError` for one that is
+        not a JSON object."""
         buf = self._buf
         while True:
             if len(buf) >= _HEADER.size:

@@ -340,7 +340,10 @@ class Connection:
 
     def _answer(self, msg: dict[str, Any]) -> None:
         handler = self._handlers.get(msg["op"])
-        if "release" in msg:  # leases the client is done with, carried by this request
+        # Leases the client is done with, carried by this request. A get gives them back after its reply
+        # (while the client copies): a get needs no room, and the reply is on the client's critical path.
+        later = msg["op"] == "get" and "release" in msg
+        if "release" in msg and not later:
             self._release({"op": "release", "leases": msg["release"]})
         try:
             if handler is None:
@@ -352,6 +355,8 @@ class Connection:
         except (errors.TierstoreError, ValueError, TypeError, KeyError, MemoryError) as exc:
             reply = error_reply(exc)
         self._answer_with(reply)
+        if later:
+            self._release({"op": "release", "leases": msg["release"]})
 
     def _answer_with(self, reply: dict[str, Any]) -> None:
         if not self._send(reply):
