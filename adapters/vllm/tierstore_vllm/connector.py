@@ -95,6 +95,7 @@ class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
                 self._kv_transfer_config.kv_load_failure_policy = "recompute"
             if options.through_server:  # a node's `tierstore serve`: ask it directly, no per-rank sockets
                 ask = self._ask_server(vllm_config, options, spec, tp_size, pp_size)
+                self._deltas = StatsDeltas(self._server_ranks[0].store, rank="scheduler", tiers=False)
             else:
                 paths = [socket_path(options.socket_dir, engine_id, tp, pp)
                          for pp in range(pp_size) for tp in range(tp_size)]
@@ -118,7 +119,7 @@ class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
         if not options.through_server:
             self._server = LookupServer(socket_path(options.socket_dir, engine_id, tp_rank, pp_rank),
                                         self._worker.answer)
-        self._deltas = StatsDeltas(store, rank=f"tp{tp_rank}pp{pp_rank}")
+        self._deltas = StatsDeltas(store, rank=f"tp{tp_rank}pp{pp_rank}", tiers=not options.through_server)
         atexit.register(self.shutdown)  # flush write-back even when vLLM exits without shutting us down
         log.info("tierstore: worker tp%d/%d pp%d/%d serving %s, chunk %d tokens", tp_rank, tp_size, pp_rank,
                  pp_size, store, self._chunk_tokens)
@@ -178,8 +179,9 @@ class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------------ metrics (vLLM's /metrics)
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """This rank's store counters since the last step (worker side; the scheduler side has none)."""
-        return self._deltas.take() if self._deltas is not None and self._worker is not None else None
+        """This rank's store counters since the last step (worker side), or, with a node server, the lookups'
+        token counters (scheduler side, where the lookups run)."""
+        return self._deltas.take() if self._deltas is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

@@ -1,6 +1,7 @@
 """tierstore's metrics on vLLM's own ``/metrics``, through the connector stats API.
 
-Each worker rank turns its store's ``stats()`` into deltas once per step (:class:`StatsDeltas`); vLLM ships
+Each worker rank turns its store's ``stats()`` into deltas once per step (:class:`StatsDeltas`; with a node
+server, the scheduler its lookups' token counters, and the tiers are the server's to report); vLLM ships
 them to the process that serves ``/metrics`` (the API server, when the engine core runs in another process),
 sums them over ranks (:class:`TierstoreStats`) and hands them to :class:`TierstorePromMetrics`, which
 registers the families of :data:`tierstore.metrics.TIER_FAMILIES` with vLLM's metric classes and labels
@@ -51,17 +52,25 @@ class TierstoreStats(KVConnectorStats):
 
 
 class StatsDeltas:
-    """What one rank's store counted since the last call (:meth:`take`), in :class:`TierstoreStats` form."""
+    """What one rank's store counted since the last call (:meth:`take`), in :class:`TierstoreStats` form.
 
-    def __init__(self, store: Any, rank: str) -> None:
+    ``tiers=False`` for a node server's client: its tiers are the node's, counted once on the server's own
+    ``/metrics`` (each engine reporting them would count every hit once per engine); only this process's
+    token counters (``kv_lookup_tokens``, ``kv_hit_tokens``) are taken, with no request to the server."""
+
+    def __init__(self, store: Any, rank: str, tiers: bool = True) -> None:
         self.store = store
         self.rank = rank
+        self.tiers = tiers
         self._last: dict[str, float] = {}
         self._gauges: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def take(self) -> TierstoreStats | None:
-        st = self.store.stats()
+        if self.tiers:
+            st = self.store.stats()
+        else:
+            st = {"tiers": {t.name: {} for t in self.store.tiers}, "counters": self.store.counters.snapshot()}
         now: dict[str, float] = {}
         gauges: dict[str, float] = {}
         for tier, ts in st["tiers"].items():
