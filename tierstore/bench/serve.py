@@ -23,6 +23,9 @@ cache stays on except in ``recompute``):
 * ``prefix-cache``: vLLM's own prefix cache only;
 * ``tierstore``: + the TierstoreConnector, host and disk tiers per instance;
 * ``tierstore-shared``: + a ``file://`` shared tier (an NFS mount's stand-in) behind both instances.
+* ``tierstore-serve``: + one ``tierstore serve`` for the node, its host and disk tiers used by both instances;
+* ``lmcache-mp``: LMCache's multiprocess server instead (its ``LMCacheMPConnector``, host memory and a disk
+  tier for the node; ``make lmcache-peer`` installs it).
 
 Without ``--model`` a random-weight Llama is built (``--layers``, ``--hidden``) so that prefill costs what
 a real model's does per token on this CPU; ``--kv-space`` (``VLLM_CPU_KVCACHE_SPACE``, GiB) sizes the
@@ -55,6 +58,8 @@ CONFIGS = {
     "prefix-cache": ({"KV": "none", "SHARED": "none"}, ""),
     "tierstore": ({"KV": "tierstore", "SHARED": "none"}, ""),
     "tierstore-shared": ({"KV": "tierstore", "SHARED": "file://{workdir}/shared"}, ""),
+    "tierstore-serve": ({"KV": "tierstore-serve", "SHARED": "none"}, ""),
+    "lmcache-mp": ({"KV": "lmcache-mp", "SHARED": "none"}, ""),
 }
 HIT_FAMILIES = ("tierstore_kv_lookup_tokens_total", "tierstore_kv_hit_tokens_total",
                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
