@@ -60,6 +60,25 @@ def test_save_load_round_trip_is_bit_exact(store, dtype):
     assert s["saved_chunks"] == 3 and s["skipped_chunks"] == 3 and s["loaded_chunks"] == 5
 
 
+def test_save_from_start_extends_a_saved_prefix_without_its_kv(store):
+    """A conversation's decoded tokens: the prompt was saved; later only the KV from ``start`` on is at hand."""
+    kv = KVCacheStore(store, KVNamespace(model="m", dtype=torch.float32), chunk_tokens=C)
+    toks, layers = ids(4 * C + 3), random_kv(4 * C + 3)
+    assert kv.save(toks[:2 * C], [t[:, :2 * C] for t in layers]) == 2 * C
+    tail = [t[:, 2 * C:] for t in layers]
+    assert kv.save(toks, tail, start=2 * C) == 2 * C  # chunks 2 and 3 (the last partial one is not stored)
+    got = kv.load(toks)
+    assert all(torch.equal(g, ref[:, :4 * C]) for g, ref in zip(got, layers, strict=True))
+    assert kv.save(toks, tail, start=2 * C) == 0  # held already
+    assert kv.save(toks, [t[:, 4 * C:] for t in layers], start=4 * C) == 0  # only a partial chunk past start
+    for bad in (C // 2, -C, 5 * C, 2.0 * C):
+        with pytest.raises(InvalidInputError, match="start"):
+            kv.save(toks, tail, start=bad)
+    with pytest.raises(InvalidInputError, match="tokens"):
+        kv.save(toks, layers, start=2 * C)  # the layers must hold exactly the tokens from start
+    assert kv.load(toks) is not None and kv.lookup(toks) == 4 * C  # nothing stored was harmed
+
+
 def test_mla_layout(store):
     kv = KVCacheStore(store, KVNamespace(model="m", layout="mla", dtype="float16"), chunk_tokens=C)
     toks = ids(2 * C)

@@ -202,6 +202,38 @@ def test_chunked_prefill_saves_once_the_prompt_is_complete(tmp_path):
         e.close()
 
 
+def test_decoded_tokens_are_saved_by_chunk_from_where_the_prompt_left_off(tmp_path):
+    """A multi-round chat's next prompt holds this round's answer: each chunk the decoded tokens fill is saved
+    (only the new part copied out of the paged cache), and another engine hits prompt and answer alike."""
+    a = Engine(tmp_path, tiers(tmp_path), caches_seed=1)
+    blocks = [*A_BLOCKS, 30, 31]  # 7 blocks of 16: 112 tokens
+    req = Request("r", PROMPT)
+    try:
+        assert a.serve(req, blocks[:5]) == 0  # the prompt (80 tokens): its two full chunks are saved
+        saves = []
+        for computed in range(len(PROMPT), 112):  # decode one token a step; a new block at 80 and at 96
+            req.output_token_ids.append(500 + computed)
+            new = (blocks[computed // BLOCK:computed // BLOCK + 1],) if computed % BLOCK == 0 else None
+            plan = a.step(SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["r"], set(), [new], [computed]),
+                                          num_scheduled_tokens={"r": 1}))
+            saves += [(computed + 1, s.start, len(s.token_ids), s.block_ids) for s in plan.saves]
+        assert saves == [(96, 64, 96, blocks[:6])], "once, when the third chunk is full, from the second's end"
+        assert a.workers[0].counters["saved_tokens"] == 96
+        conversation = req.all_token_ids[:96]
+        want = [kv_of(a, rank, blocks, 96) for rank in range(2)]
+    finally:
+        a.close()
+    b = Engine(tmp_path, tiers(tmp_path))
+    try:
+        nxt = Request("next", [*conversation, 7, 8, 9])  # the next round: this answer and a new question
+        assert b.serve(nxt, B_BLOCKS + [25, 26]) == 96
+        for rank in range(2):
+            got = kv_of(b, rank, B_BLOCKS + [25, 26], 96)
+            assert all(torch.equal(g, w) for g, w in zip(got, want[rank], strict=True))
+    finally:
+        b.close()
+
+
 def test_concurrent_lookups_and_steps(tmp_path, saved):
     """Lookups answered on the server threads while steps load and save on the main thread."""
     sys.setswitchinterval(1e-6)

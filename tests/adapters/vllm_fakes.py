@@ -25,6 +25,11 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     cache_salt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)  # grows as the engine decodes
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
 
 @dataclass

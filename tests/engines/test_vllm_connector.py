@@ -140,3 +140,18 @@ def test_engines_on_one_node_server_share_its_host_tier(tiny_model, baseline, tm
         again = run_engine({"model": tiny_model, "prompts": PROMPTS[:1], "kv": kv, "inprocess": False})
         assert again["results"][0]["cached"] == CHUNK and again["results"][0]["tokens"] == baseline[0]
         assert server.stats()["leases"] == 0
+
+
+def test_a_conversations_next_round_hits_the_tokens_the_last_one_decoded(tiny_model, tmp_path):
+    """Issue 22: round N's answer is in round N+1's prompt. Engine A decodes 250 tokens after a 303-token
+    prompt (past 512 tokens in all); a fresh engine B, given prompt + answer + a question, loads two chunks —
+    the second one made of decoded tokens — and answers exactly as an engine without the connector."""
+    disk = tmp_path / "disk"
+    first = PROMPTS[0]
+    a = run_engine({"model": tiny_model, "prompts": [first], "kv": kv_config(local_tiers(disk)), "max_tokens": 250})
+    answer = a["results"][0]["tokens"]
+    nxt = first + answer + [31, 32, 33]
+    plain = run_engine({"model": tiny_model, "prompts": [nxt]})["results"][0]
+    b = run_engine({"model": tiny_model, "prompts": [nxt], "kv": kv_config(local_tiers(disk))})["results"][0]
+    assert b["cached"] == 2 * CHUNK  # without decoded-token saves: one chunk (the prompt's)
+    assert b["tokens"] == plain["tokens"]

@@ -222,31 +222,38 @@ class KVCacheStore:
         return self.store.prefetch([k for key in self.keys(token_ids) for k in self._object_keys(key, groups)])
 
     # ------------------------------------------------------------------ save
-    def save(self, token_ids: TokenIds, layers: Sequence[torch.Tensor]) -> int:
+    def save(self, token_ids: TokenIds, layers: Sequence[torch.Tensor], *, start: int = 0) -> int:
         """Store the KV of ``token_ids``; return how many tokens' chunks were newly written.
 
         ``layers`` holds one tensor per layer, ``(2, n_tokens, kv_heads, head_dim)`` (MLA namespaces:
-        ``(n_tokens, latent_dim)``), all of the namespace's dtype, with ``n_tokens == len(token_ids)``.
-        Chunks already held (the leading run found by ``lookup``) are skipped. Returns once the top tier
-        holds every new chunk; lower tiers are written in the background (``store.flush()`` waits).
+        ``(n_tokens, latent_dim)``), all of the namespace's dtype, with ``n_tokens == len(token_ids) - start``:
+        the KV of tokens ``[start, len(token_ids))``. ``start`` (a multiple of the chunk size) extends a prefix
+        saved before — a conversation's decoded tokens — without copying it again. Chunks already held (the
+        leading run found by ``lookup``) are skipped. Returns once the top tier holds every new chunk; lower
+        tiers are written in the background (``store.flush()`` waits).
         """
         tokens = token_tensor(token_ids)
-        self._check_layers(layers, len(tokens))
+        if type(start) is not int or not 0 <= start <= len(tokens) or start % self.chunk_tokens:
+            raise InvalidInputError(f"start must be a multiple of {self.chunk_tokens} tokens within the "
+                                    f"{len(tokens)} token ids, got {start!r}")
+        self._check_layers(layers, len(tokens) - start)
         keys = prefix_keys(self.namespace, tokens, partial=self.partial_chunks)
         groups = self._groups(len(layers)) or [(0, len(layers))]
-        have = self._held(keys)
+        first = start // self.chunk_tokens
+        have = first + self._held(keys[first:])  # chunks held from ``start`` on
         items = []
         for i in range(have, len(keys)):
-            start = i * self.chunk_tokens
-            end = min(start + self.chunk_tokens, len(tokens))
+            lo_token = i * self.chunk_tokens
+            hi_token = min(lo_token + self.chunk_tokens, len(tokens))
             objects = self._object_keys(keys[i], self._groups(len(layers)))
             for k, (lo, hi) in zip(objects, groups, strict=True):
-                items.append((k, {_LAYER.format(j): self._slice(layers[j], start, end) for j in range(lo, hi)}))
+                items.append((k, {_LAYER.format(j): self._slice(layers[j], lo_token - start, hi_token - start)
+                                  for j in range(lo, hi)}))
         ok = self.store.put_many(items) if items else []
         per = len(groups)
         written = sum(min(self.chunk_tokens, len(tokens) - i * self.chunk_tokens)
                       for n, i in enumerate(range(have, len(keys))) if all(ok[n * per:(n + 1) * per]))
-        self._count(saved_chunks=len(keys) - have, skipped_chunks=have)
+        self._count(saved_chunks=len(keys) - have, skipped_chunks=have - first)
         return written
 
     def _check_layers(self, layers: object, n_tokens: int) -> None:

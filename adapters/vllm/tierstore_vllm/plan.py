@@ -24,12 +24,14 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """Save the KV of ``token_ids`` (the prompt's full chunks), held in ``block_ids`` in order."""
+    """Save the KV of ``token_ids`` (full chunks of the prompt and of the tokens decoded after it), held in
+    ``block_ids`` in order; tokens ``[0, start)`` were saved by an earlier step (only the rest is copied)."""
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
     tenant: str | None = None
+    start: int = 0
 
 
 @dataclass

@@ -32,13 +32,13 @@ class _Lookup:
 
 @dataclass
 class _Tracked:
-    """A scheduled request whose prompt is not saved yet."""
+    """A scheduled request: its blocks and how far its tokens (prompt, then decoded) are saved."""
 
     prompt: list[int]
     block_ids: list[int]
     tenant: str | None
-    stored: int  # leading tokens the store already holds (no need to save them)
-    saved: bool = False
+    stored: int  # leading tokens the store holds (no need to save them again)
+    request: Any = None  # vLLM's live Request (its all_token_ids grows as tokens are decoded)
 
 
 def tenant_of(request: Any) -> str | None:
@@ -68,6 +68,7 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
         self._tenants: dict[str, str] = {}  # the scheduler output does not carry cache_salt
+        self._requests: dict[str, Any] = {}  # live Request objects: their decoded tokens (saved by chunk)
         self._warned = False
         self.counters = dict.fromkeys(("lookups", "ask_again", "hit_tokens", "lookup_errors", "loads",
                                        "saves"), 0)
@@ -101,6 +102,7 @@ class SchedulerSide:
         tenant = tenant_of(request)
         if tenant is not None:
             self._tenants[rid] = tenant
+        self._requests[rid] = request
         prompt = request.prompt_token_ids
         limit = self._limit(prompt)
         if limit <= num_computed_tokens:
@@ -172,12 +174,12 @@ class SchedulerSide:
             self._tracked[new.req_id] = _Tracked(
                 prompt=prompt, block_ids=list(new.block_ids[0]) if new.block_ids else [],
                 tenant=self._tenants.pop(new.req_id, None),
-                stored=(state.hit or 0) if state is not None else 0)
+                stored=(state.hit or 0) if state is not None else 0, request=self._requests.pop(new.req_id, None))
             self._maybe_save(plan, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             tracked = self._tracked.get(rid)
-            if tracked is None or tracked.saved:
+            if tracked is None:
                 continue
             new_ids = cached.new_block_ids[i]
             if new_ids is not None:
@@ -189,21 +191,32 @@ class SchedulerSide:
         return plan
 
     def _maybe_save(self, plan: StepPlan, rid: str, computed_after_step: int) -> None:
+        """Once the prompt is computed, save its full chunks; after that, each chunk the decoded tokens fill
+        (a multi-round chat's next prompt holds this answer). Only what no earlier save covered is copied."""
         tracked = self._tracked[rid]
         if computed_after_step < len(tracked.prompt):
             return
-        tracked.saved = True
-        n = len(tracked.prompt) - len(tracked.prompt) % self.chunk_tokens
-        if n > tracked.stored:
-            blocks = -(-n // self.block_size)
-            plan.saves.append(SaveSpec(rid, tracked.prompt[:n], tracked.block_ids[:blocks], tracked.tenant))
-            self.counters["saves"] += 1
+        everything = getattr(tracked.request, "all_token_ids", None)  # prompt and decoded tokens
+        known = len(tracked.prompt)
+        if computed_after_step > known and everything is not None:
+            known = len(everything)
+        n = min(computed_after_step, known)
+        n -= n % self.chunk_tokens
+        if n <= tracked.stored:
+            return
+        tokens = tracked.prompt if n <= len(tracked.prompt) else list(everything)
+        start = tracked.stored - tracked.stored % self.chunk_tokens
+        blocks = -(-n // self.block_size)
+        plan.saves.append(SaveSpec(rid, tokens[:n], tracked.block_ids[:blocks], tracked.tenant, start))
+        tracked.stored = n
+        self.counters["saves"] += 1
 
     def request_finished(self, request: Any) -> None:
         rid = request.request_id
         self._lookups.pop(rid, None)
         self._tracked.pop(rid, None)
         self._tenants.pop(rid, None)
+        self._requests.pop(rid, None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

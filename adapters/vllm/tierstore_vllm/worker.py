@@ -45,7 +45,7 @@ def start_prefix_load(kv: KVCacheStore, spec: LoadSpec, caches: list[torch.Tenso
 
 def save_prefix(kv: KVCacheStore, spec: SaveSpec, layers: list[torch.Tensor]) -> int:
     """Store ``layers`` (canonical, one per layer) as the KV of ``spec.token_ids``; returns tokens written."""
-    written: int = kv.save(spec.token_ids, layers)
+    written: int = kv.save(spec.token_ids, layers, start=spec.start)
     return written
 
 
@@ -212,13 +212,13 @@ class WorkerSide:
             self._count("loaded_tokens", got - spec.start)
 
     def save_layer(self, layer_name: str) -> None:
-        """Copy this layer's KV of the prompts finishing in this step out of the paged cache."""
+        """Copy this layer's KV of this step's saves (from each one's ``start``) out of the paged cache."""
         if not self._plan.saves:
             return
         cache, layout = self._views[layer_name]
         for spec in self._plan.saves:
             self._gathered.setdefault(spec.req_id, []).append(
-                gather(cache, layout, spec.block_ids, 0, len(spec.token_ids)))
+                gather(cache, layout, spec.block_ids, spec.start, len(spec.token_ids)))
 
     def wait_for_save(self) -> None:
         """The step's copies are taken (in :meth:`save_layer`), so vLLM may reuse the blocks now; the
