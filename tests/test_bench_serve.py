@@ -56,8 +56,22 @@ def test_configurations_compare_against_recompute_and_the_prefix_cache():
     def result(r1: float, r2: float, answer: str) -> Result:
         return Result(w, "u", "m", [Record(1.0, 0, 1, 0.0, ttft_s=r1, latency_s=r1, text="a"),
                                     Record(1.0, 0, 2, 0.0, ttft_s=r2, latency_s=r2, text=answer)])
-    text = compare({"recompute": result(4.0, 4.0, "b"), "prefix-cache": result(4.0, 2.0, "b"),
-                    "tierstore": result(4.0, 0.5, "c")})
+    results = {"recompute": result(4.0, 4.0, "b"), "prefix-cache": result(4.0, 2.0, "b"),
+               "tierstore": result(4.0, 0.5, "c")}
+    results["recompute"].cross, results["tierstore"].cross = [3.0, 4.0, 5.0], [1.0, 0.5, 2.0]
+    text = compare(results)
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in text.splitlines()[2:]}
-    assert rows["tierstore"][3:6] == ["8.00×", "4.00×", "1"]  # 4 s / 0.5 s, 2 s / 0.5 s, one answer differs
-    assert rows["recompute"][3:6] == ["1.00×", "0.50×", "0"]
+    # 4 s / 0.5 s, 2 s / 0.5 s; the other instance's prefix: median 1 s against 4 s; one answer differs
+    assert rows["tierstore"][3:8] == ["8.00×", "4.00×", "1000", "0.25", "1"]
+    assert rows["recompute"][3:8] == ["1.00×", "0.50×", "4000", "1.00", "0"]
+    assert rows["prefix-cache"][5:7] == ["-", "-"]  # not probed
+
+
+def test_the_plot_is_a_png_of_every_configuration(tmp_path):
+    pytest.importorskip("matplotlib")
+    from tierstore.bench.serve import plot, summarize
+
+    rows = summarize([Record(1.0, 0, 1, 0.0, ttft_s=2.0), Record(1.0, 0, 2, 0.0, ttft_s=0.5)])
+    path = tmp_path / "ttft.png"
+    assert plot({"recompute": rows, "tierstore": rows}, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000

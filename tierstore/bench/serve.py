@@ -44,7 +44,7 @@ import threading
 import time
 import urllib.request
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -90,6 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write every request and the summary here")
+    p.add_argument("--plot", default=None, help="with --launch: a PNG of TTFT P50 per round per configuration")
 
 
 @dataclass(frozen=True)
@@ -290,11 +291,13 @@ class Result:
     model: str
     records: list[Record] = field(default_factory=list)
     hit_rates: dict[float, dict[str, float]] = field(default_factory=dict)
+    #: TTFTs on one instance of prompts whose long prefix only the other instance computed (--launch)
+    cross: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {"workload": asdict(self.workload), "url": self.url, "model": self.model,
                 "summary": summarize(self.records), "hit_rates": {str(k): v for k, v in self.hit_rates.items()},
-                "records": [asdict(r) for r in self.records]}
+                "cross_instance_ttft_s": self.cross, "records": [asdict(r) for r in self.records]}
 
 
 def measure(url: str, model: str, w: Workload, qps: Sequence[float], metrics_urls: Sequence[str] = (),
@@ -306,6 +309,21 @@ def measure(url: str, model: str, w: Workload, qps: Sequence[float], metrics_url
         if metrics_urls:
             res.hit_rates[rate] = hit_rates(before, scrape(list(metrics_urls)))
     return res
+
+
+def cross_instance(first: str, second: str, model: str, w: Workload, probes: int = 3, settle_s: float = 5.0,
+                   timeout: float = 600.0) -> list[float]:
+    """TTFT on ``second`` of prompts whose long prefix (a system prompt and a history of the workload's
+    sizes, fresh words each time) only ``first`` computed, ``settle_s`` after it did (write-back time)."""
+    out = []
+    for i in range(probes):
+        prefix = f"Cross {i}: " + w._words(w.system_words + w.history_words, "cross", i)
+        stream_completion(first, model, prefix + "\n\nQuestion A:", w.answer_tokens, timeout)
+        time.sleep(settle_s)
+        ttft, _, _, _ = stream_completion(second, model, prefix + "\n\nQuestion B:", w.answer_tokens, timeout)
+        if ttft is not None:
+            out.append(ttft)
+    return out
 
 
 def table(res: Result) -> str:
@@ -335,8 +353,13 @@ def compare(results: dict[str, Result]) -> str:
 
     first = answers(next(iter(results.values())))
     base = {name: p50(results[name], "2+") for name in ("recompute", "prefix-cache") if name in results}
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{1e3 * v:.0f}"
+
+    cross = {name: statistics.median(res.cross) if res.cross else None for name, res in results.items()}
     lines = ["| configuration | TTFT P50 round 1 ms | TTFT P50 rounds 2+ ms | vs recompute | vs prefix cache | "
-             "answers differing | errors |", "|---|---|---|---|---|---|---|"]
+             "other instance's prefix ms | ÷ recompute | answers differing | errors |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, res in results.items():
         r1, r2 = p50(res, "1"), p50(res, "2+")
         mine = answers(res)
@@ -344,11 +367,39 @@ def compare(results: dict[str, Result]) -> str:
 
         def ratio(b: float | None, r2: float | None = r2) -> str:
             return f"{b / r2:.2f}×" if b and r2 else "-"
-        lines.append(f"| {name} | {'-' if r1 is None else f'{1e3 * r1:.0f}'} | "
-                     f"{'-' if r2 is None else f'{1e3 * r2:.0f}'} | {ratio(base.get('recompute'))} | "
-                     f"{ratio(base.get('prefix-cache'))} | {differ} | "
-                     f"{sum(r.error is not None for r in res.records)} |")
+        c, c0 = cross[name], cross.get("recompute")
+        lines.append(f"| {name} | {ms(r1)} | {ms(r2)} | {ratio(base.get('recompute'))} | "
+                     f"{ratio(base.get('prefix-cache'))} | {ms(c)} | {f'{c / c0:.2f}' if c and c0 else '-'} | "
+                     f"{differ} | {sum(r.error is not None for r in res.records)} |")
     return "\n".join(lines)
+
+
+def plot(summaries: Mapping[str, Sequence[Mapping[str, Any]]], path: str) -> bool:
+    """TTFT P50 per round (bars) for each configuration, from each one's :func:`summarize` rows; whether
+    it was written (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = list(summaries)
+    rounds = sorted({r["round"] for rows in summaries.values() for r in rows if r["round"] != "2+"}, key=int)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        by_round = {r["round"]: r["p50"] for r in summaries[name]}
+        ax.bar([j + i * width for j in range(len(rounds))], [by_round.get(n) or 0 for n in rounds], width,
+               label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(rounds))], [f"round {n}" for n in rounds])
+    ax.set_ylabel("TTFT P50 (s)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def launch_and_measure(args: argparse.Namespace, w: Workload, rates: list[float]) -> dict[str, Result]:
@@ -381,6 +432,7 @@ def launch_and_measure(args: argparse.Namespace, w: Workload, rates: list[float]
             try:
                 results[name] = measure(dep.url("router"), model, w, rates, [dep.url("a") + "/metrics",
                                                                               dep.url("b") + "/metrics"], args.timeout)
+                results[name].cross = cross_instance(dep.url("a"), dep.url("b"), model, w, timeout=args.timeout)
             except OSError as exc:  # an engine went away (its /metrics no longer answers)
                 raise SystemExit(f"{name}: {exc}\n{dep.logs()}") from None
         print(table(results[name]), flush=True)
@@ -402,6 +454,8 @@ def run(args: argparse.Namespace) -> int:
     if args.launch:
         results = launch_and_measure(args, w, rates)
         print("\n" + compare(results))
+        if args.plot and not plot({n: summarize(r.records) for n, r in results.items()}, args.plot):
+            print("--plot: matplotlib is not installed; no plot written")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({name: r.to_json() for name, r in results.items()}, f, indent=2)
