@@ -75,3 +75,32 @@ def test_the_plot_is_a_png_of_every_configuration(tmp_path):
     path = tmp_path / "ttft.png"
     assert plot({"recompute": rows, "tierstore": rows}, str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
+
+
+def test_the_report_shows_a_saved_deployment_run_and_its_targets(tmp_path):
+    """``bench all`` puts the separately run ``bench serve --launch --json`` (serve.json beside the report) into
+    BENCHMARKS.md: the command, the comparison table and issue 22's targets, met or missed."""
+    import json
+
+    from tierstore.bench.report import write_report
+    from tierstore.bench.serve import Result
+
+    w = Workload(users=1, rounds=2)
+
+    def result(r2: float, cross: list[float]) -> dict:
+        res = Result(w, "u", "m", [Record(1.0, 0, 1, 0.0, ttft_s=4.0, text="a"),
+                                   Record(1.0, 0, 2, 0.0, ttft_s=r2, text="b")], {1.0: {"tierstore host": 0.5}}, cross)
+        return res.to_json()
+
+    saved = {"command": "tierstore bench serve --launch recompute,prefix-cache,tierstore-serve", "date": "today",
+             "configurations": {"recompute": result(4.0, [4.0]), "prefix-cache": result(2.0, [4.0]),
+                                "tierstore-serve": result(0.5, [1.0])}}
+    (tmp_path / "serve.json").write_text(json.dumps(saved))
+    machine = {"date": "d", "cores": 2, "kernel": "k", "python": "3", "torch": "t", "torch_threads": 2}
+    write_report({"sections": {}, "machine": machine, "quick": False, "elapsed_s": 1.0}, str(tmp_path))
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    assert saved["command"] in text and "| tierstore-serve | 4000 | 500 | 8.00× | 4.00× | 1000 | 0.25 | 0 | 0 |" in text
+    assert "| TTFT P50 rounds 2+ (tierstore-serve) vs recompute | 500 ms vs 4000 ms | 8.00× | ≥ 3× | met |" in text
+    assert "| TTFT P50 rounds 2+ (tierstore-serve) vs prefix-cache | 500 ms vs 2000 ms | 4.00× | ≥ 1.5× | met |" in text
+    assert "| other instance's prefix (tierstore-serve) ≤ 0.5× recompute | 1000 ms vs 4000 ms | 2.00× | ≥ 1× | met |" \
+        in text

@@ -40,6 +40,7 @@ import json
 import random
 import re
 import statistics
+import sys
 import threading
 import time
 import urllib.request
@@ -299,6 +300,11 @@ class Result:
                 "summary": summarize(self.records), "hit_rates": {str(k): v for k, v in self.hit_rates.items()},
                 "cross_instance_ttft_s": self.cross, "records": [asdict(r) for r in self.records]}
 
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Result:
+        return cls(Workload(**d["workload"]), d["url"], d["model"], [Record(**r) for r in d["records"]],
+                   {float(k): v for k, v in d.get("hit_rates", {}).items()}, list(d.get("cross_instance_ttft_s", [])))
+
 
 def measure(url: str, model: str, w: Workload, qps: Sequence[float], metrics_urls: Sequence[str] = (),
             timeout: float = 600.0) -> Result:
@@ -372,6 +378,34 @@ def compare(results: dict[str, Result]) -> str:
                      f"{ratio(base.get('prefix-cache'))} | {ms(c)} | {f'{c / c0:.2f}' if c and c0 else '-'} | "
                      f"{differ} | {sum(r.error is not None for r in res.records)} |")
     return "\n".join(lines)
+
+
+def deployment_targets(results: Mapping[str, Result]) -> list[tuple[str, str, float, float]]:
+    """Issue 22's targets as ``(what, measured, ratio, target)`` rows (ratio ≥ target: met), each for the best
+    tierstore configuration of ``results`` (those of a launch with ``recompute`` and ``prefix-cache``)."""
+    def p50(res: Result) -> float | None:
+        rows = [r["p50"] for r in summarize(res.records) if r["round"] == "2+" and r["p50"] is not None]
+        return statistics.median(rows) if rows else None
+
+    ours = {n: r for n, r in results.items() if n.startswith("tierstore")}
+    base = {n: p50(results[n]) for n in ("recompute", "prefix-cache") if n in results}
+    rows: list[tuple[str, str, float, float]] = []
+    medians = {n: m for n, r in ours.items() if (m := p50(r)) is not None}
+    if medians:
+        mine, t = min(medians.items(), key=lambda kv: kv[1])
+        for name, want in (("recompute", 3.0), ("prefix-cache", 1.5)):
+            b = base.get(name)
+            if b:
+                rows.append((f"TTFT P50 rounds 2+ ({mine}) vs {name}", f"{1e3 * t:.0f} ms vs {1e3 * b:.0f} ms",
+                             b / t, want))
+    recompute = results.get("recompute")
+    cross = {n: statistics.median(r.cross) for n, r in ours.items() if r.cross}
+    if cross and recompute is not None and recompute.cross:
+        c0 = statistics.median(recompute.cross)
+        name, c = min(cross.items(), key=lambda kv: kv[1])
+        rows.append((f"other instance's prefix ({name}) ≤ 0.5× recompute", f"{1e3 * c:.0f} ms vs {1e3 * c0:.0f} ms",
+                     0.5 * c0 / c, 1.0))
+    return rows
 
 
 def plot(summaries: Mapping[str, Sequence[Mapping[str, Any]]], path: str) -> bool:
@@ -458,7 +492,9 @@ def run(args: argparse.Namespace) -> int:
             print("--plot: matplotlib is not installed; no plot written")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({name: r.to_json() for name, r in results.items()}, f, indent=2)
+                json.dump({"command": "tierstore bench serve " + " ".join(sys.argv[3:] if sys.argv[1:3] == [
+                    "bench", "serve"] else sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           "configurations": {name: r.to_json() for name, r in results.items()}}, f, indent=2)
         return 1 if any(r.error for res in results.values() for r in res.records) else 0
     if args.model is None:
         raise SystemExit("--model: the served model name is needed (or --launch to start a deployment)")
