@@ -8,8 +8,8 @@ into its staging area and committed by the server. Everything a connection holds
 memory, pins — is given back when its socket closes (a client SIGKILLed mid-transfer included), and
 leases older than ``lease_ttl`` are reclaimed in case a client stops answering but keeps its socket.
 
-One thread per connection (:mod:`.connection`): a client that sends garbage, never reads, or stalls costs only its own thread
-(and is dropped after ``send_timeout``), never another client's calls.
+One thread per connection (:mod:`.connection`): a client that sends garbage, never reads, or stalls costs only
+its own thread (and is dropped after ``send_timeout``), never another client's calls.
 """
 
 from __future__ import annotations

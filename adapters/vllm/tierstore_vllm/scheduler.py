@@ -204,7 +204,7 @@ class SchedulerSide:
         n -= n % self.chunk_tokens
         if n <= tracked.stored:
             return
-        tokens = tracked.prompt if n <= len(tracked.prompt) else list(everything)
+        tokens = tracked.prompt if n <= len(tracked.prompt) else list(everything or ())  # n > prompt: from it
         start = tracked.stored - tracked.stored % self.chunk_tokens
         blocks = -(-n // self.block_size)
         plan.saves.append(SaveSpec(rid, tokens[:n], tracked.block_ids[:blocks], tracked.tenant, start))
