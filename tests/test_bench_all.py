@@ -168,3 +168,18 @@ def test_s3_shim_forwards_objects_over_one_mib(s3_server, s3_bucket):
             store.flush()
             assert torch.equal(store.get(key)["kv"], data["kv"])
         assert shim.stats()["by_method"].get("PUT", 0) >= 1
+
+
+def test_report_only_rewrites_the_report_from_saved_results(tmp_path, capsys):
+    import json
+
+    from tierstore.cli import main
+
+    with pytest.raises(SystemExit, match="no results.json"):
+        main(["bench", "all", "--out", str(tmp_path), "--report-only"])
+    machine = {"date": "2026-01-01 00:00 UTC", "cores": 2, "kernel": "k", "python": "3", "torch": "t",
+               "torch_threads": 2}
+    (tmp_path / "results.json").write_text(json.dumps({"machine": machine, "quick": False, "sections": {},
+                                                       "elapsed_s": 5.0}))
+    assert main(["bench", "all", "--out", str(tmp_path), "--report-only"]) == 0
+    assert "on 2026-01-01 00:00 UTC" in (tmp_path / "BENCHMARKS.md").read_text()

@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--venv", default=str(peers.DEFAULT_VENV), help="LMCache's venv (see bench peers)")
     p.add_argument("--no-weights", action="store_true", help="skip the weight-loading bench")
     p.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: write BENCHMARKS.md again from OUT/results.json (and OUT/serve.json)")
 
 
 def machine() -> dict[str, Any]:
@@ -76,6 +78,14 @@ def _quietly(fn: Callable[[], Any]) -> tuple[Any, str]:
 def run(args: argparse.Namespace) -> int:
     from . import kv
 
+    if args.report_only:
+        try:
+            with open(os.path.join(args.out, "results.json")) as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--report-only: no results.json of an earlier run in {args.out}: {exc}") from None
+        print("wrote " + ", ".join(write_report(saved, args.out)))
+        return 0
     quick = args.quick
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
