@@ -104,3 +104,4 @@ def test_the_report_shows_a_saved_deployment_run_and_its_targets(tmp_path):
     assert "| TTFT P50 rounds 2+ (tierstore-serve) vs prefix-cache | 500 ms vs 2000 ms | 4.00× | ≥ 1.5× | met |" in text
     assert "| other instance's prefix (tierstore-serve) ≤ 0.5× recompute | 1000 ms vs 4000 ms | 2.00× | ≥ 1× | met |" \
         in text
+    assert "| answers equal to the first configuration's (temperature 0) | 0 of 4 differ | 1.00× | ≥ 1× | met |" in text

@@ -209,8 +209,10 @@ def _deployment(d: dict[str, Any]) -> str:
 
     results = {name: Result.from_json(r) for name, r in d["configurations"].items()}
     w = next(iter(results.values())).workload
-    rates = "; ".join(f"{name}: " + (", ".join(f"{k} {100 * v:.1f}%" for k, v in sorted(r.hit_rates.get(
-        min(r.hit_rates), {}).items())) if r.hit_rates else "-") for name, r in results.items())
+    def shown(r: Result) -> str:
+        first = r.hit_rates[min(r.hit_rates)] if r.hit_rates else {}
+        return ", ".join(f"{k} {100 * v:.1f}%" for k, v in sorted(first.items())) or "-"
+    rates = "; ".join(f"{name}: {shown(r)}" for name, r in results.items())
     return (f"Run separately (it starts two vLLM servers and the router per configuration; about 5 minutes "
             f"each here) on {d['date']}:\n\n```\n{d['command']}\n```\n\n"
             f"{w.users} users × {w.rounds} rounds, a shared system prompt of {w.system_words} words and a history "

@@ -405,6 +405,13 @@ def deployment_targets(results: Mapping[str, Result]) -> list[tuple[str, str, fl
         name, c = min(cross.items(), key=lambda kv: kv[1])
         rows.append((f"other instance's prefix ({name}) ≤ 0.5× recompute", f"{1e3 * c:.0f} ms vs {1e3 * c0:.0f} ms",
                      0.5 * c0 / c, 1.0))
+    first = {(r.qps, r.user, r.round): r.text for r in next(iter(results.values())).records if r.error is None}
+    others = [(k, r.text) for res in list(results.values())[1:] for r in res.records if r.error is None
+              and (k := (r.qps, r.user, r.round)) in first]
+    if others:
+        same = sum(first[k] == text for k, text in others)
+        rows.append(("answers equal to the first configuration's (temperature 0)",
+                     f"{len(others) - same} of {len(others)} differ", same / len(others), 1.0))
     return rows
 
 
