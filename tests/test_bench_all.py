@@ -69,7 +69,7 @@ def test_bench_all_quick_writes_report_and_plots(tmp_path, capsys):
                                              for p in ("load+scatter", "load_into", "load_into layerwise")]
     for row, got in zip(paged, results["sections"]["kv"]["paged_load"], strict=True):
         assert number(row[4]) == pytest.approx(1e3 * got["ttft_s"], abs=0.06)
-    targets = by_head[("target (issues 9, 17, 18, 19, 20, 21)", "measured", "ratio", "target", "")]
+    targets = by_head[("target (issues 9, 17, 18, 19, 20, 21, 22)", "measured", "ratio", "target", "")]
     assert sum("through a node server" in r[0] for r in targets) == 2
     assert [c["case"] for c in results["sections"]["server"]["cases"]] == ["get(out=) 4 MiB",
                                                                          "get_many(out=) 64 × 256 KiB"]
