@@ -67,8 +67,9 @@ class SchedulerSide:
         self._lookups: dict[str, _Lookup] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._loads: list[LoadSpec] = []
-        self._tenants: dict[str, str] = {}  # the scheduler output does not carry cache_salt
-        self._requests: dict[str, Any] = {}  # live Request objects: their decoded tokens (saved by chunk)
+        # live Request objects until scheduled: the scheduler output carries neither their cache_salt (tenant)
+        # nor their decoded tokens (saved by chunk)
+        self._requests: dict[str, Any] = {}
         self._warned = False
         self.counters = dict.fromkeys(("lookups", "ask_again", "hit_tokens", "lookup_errors", "loads",
                                        "saves"), 0)
@@ -99,9 +100,6 @@ class SchedulerSide:
         while the answer is not in yet ("ask again"). Loads are synchronous: the chunks counted are
         already in the workers' local tiers. Calling it again changes nothing vLLM can see."""
         rid = request.request_id
-        tenant = tenant_of(request)
-        if tenant is not None:
-            self._tenants[rid] = tenant
         self._requests[rid] = request
         prompt = request.prompt_token_ids
         limit = self._limit(prompt)
@@ -171,10 +169,10 @@ class SchedulerSide:
         for new in scheduler_output.scheduled_new_reqs:
             state = self._lookups.get(new.req_id)
             prompt = list(new.prompt_token_ids or [])
+            request = self._requests.pop(new.req_id, None)
             self._tracked[new.req_id] = _Tracked(
                 prompt=prompt, block_ids=list(new.block_ids[0]) if new.block_ids else [],
-                tenant=self._tenants.pop(new.req_id, None),
-                stored=(state.hit or 0) if state is not None else 0, request=self._requests.pop(new.req_id, None))
+                tenant=tenant_of(request), stored=(state.hit or 0) if state is not None else 0, request=request)
             self._maybe_save(plan, new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -215,7 +213,6 @@ class SchedulerSide:
         rid = request.request_id
         self._lookups.pop(rid, None)
         self._tracked.pop(rid, None)
-        self._tenants.pop(rid, None)
         self._requests.pop(rid, None)
 
     def close(self) -> None:
