@@ -10,6 +10,7 @@ import re
 import time
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from engine_helpers import ENGINE_TIMEOUT_S, ApiServer, complete, prompt
@@ -49,34 +50,48 @@ def shared(request, tmp_path) -> tuple[str, dict[str, str], Callable[[], list]]:
     return f"s3://{bucket}/kv", env, objects
 
 
-def test_the_guides_steps_4_and_5_through_the_router(tiny_model, tmp_path, shared):
-    url, env, objects = shared
+def through_the_router(tiny_model, tmp_path, env: dict[str, str], chunks_saved: Callable[[Path], int],
+                       check_hit: Callable[[Deployment, str, dict[str, float]], None]) -> None:
+    """The guide's steps 4-5 with ``launch.sh`` settings ``env``: a long-prefix request through the router, then
+    (once ``chunks_saved(state dir)`` counts its two chunks where the other instance can find them) the same
+    request again, which round robin sends to the other instance: it must hit, and both outputs equal a server's
+    without the connector. ``check_hit(deployment, instance that hit, its hits by labels)`` checks the rest."""
     with ApiServer(tiny_model, free_port(), log=tmp_path / "plain.log") as plain:
         expected = plain.complete(PROMPT, max_tokens=6)["choices"][0]["text"]
     if router_binary() is None:
         pytest.skip("vllm-router is not installed (make engines-venv installs it)")
-    dep = Deployment({**env, "MODEL": tiny_model, "SHARED": url, "ENGINE_ARGS": ENGINE_ARGS, "HOST_CAPACITY": "64MiB",
-                      "DISK_CAPACITY": "256MiB", "VLLM_CPU_KVCACHE_SPACE": "1"}, tmp_path / "deploy", ENGINE_TIMEOUT_S)
+    state = tmp_path / "deploy"
+    dep = Deployment({"MODEL": tiny_model, "ENGINE_ARGS": ENGINE_ARGS, "HOST_CAPACITY": "64MiB",
+                      "DISK_CAPACITY": "256MiB", "VLLM_CPU_KVCACHE_SPACE": "1", **env}, state, ENGINE_TIMEOUT_S)
     try:
         first = complete(dep.url("router"), tiny_model, PROMPT, max_tokens=6)
         deadline = time.monotonic() + 60
-        while len(objects()) < 2 and time.monotonic() < deadline:  # write-back to the shared tier
+        while chunks_saved(state) < 2 and time.monotonic() < deadline:  # write-back / save in the background
             time.sleep(0.5)
-        assert len(objects()) >= 2, "the first instance's prefix reached the shared tier"
+        assert chunks_saved(state) >= 2, "the first instance's prefix was saved where the other finds it"
         second = complete(dep.url("router"), tiny_model, PROMPT, max_tokens=6)  # round robin: the other instance
         assert first["choices"][0]["text"] == second["choices"][0]["text"] == expected
         hits = {name: counter(dep.url(name), "tierstore_kv_hit_tokens_total") for name in ("a", "b")}
         served = [name for name, h in hits.items() if sum(h.values()) > 0]
         assert len(served) == 1, hits  # one instance computed, the other hit
-        assert sum(hits[served[0]].values()) >= 512, hits  # both chunks
-        remote_reads = counter(dep.url(served[0]), "tierstore_read_bytes_total")
-        assert sum(v for labels, v in remote_reads.items() if 'tier="remote"' in labels) > 0, remote_reads
+        check_hit(dep, served[0], hits[served[0]])
     except BaseException:
         print(dep.logs())
         raise
     finally:
         status = dep.close()
     assert status == 0
+
+
+def test_the_guides_steps_4_and_5_through_the_router(tiny_model, tmp_path, shared):
+    url, env, objects = shared
+
+    def check_hit(dep: Deployment, name: str, hits: dict[str, float]) -> None:
+        assert sum(hits.values()) >= 512, hits  # both chunks
+        remote_reads = counter(dep.url(name), "tierstore_read_bytes_total")
+        assert sum(v for labels, v in remote_reads.items() if 'tier="remote"' in labels) > 0, remote_reads
+
+    through_the_router(tiny_model, tmp_path, {**env, "SHARED": url}, lambda _: len(objects()), check_hit)
 
 
 def test_two_instances_on_one_node_server_through_the_router(tiny_model, tmp_path):
@@ -84,30 +99,11 @@ def test_two_instances_on_one_node_server_through_the_router(tiny_model, tmp_pat
     the prefix the first instance computed is the other's hit from the node's host memory, no shared tier."""
     import tierstore
 
-    with ApiServer(tiny_model, free_port(), log=tmp_path / "plain.log") as plain:
-        expected = plain.complete(PROMPT, max_tokens=6)["choices"][0]["text"]
-    if router_binary() is None:
-        pytest.skip("vllm-router is not installed (make engines-venv installs it)")
-    state = tmp_path / "deploy"
-    dep = Deployment({"MODEL": tiny_model, "KV": "tierstore-serve", "SHARED": "none", "ENGINE_ARGS": ENGINE_ARGS,
-                      "HOST_CAPACITY": "64MiB", "DISK_CAPACITY": "256MiB", "VLLM_CPU_KVCACHE_SPACE": "1"},
-                     state, ENGINE_TIMEOUT_S)
-    try:
-        first = complete(dep.url("router"), tiny_model, PROMPT, max_tokens=6)
+    def in_node_host(state: Path) -> int:
         with tierstore.open({"server": f"unix://{state}/run/tierstore.sock"}) as node:
-            deadline = time.monotonic() + 60
-            while node.stats()["tiers"]["host"]["objects"] < 2 and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert node.stats()["tiers"]["host"]["objects"] >= 2, "the first instance saved its prefix"
-        second = complete(dep.url("router"), tiny_model, PROMPT, max_tokens=6)  # round robin: the other instance
-        assert first["choices"][0]["text"] == second["choices"][0]["text"] == expected
-        hits = {name: counter(dep.url(name), "tierstore_kv_hit_tokens_total") for name in ("a", "b")}
-        served = [name for name, h in hits.items() if sum(h.values()) > 0]
-        assert len(served) == 1, hits
-        assert sum(v for labels, v in hits[served[0]].items() if 'tier="host"' in labels) >= 512, hits
-    except BaseException:
-        print(dep.logs())
-        raise
-    finally:
-        status = dep.close()
-    assert status == 0
+            return int(node.stats()["tiers"].get("host", {}).get("objects", 0))
+
+    def check_hit(dep: Deployment, name: str, hits: dict[str, float]) -> None:
+        assert sum(v for labels, v in hits.items() if 'tier="host"' in labels) >= 512, hits
+
+    through_the_router(tiny_model, tmp_path, {"KV": "tierstore-serve", "SHARED": "none"}, in_node_host, check_hit)
