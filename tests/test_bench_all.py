@@ -71,8 +71,9 @@ def test_bench_all_quick_writes_report_and_plots(tmp_path, capsys):
         assert number(row[4]) == pytest.approx(1e3 * got["ttft_s"], abs=0.06)
     targets = by_head[("target (issues 9, 17, 18, 19, 20, 21, 22)", "measured", "ratio", "target", "")]
     assert sum("through a node server" in r[0] for r in targets) == 2
-    assert [c["case"] for c in results["sections"]["server"]["cases"]] == ["get(out=) 4 MiB",
-                                                                         "get_many(out=) 64 × 256 KiB"]
+    assert [c["case"] for c in results["sections"]["server"]["cases"]] == [
+        "get(out=) 4 MiB", "get_many(out=) 64 × 256 KiB", "get(out=) 4 MiB, first read",
+        "get_many(out=) 64 × 256 KiB, first read"]
     assert any(r[0].startswith("gc of") and r[4] == "met" for r in targets)
     assert all(r["object_gets"] == 0 for r in results["sections"]["gc"])
     assert [r["instances"] for r in results["sections"]["fleet"]] == [2, 4]

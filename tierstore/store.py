@@ -93,9 +93,11 @@ class Pin:
 @dataclass
 class Loan:
     """What :meth:`TieredStore.lend` lent: per key the top tier's own tensors (views of its memory, no copy)
-    or ``None``; valid until :meth:`close`, which gives them back (a second close does nothing)."""
+    or ``None``; valid until :meth:`close`, which gives them back (a second close does nothing). ``marks``:
+    per key, in a shared pool, ``(stamp, byte offset of its stamp word)`` (see :mod:`tierstore.backends.memory`)."""
 
     tensors: list[TensorDict | None]
+    marks: list[tuple[int, int] | None] = field(default_factory=list)
     _stack: ExitStack = field(default_factory=ExitStack, repr=False)
 
     def close(self) -> None:
@@ -503,15 +505,18 @@ class TieredStore:
             held = [k for k, h in zip(keys, holds, strict=True) if h is not None]
             lend = getattr(top.backend, "lend_many", None)
             if lend is not None:  # the host pool: one pass under its lock
-                tensors, runs = lend(held)
+                tensors, runs, marks = lend(held)
                 loan._stack.callback(top.backend.give_back, runs)  # type: ignore[attr-defined]
             else:
                 tensors = [loan._stack.enter_context(top.backend.borrow(k)) for k in held]
-            got = iter(tensors)
+                marks = [None] * len(held)
+            got, marked = iter(tensors), iter(marks)
+            loan.marks = [None] * len(keys)
             lent = 0
             for i, h in enumerate(holds):
                 if h is not None:
                     loan.tensors[i] = t = next(got)
+                    loan.marks[i] = next(marked)
                     lent += t is not None
             if lent:
                 top.count(hits=lent)

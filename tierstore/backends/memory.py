@@ -10,12 +10,19 @@ DMA-able, and memory never grows. ``pool: true|false`` forces the choice; smalle
 chunk. A pooled chunk occupies its tensors' bytes, each tensor starting 64-byte aligned, rounded up to
 ``slot_size`` (default 64). A run of the pool is reused only once no reader or borrower still copies from it.
 When fragmentation leaves no run long enough a write fails with ``ENOMEM`` and the store evicts more.
+
+A pool in shared memory (a node server's) starts each chunk with a 64-byte header whose first word is the
+chunk's *stamp*: a number no other write of this backend gets, set once the chunk's bytes are in place and
+zeroed (under the backend's lock) the moment the chunk is replaced, deleted or evicted — before its memory can
+be reused. A client that remembers a chunk's place and stamp can therefore copy it straight out of the mapped
+pool and trust the copy if the word still holds that stamp after it (``tierstore.serve.places``).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import secrets
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -123,8 +130,12 @@ class DeviceBackend(MemoryBackend):
         super().__init__(name, device=device)
 
 
-def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[tuple[str, int]], int]:
-    offsets, pos = [], 0
+#: bytes before a chunk's tensors in a shared pool (its stamp word, padded to the tensors' alignment)
+HEADER = ALIGN
+
+
+def _layout(tensors: Mapping[str, torch.Tensor], header: int = 0) -> tuple[list[tuple[str, int]], int]:
+    offsets, pos = [], header
     for name, t in tensors.items():
         pos = -(-pos // ALIGN) * ALIGN
         offsets.append((name, pos))
@@ -159,6 +170,11 @@ class HostBackend(MemoryBackend):
             self.pool = SlotPool(capacity, slot_size, pinned=self.pinned, shared=opts["shared_memory"])
             self.capacity = self.pool.capacity
         self._runs: dict[ChunkKey, Extent] = {}
+        self._header = HEADER if self.pool is not None and self.pool.memfd is not None else 0
+        #: the pool as 8-byte words (stamps are written through it), and per chunk its stamp
+        self._words = None if not self._header else self.pool.buffer.view(torch.int64)  # type: ignore[union-attr]
+        self._stamps: dict[ChunkKey, int] = {}
+        self._writes, self._salt = 0, secrets.randbits(64)
         self._lent: dict[Extent, int] = {}  # runs being read or borrowed -> how many readers
         self._retired: set[Extent] = set()  # runs replaced or deleted while lent: freed by the last reader
 
@@ -166,7 +182,7 @@ class HostBackend(MemoryBackend):
         tensors = _tensors(key, chunk)
         if self.pool is None:
             return Prepared(tensors, nbytes(tensors))
-        return Prepared(tensors, self.pool.size_for(_layout(tensors)[1]))
+        return Prepared(tensors, self.pool.size_for(_layout(tensors, self._header)[1]))
 
     def _write(self, key: ChunkKey, prepared: Prepared) -> None:
         if self.pool is None:
@@ -178,7 +194,7 @@ class HostBackend(MemoryBackend):
         try:
             buf = self.pool.view(run)
             stored = {}
-            for name, off in _layout(payload)[0]:
+            for name, off in _layout(payload, self._header)[0]:
                 t = payload[name]
                 nb = t.numel() * t.element_size()
                 dst = buf[off:off + nb]
@@ -192,6 +208,9 @@ class HostBackend(MemoryBackend):
         with self._lock:
             old = self._runs.get(key)
             self._data[key], self._runs[key] = stored, run
+            if self._words is not None:  # published only now that the bytes are in place
+                self._stamps[key] = stamp = self._next_stamp()
+                self._words[self._word_of(run)] = stamp
             if old is not None:
                 self._free(old)
 
@@ -204,31 +223,50 @@ class HostBackend(MemoryBackend):
             if old is None or old in self._lent or old[1] < self.pool.slots_for(size):
                 return None
             del self._runs[key], self._data[key]
-            self.pool.free(old)
+            self._stamps.pop(key, None)
+            self._free(old)
             return self.pool.alloc(size)  # the freed run is long enough: never None
 
     @contextmanager
     def borrow(self, key: ChunkKey) -> Iterator[TensorDict | None]:
-        (data,), runs = self.lend_many([key])
+        (data,), runs, _ = self.lend_many([key])
         try:
             yield data
         finally:
             self.give_back(runs)
 
-    def lend_many(self, keys: Sequence[ChunkKey]) -> tuple[list[TensorDict | None], list[Extent]]:
-        """Each key's tensors (its own memory, ``None`` if not held) and the pool runs now lent: none is reused
-        — by an overwrite, a delete or an eviction — before :meth:`give_back` returns them."""
+    def lend_many(self, keys: Sequence[ChunkKey]
+                  ) -> tuple[list[TensorDict | None], list[Extent], list[tuple[int, int] | None]]:
+        """Each key's tensors (its own memory, ``None`` if not held), the pool runs now lent — none is reused,
+        by an overwrite, a delete or an eviction, before :meth:`give_back` returns them — and in a shared pool
+        each chunk's ``(stamp, byte offset of its stamp word)`` (else ``None``)."""
         runs: list[Extent] = []
+        marks: list[tuple[int, int] | None] = [None] * len(keys)
         with self._lock:
             data = [self._data.get(k) for k in keys]
             if self.pool is not None:
                 lent = self._lent
-                for k in keys:
+                for i, k in enumerate(keys):
                     run = self._runs.get(k)
                     if run is not None:
                         lent[run] = lent.get(run, 0) + 1
                         runs.append(run)
-        return data, runs
+                        if self._words is not None:
+                            marks[i] = (self._stamps[k], run[0] * self.pool.slot_size)
+        return data, runs, marks
+
+    def _next_stamp(self) -> int:
+        """The next write's stamp (lock held): distinct for every write — an odd multiplier is a bijection
+        modulo 2**64 — and spread over 64 bits, so chunk data is unlikely to hold it by chance; never 0."""
+        while True:
+            self._writes += 1
+            v = (self._writes * 0x9E3779B97F4A7C15 + self._salt) % (1 << 64)
+            if v:
+                return v - (1 << 64) if v >= 1 << 63 else v  # as the signed word holds it
+
+    def _word_of(self, run: Extent) -> int:
+        assert self.pool is not None
+        return run[0] * self.pool.slot_size // 8
 
     def give_back(self, runs: Sequence[Extent]) -> None:
         if not runs:
@@ -247,6 +285,8 @@ class HostBackend(MemoryBackend):
     def _free(self, run: Extent) -> None:
         """Return ``run`` to the pool now, or when its last reader is done (lock held)."""
         assert self.pool is not None
+        if self._words is not None:
+            self._words[self._word_of(run)] = 0
         if run in self._lent:
             self._retired.add(run)
         else:
@@ -258,6 +298,7 @@ class HostBackend(MemoryBackend):
         with self._lock:
             for key in keys:
                 self._data.pop(key, None)
+                self._stamps.pop(key, None)
                 run = self._runs.pop(key, None)
                 if run is not None:
                     self._free(run)
@@ -266,7 +307,7 @@ class HostBackend(MemoryBackend):
     def _size(self, key: ChunkKey, data: TensorDict) -> int:
         if self.pool is None:
             return nbytes(data)
-        return self.pool.size_for(_layout(data)[1])
+        return self.pool.size_for(_layout(data, self._header)[1])
 
     def stat_many(self, keys: Sequence[ChunkKey]) -> list[int | None]:
         if self.pool is None:

@@ -292,7 +292,9 @@ def _targets(s: dict[str, Any]) -> str:
     for c in s.get("server", {}).get("cases", []):
         from .server import TARGETS
 
-        want = TARGETS[c["case"]]
+        want = TARGETS.get(c["case"])
+        if want is None:
+            continue
         add(f"{c['case']} through a node server ≥ {want}× in process", f"{c['server_gbps']:.2f} vs "
             f"{c['in_process_gbps']:.2f} GB/s", c["ratio"] / want, 1.0)
     if "trust" in s:

@@ -2,8 +2,9 @@
 
 Same methods and results as :class:`~tierstore.TieredStore`, so the code above runs embedded or against
 the server unchanged. A get copies each chunk once, straight out of the server's host pool (mapped
-read-only) or the connection's staging area, into ``out`` or a fresh tensor; a put copies into the staging
-area and the server commits it. Connections are pooled (one request in flight on each).
+read-only) or the connection's staging area, into ``out`` or a fresh tensor; a chunk read into ``out`` before
+is read again without a request while its stamp says it is still there (:mod:`.places`). A put copies into
+the staging area and the server commits it. Connections are pooled (one request in flight on each).
 
 The server going away is never an exception on the data path: while it cannot be reached, gets are misses,
 puts are not acknowledged, ``contains``/``lookup`` say no — each call returns at once (a dead server's socket
@@ -28,12 +29,13 @@ import torch
 
 from .. import errors
 from ..errors import ClosedError, ConfigError, ServerUnavailableError, WriteBackError
-from ..keys import ChunkKey, check_key
+from ..keys import DIGEST_SIZE, ChunkKey, check_key
 from ..objformat import validate_chunk
 from ..store import Item, Readiness, check_items, check_keys
 from ..telemetry import Counters
 from ..tensors import TensorDict, byte_alias, check_outs, copy_tensors, dtype_name, wait_for_copies
 from . import shm
+from .places import OutSpec, Places, copy_out
 from .protocol import (
     MAX_KEYS,
     VERSION,
@@ -104,6 +106,9 @@ class _Connection:
                 raise ConnectionError("server closed the connection")
             #: leases whose chunks were copied out, to give back with the next request (or by the idle pass)
             self.done: list[int] = []
+            #: chunks read straight from the pool (their hex digests back to back), reported with the next
+            #: request (or by the idle pass)
+            self.touched = ""
             self.idle_since = 0.0
             self.reader = Reader(self.sock, data)
             hello = self.reader.frame()
@@ -119,6 +124,7 @@ class _Connection:
                 pool = pools[self.server] = shm.map_bytes(fds[0], int(hello["pool"]), writable=False)
                 shm.register_for_dma(pool, read_only=True)  # copies to a GPU are then DMA
             self.pool: torch.Tensor = pool
+            self.words = pool.view(torch.int64)  # the chunks' stamp words (tierstore.serve.places)
             self.staging = shm.map_bytes(fds[1], int(hello["staging"]))
             set_timeouts(self.sock, send=timeout, receive=timeout)
         except BaseException:
@@ -129,9 +135,8 @@ class _Connection:
                 os.close(fd)
 
     def call(self, msg: Mapping[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        if self.done:  # leases this connection is done with ride along (one message fewer per get)
-            msg = {**msg, "release": self.done}
-            self.done = []
+        if self.done or self.touched:  # ride along (one message fewer per get)
+            msg = {**msg, **self.settled()}
         if timeout is not None:  # a call of its own length (flush, prefetch): back to the usual after it
             set_timeouts(self.sock, send=self.timeout, receive=timeout)
         try:
@@ -146,6 +151,15 @@ class _Connection:
                 raise ConnectionError(f"server is closing: {text}")
             raise _ERRORS.get(str(name), errors.TierstoreError)(text)
         return reply
+
+    def settled(self) -> dict[str, Any]:
+        """What to tell the server with the next message: leases done with, chunks read straight from the pool."""
+        msg: dict[str, Any] = {}
+        if self.done:
+            msg["release"], self.done = self.done, []
+        if self.touched:
+            msg["touch"], self.touched = self.touched[-MAX_KEYS * 2 * DIGEST_SIZE:], ""
+        return msg
 
     def send(self, msg: Mapping[str, Any]) -> None:
         self.sock.sendall(encode(msg))
@@ -180,6 +194,7 @@ class ServerStore:
         self._down_until = 0.0
         self._closed = False
         self._counts = {"unavailable": 0, "reconnects": 0}
+        self._places = Places()
         self._async = ThreadPoolExecutor(connections, thread_name_prefix="tierstore-client")
         self._stopping, self._release_soon = threading.Event(), threading.Event()
         self._releaser = threading.Thread(target=self._release_idle, name="tierstore-client-leases", daemon=True)
@@ -237,7 +252,7 @@ class ServerStore:
                 conn.close()
                 return
             self._idle.append(conn)
-            if conn.done:
+            if conn.done or conn.touched:
                 conn.idle_since = time.monotonic()
                 self._release_soon.set()
 
@@ -250,16 +265,17 @@ class ServerStore:
                 return
             self._release_soon.clear()
             with self._lock:
-                due = [c for c in self._idle if c.done and time.monotonic() - c.idle_since >= RELEASE_AFTER]
-                waiting = any(c.done for c in self._idle if c not in due)
+                due = [c for c in self._idle
+                       if (c.done or c.touched) and time.monotonic() - c.idle_since >= RELEASE_AFTER]
+                waiting = any(c.done or c.touched for c in self._idle if c not in due)
                 for c in due:
                     self._idle.remove(c)
             if waiting:
                 self._release_soon.set()
             for c in due:
                 try:
-                    c.send({"op": "release", "leases": c.done})
-                    c.done = []
+                    settled = c.settled()
+                    c.send({"op": "release", "leases": settled.get("release", []), "touch": settled.get("touch", "")})
                 except OSError as exc:
                     self._broken(c, exc)
                     continue
@@ -333,34 +349,56 @@ class ServerStore:
 
     def _get_some(self, keys: list[ChunkKey], out: list[Mapping[str, torch.Tensor]] | None,
                   device: str | torch.device, todo: list[int], results: list[TensorDict | None]) -> list[int]:
+        """Get ``todo`` (at most :data:`MAX_KEYS`) into ``results``; returns those to ask for again."""
+        outs: list[OutSpec] = []
+        if out is not None:
+            outs = [tuple((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in out[i].items()) for i in todo]
+        with self._connection() as conn:
+            asked, again = todo, []
+            if out is not None:  # what this client read before: straight from the pool if it is still there
+                direct = self._places.read(conn.server, conn.pool, conn.words, conn.sock, keys, outs, out, todo,
+                                           results)
+                if direct:
+                    conn.touched += hexes([keys[i] for i in direct])
+                    read = set(direct)
+                    outs = [o for i, o in zip(todo, outs, strict=True) if i not in read]
+                    todo = [i for i in todo if i not in read]
+            if todo:
+                again = self._ask_for(conn, keys, out, outs, device, todo, results)
+            if out is not None and any(o.device.type == "cuda" for i in asked for o in out[i].values()):
+                wait_for_copies(*(o for i in asked for o in out[i].values()))
+            return again
+
+    def _ask_for(self, conn: _Connection, keys: list[ChunkKey], out: list[Mapping[str, torch.Tensor]] | None,
+                 outs: list[OutSpec], device: str | torch.device, todo: list[int],
+                 results: list[TensorDict | None]) -> list[int]:
+        """One get request on ``conn`` for ``todo`` (``outs``: their ``out`` shapes); copies what it lends."""
         msg: dict[str, Any] = {"op": "get", "keys": hexes([keys[i] for i in todo])}
         if out is not None:  # what each out expects, each distinct list once (a KV batch has one)
-            distinct: dict[tuple[tuple[str, str, tuple[int, ...]], ...], int] = {}
-            msg["outs"] = [distinct.setdefault(tuple((n, dtype_name(t.dtype), tuple(t.shape))
-                                                     for n, t in out[i].items()), len(distinct)) for i in todo]
+            distinct: dict[OutSpec, int] = {}
+            msg["outs"] = [distinct.setdefault(one, len(distinct)) for one in outs]
             msg["specs"] = [[[n, d, list(shape)] for n, d, shape in one] for one in distinct]
-        with self._connection() as conn:
-            reply = self._call(conn, msg)
-            if "lease" in reply:
-                conn.done.append(reply["lease"])  # given back with the connection's next request
-            again = []
-            for i, item in zip(todo, reply["items"], strict=True):
-                if item is None:
-                    continue
-                if item == 0:
-                    again.append(i)
-                elif item == 1:
-                    log.warning("get %s: out does not match the chunk; treating as a miss", keys[i].hex()[:16])
-                elif isinstance(item, list):
-                    assert out is not None
-                    results[i] = _copy_out(conn.pool if item[0] == 0 else conn.staging, item, out[i])
-                else:
-                    region = conn.pool if "p" in item else conn.staging
-                    src = views(region, parse_spec(item["p"] if "p" in item else item["s"], region.numel()))
-                    results[i] = copy_tensors(src, device)
-            if out is not None and any(o.device.type == "cuda" for i in todo for o in out[i].values()):
-                wait_for_copies(*(o for i in todo for o in out[i].values()))
-            return again
+        reply = self._call(conn, msg)
+        if "lease" in reply:
+            conn.done.append(reply["lease"])  # given back with the connection's next request
+        again = []
+        for j, (i, item) in enumerate(zip(todo, reply["items"], strict=True)):
+            if item is None:
+                continue
+            if item == 0:
+                again.append(i)
+            elif item == 1:
+                log.warning("get %s: out does not match the chunk; treating as a miss", keys[i].hex()[:16])
+            elif isinstance(item, list):
+                assert out is not None
+                results[i] = copy_out(conn.pool if item[0] == 0 else conn.staging, item[3:], out[i])
+                if item[0] == 0:
+                    self._places.learn(conn.server, keys[i], outs[j], item)
+            else:
+                region = conn.pool if "p" in item else conn.staging
+                src = views(region, parse_spec(item["p"] if "p" in item else item["s"], region.numel()))
+                results[i] = copy_tensors(src, device)
+        return again
 
     def get(self, key: ChunkKey, *, out: Mapping[str, torch.Tensor] | None = None,
             device: str | torch.device = "cpu") -> TensorDict | None:
@@ -508,7 +546,7 @@ class ServerStore:
         except _Unavailable:
             out = {"tiers": {}, "server": None}
         with self._lock:
-            out["client"] = {**self._counts, "connections_idle": len(self._idle)}
+            out["client"] = {**self._counts, **self._places.snapshot(), "connections_idle": len(self._idle)}
         out["counters"] = self.counters.snapshot()
         return out
 
@@ -555,21 +593,6 @@ class ServerStore:
 
     def __repr__(self) -> str:
         return f"<ServerStore {self.url}>"
-
-
-def _copy_out(region: torch.Tensor, item: list[Any], out: Mapping[str, torch.Tensor]) -> TensorDict:
-    """Copy the tensors lying at ``item[1:]`` of ``region`` (in ``out``'s order) into ``out``: one copy each."""
-    size = region.numel()
-    for (name, dst), off in zip(out.items(), item[1:], strict=True):
-        n = dst.nbytes
-        if type(off) is not int or off < 0 or off + n > size:
-            raise ProtocolError(f"tensor {name!r} does not lie inside the shared region")
-        src = region[off:off + n]
-        if dst.is_contiguous():
-            byte_alias(dst).copy_(src, non_blocking=dst.is_cuda)
-        else:
-            dst.copy_((src.view(dst.dtype) if dst.dtype != torch.uint8 else src).reshape(dst.shape))
-    return dict(out)
 
 
 def _keyed(named: Mapping[str, Sequence[str]]) -> dict[ChunkKey, tuple[str, ...]]:

@@ -85,7 +85,7 @@ class Connection:
                         self._answer_with(error_reply(exc))
                         continue
                     if msg["op"] == "release":
-                        self._release(msg)
+                        self._settle(msg.get("leases"), msg.get("touch"))
                     else:
                         self._answer(msg)
         except ProtocolError as exc:
@@ -117,11 +117,13 @@ class Connection:
 
     def _answer(self, msg: dict[str, Any]) -> None:
         handler = self._handlers.get(msg["op"])
-        # Leases the client is done with, carried by this request. A get gives them back after its reply
-        # (while the client copies): a get needs no room, and the reply is on the client's critical path.
-        later = msg["op"] == "get" and "release" in msg
-        if "release" in msg and not later:
-            self._release({"op": "release", "leases": msg["release"]})
+        # Leases the client is done with and chunks it read straight from the pool, carried by this request.
+        # A get settles them after its reply (while the client copies): a get needs no room, and the reply is
+        # on the client's critical path.
+        carried = "release" in msg or "touch" in msg
+        later = carried and msg["op"] == "get"
+        if carried and not later:
+            self._settle(msg.get("release"), msg.get("touch"))
         try:
             if handler is None:
                 raise ProtocolError(f"unknown message type {msg['op']!r}")
@@ -133,7 +135,7 @@ class Connection:
             reply = error_reply(exc)
         self._answer_with(reply)
         if later:
-            self._release({"op": "release", "leases": msg["release"]})
+            self._settle(msg.get("release"), msg.get("touch"))
 
     def _answer_with(self, reply: dict[str, Any]) -> None:
         if not self._send(reply):
@@ -192,8 +194,20 @@ class Connection:
         with self._lock:
             return len(self._leases), sum(lease.nbytes for lease in self._leases.values())
 
-    def _release(self, msg: dict[str, Any]) -> None:
-        ids = get_field(msg, "leases", list)
+    def _settle(self, leases: Any, touched: Any) -> None:
+        """Give back ``leases`` (ids) and count ``touched`` (keys as on the wire: chunks the client read straight
+        from the pool) as top-tier hits, their recency in the pool's LRU order. Malformed fields are ignored."""
+        if isinstance(touched, str) and touched:
+            try:
+                keys = keys_field({"op": "touch", "keys": touched})
+            except ProtocolError:
+                self._count("protocol_errors")
+            else:
+                self.store.lend(keys).close()
+        if isinstance(leases, list) and leases:
+            self._release(leases)
+
+    def _release(self, ids: list[Any]) -> None:
         with self._lock:
             gone = [lease for lid in ids if type(lid) is int and (lease := self._leases.pop(lid, None))]
         for lease in gone:
@@ -202,9 +216,10 @@ class Connection:
     # ------------------------------------------------------------------ data
     def _get(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Per key: ``None`` (a miss), ``0`` (did not fit the staging area: ask again), ``1`` (the chunk does
-        not match the client's ``out``: a miss), ``[region, offset, ...]`` (region 0 the pool, 1 the staging
-        area; one offset per tensor of the client's ``out``, in its order) or, for a client without ``out``,
-        ``{"p" | "s": tensor specs}``."""
+        not match the client's ``out``: a miss), ``[region, stamp, word, offset, ...]`` (region 0 the pool, 1
+        the staging area; in the pool the chunk's stamp and its word's byte offset, else 0, 0; one offset per
+        tensor of the client's ``out``, in its order) or, for a client without ``out``, ``{"p" | "s": tensor
+        specs}``."""
         keys = keys_field(msg)
         wants = _wanted(msg, len(keys))
         loan = self.store.lend(keys)
@@ -217,7 +232,7 @@ class Connection:
             if wants is None:
                 items[i] = {"p": spec(tensors, [offset_of(t) for t in tensors.values()])}
             elif _matches(tensors, wants[i]):
-                items[i] = [0, *[offset_of(tensors[name]) for name, _, _, _ in wants[i]]]
+                items[i] = [0, *(loan.marks[i] or (0, 0)), *[offset_of(tensors[name]) for name, _, _, _ in wants[i]]]
             else:
                 items[i] = 1
                 continue
@@ -253,7 +268,7 @@ class Connection:
             got = self.store.get_many([keys[i] for i, _ in placed], out=targets) if placed else []
             for (i, offsets), value in zip(placed, got, strict=True):
                 if value is not None:
-                    items[i] = [1, *offsets]
+                    items[i] = [1, 0, 0, *offsets]
             return
         got = self.store.get_many([keys[i] for i in rest])
         for i, value in zip(rest, got, strict=True):

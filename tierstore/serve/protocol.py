@@ -22,7 +22,7 @@ from ..errors import TierstoreError
 from ..keys import DIGEST_SIZE, ChunkKey
 from ..tensors import DTYPES, dtype_name, shape_is_valid
 
-VERSION = 1
+VERSION = 2
 #: largest frame either side accepts (a request of MAX_KEYS keys with their tensor specs fits)
 MAX_FRAME = 4 << 20
 #: most keys one request may name (clients split larger batches)
