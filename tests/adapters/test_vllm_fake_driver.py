@@ -234,6 +234,35 @@ def test_decoded_tokens_are_saved_by_chunk_from_where_the_prompt_left_off(tmp_pa
         b.close()
 
 
+def test_each_save_notes_its_blocks_by_vllms_own_hashes_for_kv_events(tmp_path):
+    """With KV events on, every save (prompt chunks, then chunks of decoded tokens) is noted once with the
+    request's block hashes, the hash of the block before and the tokens: what vLLM publishes to routers."""
+    a = Engine(tmp_path, tiers(tmp_path))
+    a.scheduler.events = True
+    blocks = [*A_BLOCKS, 30, 31]
+    req = Request("r", PROMPT)
+    try:
+        a.serve(req, blocks[:5])  # the prompt's two full chunks: blocks 0-3
+        for computed in range(len(PROMPT), 112):  # decoding fills the third chunk (blocks 4-5) at 96
+            req.output_token_ids.append(500 + computed)
+            new = (blocks[computed // BLOCK:computed // BLOCK + 1],) if computed % BLOCK == 0 else None
+            a.step(SchedulerOutput(scheduled_cached_reqs=CachedRequestData(["r"], set(), [new], [computed]),
+                                   num_scheduled_tokens={"r": 1}))
+        hashes, tokens = req.block_hashes, req.all_token_ids
+        stored = a.scheduler.take_stored()
+        assert [(s.block_hashes, s.parent, s.token_ids) for s in stored] == [
+            (hashes[0:4], None, tokens[0:64]), (hashes[4:6], hashes[3], tokens[64:96])]
+        assert a.scheduler.take_stored() == []
+        salted = Request("s", [t + 1 for t in PROMPT], cache_salt="tenant-a")
+        a.serve(salted, blocks[:5])
+        assert a.workers[0].counters["saved_tokens"] == 96 + 64 and a.scheduler.take_stored() == []
+        a.scheduler.events = False
+        a.serve(Request("q", [t + 2 for t in PROMPT]), blocks[:5])
+        assert a.scheduler.take_stored() == []
+    finally:
+        a.close()
+
+
 def test_concurrent_lookups_and_steps(tmp_path, saved):
     """Lookups answered on the server threads while steps load and save on the main thread."""
     sys.setswitchinterval(1e-6)

@@ -3,6 +3,7 @@ with vLLM-shaped request and scheduler-output objects (no vLLM import)."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -30,6 +31,16 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def block_hashes(self) -> list[bytes]:
+        """One hash per full block of the tokens so far, each chained to the one before (as vLLM's)."""
+        hashes: list[bytes] = []
+        tokens = self.all_token_ids
+        for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+            parent = hashes[-1] if hashes else b"none"
+            hashes.append(hashlib.sha256(parent + repr(tokens[start:start + BLOCK]).encode()).digest())
+        return hashes
 
 
 @dataclass

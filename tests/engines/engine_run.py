@@ -1,7 +1,8 @@
 """Run one vLLM engine in this (fresh) process and print its greedy outputs as JSON on the last line.
 
 ``python engine_run.py '<json spec>'`` with spec keys: ``model``, ``prompts`` (lists of token ids),
-``max_tokens``, ``kv`` (the ``kv_transfer_config`` dict or null), ``load_format``, ``loader_extra``,
+``max_tokens``, ``kv`` (the ``kv_transfer_config`` dict or null), ``kv_events`` (a ZMQ endpoint to publish
+KV events on), ``load_format``, ``loader_extra``,
 ``inprocess`` (true: scheduler and worker in this process). The tests start it with ``subprocess`` so
 every engine is a new process, as a second serving instance would be.
 """
@@ -26,6 +27,9 @@ def main(spec: dict) -> dict:
         kwargs["distributed_executor_backend"] = "uni"
     if spec.get("kv"):
         kwargs["kv_transfer_config"] = spec["kv"]
+    if spec.get("kv_events"):  # publish vLLM's KV events (and the connector's) on this ZMQ endpoint
+        kwargs["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                      "endpoint": spec["kv_events"]}
     if spec.get("load_format"):
         kwargs["load_format"] = spec["load_format"]
         kwargs["model_loader_extra_config"] = spec.get("loader_extra") or {}

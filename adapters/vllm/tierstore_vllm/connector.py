@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +33,7 @@ from .worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -101,10 +103,12 @@ class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
                          for pp in range(pp_size) for tp in range(tp_size)]
                 self._client = LookupClient(paths)
                 ask = self._client.ask
+            events = vllm_config.kv_events_config
             self._scheduler = SchedulerSide(ask, chunk_tokens=self._chunk_tokens,
                                             block_size=self._block_size,
                                             lookup_timeout_s=options.lookup_timeout_s,
-                                            remote_wait_s=options.remote_wait_s)
+                                            remote_wait_s=options.remote_wait_s,
+                                            events=bool(events is not None and events.enable_kv_cache_events))
             return
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
@@ -224,6 +228,23 @@ class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return TierstoreMetadata(self._scheduler.build_plan(scheduler_output))
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """KV events (with ``--kv-events-config``) for the blocks each save puts in the store, medium ``CPU``:
+        a router (``vllm-router --policy kv_aware``) credits this instance with them after vLLM evicts them
+        from its own cache. Sent when the save is planned (the worker copies them in that step)."""
+        if self._scheduler is None:
+            return ()
+        stored = self._scheduler.take_stored()
+        if not stored:
+            return ()
+        from vllm.distributed.kv_events import MEDIUM_CPU, BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        return [BlockStored(block_hashes=[maybe_convert_block_hash(h) for h in s.block_hashes],
+                            parent_block_hash=None if s.parent is None else maybe_convert_block_hash(s.parent),
+                            token_ids=s.token_ids, block_size=self._block_size, lora_id=None, medium=MEDIUM_CPU,
+                            lora_name=None) for s in stored]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is not None:

@@ -41,6 +41,16 @@ class _Tracked:
     request: Any = None  # vLLM's live Request (its all_token_ids grows as tokens are decoded)
 
 
+@dataclass
+class Stored:
+    """Blocks a save puts in the store, for a KV event (``TierstoreConnector.take_events``): vLLM's own hashes
+    of them, the hash of the block before them (``None``: they start the prompt) and their tokens."""
+
+    block_hashes: list[Any]
+    parent: Any
+    token_ids: list[int]
+
+
 def tenant_of(request: Any) -> str | None:
     """The request's tenant: vLLM's ``cache_salt`` when set (requests with a salt share only among
     themselves, as in vLLM's own prefix cache)."""
@@ -57,8 +67,10 @@ class SchedulerSide:
     """
 
     def __init__(self, ask: Ask, *, chunk_tokens: int, block_size: int, lookup_timeout_s: float,
-                 remote_wait_s: float):
+                 remote_wait_s: float, events: bool = False):
         self._ask = ask
+        self.events = events  # note what each save stores, for vLLM's KV events (routers)
+        self._stored: list[Stored] = []
         self.chunk_tokens = chunk_tokens
         self.block_size = block_size
         self.lookup_timeout_s = lookup_timeout_s
@@ -208,6 +220,21 @@ class SchedulerSide:
         plan.saves.append(SaveSpec(rid, tokens[:n], tracked.block_ids[:blocks], tracked.tenant, start))
         tracked.stored = n
         self.counters["saves"] += 1
+        if self.events and tracked.tenant is None:  # a router gives a salted request no cache credit anyway
+            self._note_stored(tracked.request, tokens, start, n)
+
+    def _note_stored(self, request: Any, tokens: Sequence[int], start: int, end: int) -> None:
+        """Tokens ``[start, end)`` (whole blocks) are being saved: their blocks, by vLLM's own block hashes."""
+        hashes = list(getattr(request, "block_hashes", None) or ())
+        first, last = start // self.block_size, min(end // self.block_size, len(hashes))
+        if last > first:
+            self._stored.append(Stored(hashes[first:last], hashes[first - 1] if first else None,
+                                       list(tokens[first * self.block_size:last * self.block_size])))
+
+    def take_stored(self) -> list[Stored]:
+        """What the saves planned since the last call store (for vLLM's KV events)."""
+        stored, self._stored = self._stored, []
+        return stored
 
     def request_finished(self, request: Any) -> None:
         rid = request.request_id
