@@ -73,7 +73,7 @@ class Places:
             if word >= words.numel() or int(words[word]) != stamp:
                 self._forget(keys[i])
                 continue
-            copy_out(pool, entry[4], out[i])
+            copy_out(pool, entry[4], out[i], wait=True)  # done reading the pool before the stamp is read again
             if int(words[word]) != stamp:  # rewritten while being copied: out holds a mix, copied again below
                 self._forget(keys[i])
                 continue
@@ -106,8 +106,10 @@ def _alive(sock: socket.socket) -> bool:
         return False
 
 
-def copy_out(region: torch.Tensor, offsets: Sequence[Any], out: Mapping[str, torch.Tensor]) -> TensorDict:
-    """Copy the tensors lying at ``offsets`` of ``region`` (in ``out``'s order) into ``out``: one copy each."""
+def copy_out(region: torch.Tensor, offsets: Sequence[Any], out: Mapping[str, torch.Tensor],
+             wait: bool = False) -> TensorDict:
+    """Copy the tensors lying at ``offsets`` of ``region`` (in ``out``'s order) into ``out``: one copy each. A
+    copy to a GPU is asynchronous unless ``wait``."""
     size = region.numel()
     for (name, dst), off in zip(out.items(), offsets, strict=True):
         n = dst.nbytes
@@ -115,7 +117,7 @@ def copy_out(region: torch.Tensor, offsets: Sequence[Any], out: Mapping[str, tor
             raise ProtocolError(f"tensor {name!r} does not lie inside the shared region")
         src = region[off:off + n]
         if dst.is_contiguous():
-            byte_alias(dst).copy_(src, non_blocking=dst.is_cuda)
+            byte_alias(dst).copy_(src, non_blocking=dst.is_cuda and not wait)
         else:
             dst.copy_((src.view(dst.dtype) if dst.dtype != torch.uint8 else src).reshape(dst.shape))
     return dict(out)
