@@ -10,7 +10,9 @@ times means no write touched those bytes in between, so the copy is the chunk's 
 one non-blocking peek at the connection to that server: a server that died (and a new one that might have
 taken a newer value since) shows as a closed socket, and the read goes to the socket path instead. Anything
 else — another stamp, a zero, another server, an ``out`` of another shape — and the chunk is asked for as
-usual. The hits are reported with the next request (the server's LRU and hit counts see them).
+usual; its answer overwrites what the check rejected, and a miss leaves ``out`` unspecified (as a disk read that
+fails its checksum does). The hits are reported with the next request (the server's LRU and hit counts see
+them).
 
 The two reads of the word around the copy order the copy's loads only where loads are not reordered with
 loads (x86-64); elsewhere every get asks the server.
