@@ -158,8 +158,13 @@ class _Connection:
         if self.done:
             msg["release"], self.done = self.done, []
         if self.touched:
-            msg["touch"], self.touched = self.touched[-MAX_KEYS * 2 * DIGEST_SIZE:], ""
+            msg["touch"], self.touched = self.touched, ""
         return msg
+
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        """Note ``keys`` as read straight from the pool; only the last :data:`MAX_KEYS` are kept (what one
+        message may carry), so a client that never pauses does not grow the note without end."""
+        self.touched = (self.touched + hexes(keys))[-MAX_KEYS * 2 * DIGEST_SIZE:]
 
     def send(self, msg: Mapping[str, Any]) -> None:
         self.sock.sendall(encode(msg))
@@ -359,7 +364,7 @@ class ServerStore:
                 direct = self._places.read(conn.server, conn.pool, conn.words, conn.sock, keys, outs, out, todo,
                                            results)
                 if direct:
-                    conn.touched += hexes([keys[i] for i in direct])
+                    conn.touch([keys[i] for i in direct])
                     read = set(direct)
                     outs = [o for i, o in zip(todo, outs, strict=True) if i not in read]
                     todo = [i for i in todo if i not in read]

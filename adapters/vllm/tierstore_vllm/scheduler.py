@@ -225,10 +225,10 @@ class SchedulerSide:
 
     def _note_stored(self, request: Any, tokens: Sequence[int], start: int, end: int) -> None:
         """Tokens ``[start, end)`` (whole blocks) are being saved: their blocks, by vLLM's own block hashes."""
-        hashes = list(getattr(request, "block_hashes", None) or ())
+        hashes = getattr(request, "block_hashes", None) or ()  # the request's own list: sliced, not copied whole
         first, last = start // self.block_size, min(end // self.block_size, len(hashes))
         if last > first:
-            self._stored.append(Stored(hashes[first:last], hashes[first - 1] if first else None,
+            self._stored.append(Stored(list(hashes[first:last]), hashes[first - 1] if first else None,
                                        list(tokens[first * self.block_size:last * self.block_size])))
 
     def take_stored(self) -> list[Stored]:
