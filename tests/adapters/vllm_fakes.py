@@ -78,13 +78,14 @@ class Engine:
     """One engine instance: ``tp`` worker ranks (each its own store and lookup server) and a scheduler."""
 
     def __init__(self, root, tiers: list[dict], tp: int = 2, engine_id: str = "e", lookup_timeout_s: float = 1.0,
-                 remote_wait_s: float = 5.0, caches_seed: int | None = None, save_memory: int = 1 << 30):
+                 remote_wait_s: float = 5.0, caches_seed: int | None = None, save_memory: int = 1 << 30,
+                 layerwise: bool = True):
         self.workers, self.servers, self.caches = [], [], []
         for rank in range(tp):
             store = open_store(rank_config({"tiers": tiers}, rank, tp, 0, 1))
             ns = KVNamespace(model="tiny", dtype="bfloat16", tp_rank=rank, tp_size=tp)
             w = WorkerSide(store, ns, chunk_tokens=CHUNK, block_size=BLOCK, num_kv_heads=HEADS, head_size=DIM,
-                           save_memory=save_memory)
+                           save_memory=save_memory, layerwise=layerwise)
             caches = flash_caches(None if caches_seed is None else caches_seed + rank)
             w.register_kv_caches(caches)
             path = socket_path(str(root / "sock"), engine_id, rank, 0)

@@ -64,6 +64,8 @@ CONFIGS = {
     "tierstore-shared": ({"KV": "tierstore", "SHARED": "file://{workdir}/shared"}, ""),
     "tierstore-kv-aware": ({"KV": "tierstore", "SHARED": "none", "ROUTER_POLICY": "kv_aware"}, ""),
     "tierstore-serve": ({"KV": "tierstore-serve", "SHARED": "none"}, ""),
+    "tierstore-serve-whole": ({"KV": "tierstore-serve", "SHARED": "none",
+                               "CONNECTOR_OPTIONS": '"layerwise":false'}, ""),  # loads not overlapped
     "lmcache-mp": ({"KV": "lmcache-mp", "SHARED": "none"}, ""),
 }
 HIT_FAMILIES = ("tierstore_kv_lookup_tokens_total", "tierstore_kv_hit_tokens_total",

@@ -119,7 +119,7 @@ class TierstoreConnector(KVConnectorBase_V1, SupportsHMA):
         store = open_store(rank_config(options.config, tp_rank, tp_size, pp_rank, pp_size))
         self._worker = WorkerSide(store, namespace, chunk_tokens=self._chunk_tokens, block_size=spec.block_size,
                                   num_kv_heads=spec.num_kv_heads, head_size=spec.head_size,
-                                  save_memory=options.save_memory)
+                                  save_memory=options.save_memory, layerwise=options.layerwise)
         if not options.through_server:
             self._server = LookupServer(socket_path(options.socket_dir, engine_id, tp_rank, pp_rank),
                                         self._worker.answer)

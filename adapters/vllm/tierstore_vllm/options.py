@@ -22,7 +22,7 @@ log = logging.getLogger("tierstore_vllm")
 
 #: Keys of ``kv_connector_extra_config`` the connector understands.
 OPTION_KEYS = {"config", "chunk_tokens", "model_id", "revision", "lookup_timeout_s", "remote_wait_s",
-               "socket_dir", "load_failure_policy", "save_memory"}
+               "socket_dir", "load_failure_policy", "save_memory", "layerwise"}
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,10 @@ class ConnectorOptions:
         Bytes (or a size string) of KV a worker may hold copied out of the paged cache while its writes to
         the store are queued (default 1 GiB); a save that would go over is dropped and counted
         (``saves_dropped``), a prompt larger than the budget is saved when nothing else is queued.
+    layerwise:
+        ``true`` (default): layer ``i`` of a loaded prefix is usable as soon as it has arrived, so the forward
+        of early layers overlaps the load of later ones; ``false``: ``start_load_kv`` waits for the whole
+        prefix before the forward starts (to measure the difference, or where a backend gains nothing).
     """
 
     config: dict[str, Any]
@@ -65,6 +69,7 @@ class ConnectorOptions:
     socket_dir: str | None = None
     load_failure_policy: str = "recompute"
     save_memory: int = 1 << 30
+    layerwise: bool = True
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorOptions:
@@ -92,8 +97,11 @@ class ConnectorOptions:
         save_memory = parse_size(extra.get("save_memory", cls.save_memory), key="kv_connector_extra_config.save_memory")
         if save_memory < 1:
             raise ConfigError("kv_connector_extra_config.save_memory must be positive")
+        layerwise = extra.get("layerwise", cls.layerwise)
+        if not isinstance(layerwise, bool):
+            raise ConfigError(f"kv_connector_extra_config.layerwise must be true or false, got {layerwise!r}")
         return cls(config=config, load_failure_policy=policy, chunk_tokens=chunk, model_id=extra.get("model_id"),
-                   save_memory=save_memory,
+                   save_memory=save_memory, layerwise=layerwise,
                    revision=extra.get("revision"),
                    lookup_timeout_s=float(extra.get("lookup_timeout_s", cls.lookup_timeout_s)),
                    remote_wait_s=float(extra.get("remote_wait_s", cls.remote_wait_s)),

@@ -59,12 +59,14 @@ class WorkerSide:
 
     ``store`` is this rank's :class:`tierstore.TieredStore`; ``namespace`` names its KV (tenant unset:
     each request's tenant is filled in per call); ``block_size``/``num_kv_heads``/``head_size`` describe
-    vLLM's paged cache.
+    vLLM's paged cache; with ``layerwise=False`` :meth:`start_load` returns once every load is complete.
     """
 
     def __init__(self, store: tierstore.TieredStore, namespace: KVNamespace, *, chunk_tokens: int,
-                 block_size: int, num_kv_heads: int, head_size: int, save_memory: int = SAVE_MEMORY):
+                 block_size: int, num_kv_heads: int, head_size: int, save_memory: int = SAVE_MEMORY,
+                 layerwise: bool = True):
         self.store = store
+        self.layerwise = layerwise
         self.save_memory = save_memory
         self.namespace = namespace.replace(chunk_tokens=chunk_tokens)
         self.chunk_tokens = chunk_tokens
@@ -161,7 +163,7 @@ class WorkerSide:
 
     def start_load(self) -> None:
         """Start loading this step's planned prefixes (one layer-wise load per request); layer ``i``
-        is usable once :meth:`wait_for_layer` returns for it."""
+        is usable once :meth:`wait_for_layer` returns for it (without :attr:`layerwise`: on return)."""
         self._finish_loads()  # a previous step's loads, if vLLM never asked for their outcome
         if not self._plan.loads:
             return
@@ -178,6 +180,11 @@ class WorkerSide:
             loads.append((spec, handle))
         with self._state:
             self._loads = loads
+        if not self.layerwise:
+            for _, handle in loads:
+                if handle is not None:
+                    with contextlib.suppress(Exception):  # accounted for in _finish_loads
+                        handle.result()
 
     def _fail(self, spec: LoadSpec, good: int) -> None:
         """Report the blocks holding tokens ``[good, spec.end)`` as not loaded (vLLM recomputes them)."""
