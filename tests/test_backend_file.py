@@ -53,14 +53,15 @@ class TestFileBackend(BackendTests):
     persistent = True
     checksummed = True
     codec = "none"
+    verify_reads = "always"
 
     def make_backend(self, capacity):
         self._made = getattr(self, "_made", 0) + 1  # a directory per backend: each holds its directory's lock
-        return FileBackend(path=self.tmp_path / f"disk{self._made}", codec=self.codec)
+        return FileBackend(path=self.tmp_path / f"disk{self._made}", codec=self.codec, verify_reads=self.verify_reads)
 
     def reopen(self, backend):
         backend.close()
-        return FileBackend(name=backend.name, path=backend.path, codec=backend.codec)
+        return FileBackend(name=backend.name, path=backend.path, codec=backend.codec, verify_reads=self.verify_reads)
 
     def overwrite(self, backend, key, data):
         (Path(backend.path) / object_relpath(key)).write_bytes(data)
@@ -88,6 +89,13 @@ class TestFileBackend(BackendTests):
         assert st["used_bytes"] == sum(p.stat().st_size for p in files)
         assert {f.key: f.size for f in s.tiers[0].backend.list()} == {
             key_of(i): (root / object_relpath(key_of(i))).stat().st_size for i in (0, 1, 2, 3, 5)}
+
+
+class TestFileBackendVerifyOnce(TestFileBackend):
+    """``verify_reads: once``: every conformance check (damage included) holds when reads of files the
+    backend wrote or verified skip the checksum."""
+
+    verify_reads = "once"
 
 
 class TestFileBackendZstd(TestFileBackend):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tierstore import objformat
-from tierstore.backends import Hit, objfile
+from tierstore.backends import Hit, file_reads, objfile
 from tierstore.backends.file import FileBackend
 from tierstore.errors import CorruptObjectError, InvalidInputError
 from tierstore.store import TieredStore
@@ -19,9 +19,9 @@ from tierstore.testing.data import assert_same, chunk, key_of, run_threads
 SIZE = 64 << 10
 
 
-@pytest.fixture
-def backend(tmp_path):
-    with FileBackend(path=tmp_path / "disk", io_threads=3) as b:
+@pytest.fixture(params=["always", "once"])
+def backend(tmp_path, request):
+    with FileBackend(path=tmp_path / "disk", io_threads=3, verify_reads=request.param) as b:
         yield b
 
 
@@ -244,3 +244,99 @@ def test_buffer_views_follow_the_tensor_at_each_address(backend):
     for k_at, v_at in ((0, half), (half, 0)):
         out = {"k": big[k_at:k_at + half].view(torch.float32), "v": big[v_at:v_at + half].view(torch.float32)}
         assert_same(values(backend.read_into_many([keys[1]], [out]))[0], data[1])
+
+
+# --------------------------------------------------------------------------- verify_reads: once
+@pytest.fixture
+def hashes(monkeypatch):
+    """Counts the checksums the read path starts (xxh3_128 objects made)."""
+    made = []
+    real = file_reads.xxhash.xxh3_128
+    monkeypatch.setattr(file_reads.xxhash, "xxh3_128", lambda *a: made.append(1) or real(*a))
+    return made
+
+
+@pytest.mark.parametrize("size", [SIZE, file_reads.ONE_READ * 3])
+def test_verify_once_skips_the_checksum_only_while_the_file_is_as_stamped(tmp_path, hashes, size):
+    data = [chunk(i, size) for i in range(3)]
+    keys = [key_of(i) for i in range(3)]
+    with FileBackend(path=tmp_path / "d", verify_reads="once") as b:
+        b._reads._fine_ctime = True  # as on Linux 6.13+ (the coarse case: the next test)
+        write_all(b, list(zip(keys, data, strict=True)))
+        hashes.clear()
+        for got, d in zip(values(b.read_into_many(keys, outs_for(*data))), data, strict=True):
+            assert_same(got, d)
+        assert hashes == [], "a file this backend wrote is read without its checksum"
+        path = b.object_path(keys[1])
+        os.utime(path)  # any change through the file system moves the ctime: read and checked again
+        for got, d in zip(values(b.read_into_many(keys, outs_for(*data))), data, strict=True):
+            assert_same(got, d)
+        assert len(hashes) == 1
+        hashes.clear()
+        values(b.read_into_many(keys, outs_for(*data)))
+        assert hashes == [], "verified again, so stamped again"
+        with open(path, "r+b") as f:  # damage in place, after the stamp
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 1]))
+        got = b.read_into_many(keys, outs_for(*data))
+        assert isinstance(got[1], CorruptObjectError)
+        assert_same(got[0].value, data[0])
+        assert_same(got[2].value, data[2])
+    with FileBackend(path=tmp_path / "d", verify_reads="once") as b:  # a new process verifies before it trusts
+        b._reads._fine_ctime = True
+        hashes.clear()
+        values(b.read_into_many([keys[0]], outs_for(data[0])))
+        assert len(hashes) == 1
+
+
+def test_verify_once_trusts_a_coarse_ctime_only_once_it_has_settled(tmp_path, hashes, monkeypatch):
+    """Where a change in the same clock tick keeps the ctime, a fresh file is checked on every read; one whose
+    ctime is older than SETTLED_NS is stamped by its next verified read."""
+    with FileBackend(path=tmp_path / "d", verify_reads="once") as b:
+        b._reads._fine_ctime = False
+        b.write(key_of(1), chunk(1, SIZE))
+        hashes.clear()  # the write's own
+        for _ in range(3):
+            values(b.read_into_many([key_of(1)], outs_for(chunk(1, SIZE))))
+        assert len(hashes) == 3, "a ctime of now is not trusted"
+        monkeypatch.setattr(file_reads, "SETTLED_NS", 0)
+        hashes.clear()
+        for _ in range(3):
+            assert_same(values(b.read_into_many([key_of(1)], outs_for(chunk(1, SIZE))))[0], chunk(1, SIZE))
+        assert len(hashes) == 1
+
+
+def test_verify_once_checks_again_after_its_own_mtime_refresh(tmp_path, hashes):
+    """A hit refreshes an old mtime (the LRU order after a restart); that moves the ctime, so the stamp goes."""
+    with FileBackend(path=tmp_path / "d", verify_reads="once") as b:
+        b._reads._fine_ctime = True
+        b.write(key_of(1), chunk(1, SIZE))
+        b._reads._plans[key_of(1)].mtime_ns = 0  # due for a refresh
+        hashes.clear()  # the write's own
+        for _ in range(3):
+            assert_same(values(b.read_into_many([key_of(1)], outs_for(chunk(1, SIZE))))[0], chunk(1, SIZE))
+        assert len(hashes) == 1, "trusted, refreshed (stamp dropped), verified and stamped again"
+
+
+def test_the_ctime_probe_matches_what_the_file_system_does(tmp_path):
+    fine = file_reads.fine_ctime(str(tmp_path))
+    assert os.listdir(tmp_path) == [], "the probe leaves nothing behind"
+    p = tmp_path / "f"
+    p.write_bytes(b"a")
+    changed = 0
+    for _ in range(20):
+        before = os.stat(p).st_ctime_ns
+        with open(p, "ab") as f:
+            f.write(b"b")
+        changed += os.stat(p).st_ctime_ns != before
+    assert changed == 20 if fine else changed < 20, (fine, changed)
+    assert file_reads.fine_ctime(str(tmp_path / "missing")) is False
+
+
+def test_verify_reads_is_checked(tmp_path):
+    from tierstore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="verify_reads"):
+        FileBackend(path=tmp_path / "d", verify_reads="sometimes")

@@ -137,10 +137,11 @@ def test_peers_ours_only_runs_and_reports_ratios(tmp_path, capsys):
     assert main(["bench", "peers", "--adapters", "", "--sizes", "64KiB,256KiB", "--total", "2MiB",
                  "--repeats", "2", "--dir", str(tmp_path), "--json", str(js)]) == 0
     res = json.loads(js.read_text())
-    assert len(res["runs"]) == 4 and {r["size"] for r in res["runs"]} == {64 << 10, 256 << 10}
+    assert len(res["runs"]) == 8 and {r["size"] for r in res["runs"]} == {64 << 10, 256 << 10}
+    assert {r["system"] for r in res["runs"]} == {peers.OURS, peers.OURS_ONCE}
     assert all(m[op] > 0 for m in res["medians"] for op in ("store", "load", "load_bare"))
     out = capsys.readouterr().out
-    assert "tierstore disk GB/s" in out and "bare GB/s" in out
+    assert "tierstore disk GB/s" in out and "bare GB/s" in out and "load, verify once" in out
     assert list(tmp_path.glob("tierstore-peers-*")) == []  # every run's folder is removed
 
 

@@ -283,7 +283,7 @@ TIER_OPTIONS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
              "shared_memory": _bool},
     "disk": {"path": _path, "capacity": _capacity, "durable": _bool, "read_only": _bool,
              "codec": _one_of("none", "zstd"), "io_threads": _positive_int, "permissions": _PERMISSIONS,
-             "instances": _positive_int},
+             "instances": _positive_int, "verify_reads": _one_of("always", "once")},
     "remote": {"url": _url, "storage_options": _storage_options, "compression": _one_of(None, "none", "zstd"),
                "capacity": _no_capacity, "max_in_flight": _positive_int, "list_on_open": _bool,
                "timeout": _seconds, "permissions": _PERMISSIONS, "touch_after": _optional_seconds, "auth": _auth},

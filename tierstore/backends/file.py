@@ -96,6 +96,10 @@ class FileBackend(Backend):
         permissions: ``"private"`` (directories 0700, files 0600) or ``"group"`` (0770, 0660).
         instances: when ``path`` is held by another process, take the first free directory of ``path.1`` …
             ``path.<instances-1>`` instead (the path actually used is :attr:`path`).
+        verify_reads: ``"always"`` (default): every read of an object checks its payload's checksum;
+            ``"once"``: a batched read into ``out`` skips that check for a file this process wrote or already
+            verified, as long as its inode, size and change time are still those it saw then (sizes and header
+            bytes are checked on every read). See :mod:`.file_reads` for what that does and does not catch.
 
     Raises:
         LockedError: another process (or another open backend in this one) holds the directory (every one of
@@ -106,13 +110,14 @@ class FileBackend(Backend):
 
     def __init__(self, name: str | None = None, path: str | os.PathLike[str] | None = None, durable: bool = False,
                  read_only: bool = False, codec: str = "none", io_threads: int = 4, permissions: str = "private",
-                 instances: int = 1):
+                 instances: int = 1, verify_reads: str = "always"):
         self.name = name or self.kind
         if path is None:
             raise ConfigError("disk tier: 'path' is required")
         opts = check_tier_options("disk", {"path": path, "durable": durable, "read_only": read_only,
                                            "codec": codec, "io_threads": io_threads, "permissions": permissions,
-                                           "instances": instances}, where=f"disk tier {self.name!r}")
+                                           "instances": instances, "verify_reads": verify_reads},
+                                   where=f"disk tier {self.name!r}")
         self.durable, self.read_only, self.codec = durable, read_only, codec
         self.capabilities = Capabilities(objects=True, persistent=True, shared=read_only, writable=not read_only,
                                          codec=codec)
@@ -126,7 +131,6 @@ class FileBackend(Backend):
         #: calls in flight: the directory's descriptor and lock stay until the last one ends, even past close()
         self._users = 0
         self._worker = threading.local()
-        self._reads = BatchedReader(self)
         self._lock: DirLock | None = None
         base = opts["path"]
         if read_only:
@@ -134,6 +138,7 @@ class FileBackend(Backend):
         else:
             self._root_fd, self._lock, self.path = lock_first_free(
                 [base] + [f"{base}.{i}" for i in range(1, instances)], self._dir_mode, self._file_mode)
+        self._reads = BatchedReader(self, trust=verify_reads == "once")
 
     # ------------------------------------------------------------------ the directory
     def _open_folder(self, sub: str, create: bool = False) -> int:
@@ -261,10 +266,12 @@ class FileBackend(Backend):
                 except BaseException:
                     _unlink_quietly(name, folder)  # the write fails as a whole: storage and index keep agreeing
                     raise
+            # the file as renamed into place (the rename changed its ctime), for verify_reads: once
+            st = os.stat(name, dir_fd=folder, follow_symlinks=False) if self._reads.trust else None
         finally:
             os.close(folder)
         if self.codec == "none":  # the first read of what we just wrote needs no parsing either
-            self._reads.remember_written(key, self.object_path(key), payload, time.time_ns())
+            self._reads.remember_written(key, self.object_path(key), payload, time.time_ns(), st)
 
     # ------------------------------------------------------------------ reads
     def touch(self, fd: int, mtime_ns: int) -> int:

@@ -9,10 +9,22 @@ and the payload directly in the caller's tensors, hashing each ~256 KiB step whi
 prefix-and-header bytes, size and tensor layout. A later read of that key opens the file and reads it
 with one ``preadv`` into scratch + ``out`` + one byte beyond (objects up to :data:`ONE_READ`; larger ones
 in hashed steps as above), and accepts it only if exactly the planned size arrived, the header bytes
-equal the remembered ones *and* the checksum over what was read matches. The checksum is never
-skipped: the plan only saves a ``stat``, parsing, validation and Python bookkeeping. Anything else — a
+equal the remembered ones *and* the checksum over what was read matches. By default the checksum is
+never skipped: the plan only saves a ``stat``, parsing, validation and Python bookkeeping. Anything else — a
 different size, other header bytes (the file was replaced), a failed checksum, an I/O error, an ``out``
 that does not fit the plan — falls back to the careful read, which decides (and classifies: corrupt, gone, error).
+
+**Trusted read** (``verify_reads: once``). A plan may also hold the file's *stamp*, ``(inode, ctime, size)``,
+taken before the read that verified it, or after the rename that put a file this process wrote in place.
+A planned read calls ``fstat`` on the file first; when the stamp is unchanged it reads exactly as above but skips
+the checksum (size and header bytes are still compared). Any change made through the file system — a
+rewrite in place, a truncation, ``utime``, a rename over it — moves the ctime or the inode, and the next read
+is verified again. A stamp is kept only when a later change is sure to move the ctime: the directory's file
+system stamps a change made after a ``stat`` with a newer ctime (probed when the tier opens: Linux 6.13+
+multigrain timestamps on ext4, xfs, btrfs, tmpfs), or the ctime is more than :data:`SETTLED_NS` old. What it
+does not catch is damage below the file system after the first verified read: a bit flipped in the page
+cache (memory without ECC) or on a medium whose own checks miss it. Our own refresh of the mtime on a hit
+moves the ctime too, so the next read is verified again.
 
 On a checksum failure ``out`` holds unspecified bytes. Work is split into one slice per I/O thread (not
 one task per object), so a batch of small objects costs a few pool hand-offs rather than one per object,
@@ -21,9 +33,11 @@ and into no more slices than there are cores (see :data:`CORES`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -56,6 +70,10 @@ ONE_READ = 1 << 20
 CORES = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 _P = objformat.PREFIX_SIZE
+#: a stamp taken from a ctime older than this is kept on a file system that stamps changes coarsely (a change
+#: within the same clock tick as the stamp would not move the ctime; ticks are milliseconds)
+SETTLED_NS = 1_000_000_000
+
 #: a byte past a planned read's size: a longer file fills it (its content is never looked at, so every thread
 #: may read into this one)
 _BEYOND = bytearray(1)
@@ -71,6 +89,30 @@ _LAYOUTS: dict[tuple[Any, int], tuple[Any, int]] = {}
 _LAYOUTS_MAX = 4096
 #: segments kept per ``out`` mapping (see ``BatchedReader.segments``)
 _SEGMENTS_MAX = 4096
+
+
+def fine_ctime(folder: str) -> bool:
+    """Whether the file system of ``folder`` gives a change made after a ``stat`` a newer ctime, however soon
+    (Linux 6.13+ multigrain timestamps), probed on a scratch file there: three writes, each right after an
+    ``fstat``, must each move the ctime. ``False`` where the probe cannot run."""
+    name = os.path.join(folder, f".ctime-probe.{os.getpid()}.{threading.get_ident()}")
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    except OSError:
+        return False
+    try:
+        for _ in range(3):
+            before = os.fstat(fd).st_ctime_ns
+            os.write(fd, b"x")
+            if os.fstat(fd).st_ctime_ns == before:
+                return False
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(name)
 
 
 def raw_view(t: torch.Tensor) -> memoryview:
@@ -101,6 +143,8 @@ class Plan:
     mtime_ns: int  # the file's mtime as last seen or set (when to touch it again)
     #: ``(tensors, tail)``, one shared object for every plan of the same layout (so ``is`` compares them)
     layout: tuple[Any, int] = field(default=((), 0), repr=False, compare=False)
+    #: ``(inode, ctime_ns, size)`` of the file when it was verified or written (``verify_reads: once``)
+    stamp: tuple[int, int, int] | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, path: str, head: bytes, hdr: objformat.Header, mtime_ns: int) -> Plan:
@@ -134,8 +178,10 @@ class Plan:
 class BatchedReader:
     """Reads batches of objects of one :class:`~tierstore.backends.file.FileBackend` into ``out`` tensors."""
 
-    def __init__(self, backend: FileBackend):
+    def __init__(self, backend: FileBackend, trust: bool = False):
         self.backend = backend
+        self.trust = trust  # verify_reads: once (see the module doc)
+        self._fine_ctime = trust and not backend.read_only and fine_ctime(backend.path)
         self._plans: dict[ChunkKey, Plan] = {}  # read without the lock (one dict lookup); written under it
         self._lock = threading.Lock()
         # id(out) -> (out, [(name, tensor, address, numel)], layout, segments): see segments()
@@ -198,6 +244,16 @@ class BatchedReader:
         except OSError:
             return 0
         try:
+            stamp = None
+            if self.trust:
+                st = os.fstat(fd)  # before the read: a change after it moves the ctime
+                stamp = (st.st_ino, st.st_ctime_ns, st.st_size)
+                if stamp == plan.stamp:
+                    got = os.preadv(fd, [scratch, *segments, _BEYOND], 0)
+                    if got != plan.size or scratch != plan.head:
+                        return 0
+                    plan.mtime_ns = self.backend.touch(fd, plan.mtime_ns)
+                    return plan.size
             if plan.size <= ONE_READ:
                 got = os.preadv(fd, [scratch, *segments, _BEYOND], 0)
                 h = xxhash.xxh3_128(memoryview(scratch)[_P:])
@@ -208,6 +264,8 @@ class BatchedReader:
                 got = read_into(fd, [scratch, *segments, _BEYOND], h, skip=_P)
             if got != plan.size or scratch != plan.head or h.digest() != plan.head[16:32]:
                 return 0
+            if stamp is not None:
+                plan.stamp = self._settled(stamp)
             plan.mtime_ns = self.backend.touch(fd, plan.mtime_ns)
             return plan.size
         except OSError:
@@ -249,15 +307,26 @@ class BatchedReader:
                 return self._copy(key, out)
             if h.digest() != plan.head[16:32]:
                 raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
-            plan.mtime_ns = self.backend.touch(fd, st.st_mtime_ns)
+            if self.trust:
+                plan.stamp = self._settled((st.st_ino, st.st_ctime_ns, st.st_size))
+            plan.mtime_ns = self.backend.touch(fd, plan.mtime_ns)
             self._remember(key, plan)  # only once its object verified
         finally:
             os.close(fd)
         return Hit(dict(out), hdr.object_size)
 
-    def remember_written(self, key: ChunkKey, path: str, written: objformat.Encoded, mtime_ns: int) -> None:
-        """Plan the reads of an object this tier has just written, from its encoding (nothing re-parsed)."""
-        self._remember(key, Plan.of(path, bytes(written.parts[0]), written.header, mtime_ns))
+    def remember_written(self, key: ChunkKey, path: str, written: objformat.Encoded, mtime_ns: int,
+                         st: os.stat_result | None = None) -> None:
+        """Plan the reads of an object this tier has just written, from its encoding (nothing re-parsed);
+        ``st``: the file as renamed into place (its stamp, with ``verify_reads: once``)."""
+        plan = Plan.of(path, bytes(written.parts[0]), written.header, mtime_ns)
+        if self.trust and st is not None:
+            plan.stamp = self._settled((st.st_ino, st.st_ctime_ns, st.st_size))
+        self._remember(key, plan)
+
+    def _settled(self, stamp: tuple[int, int, int]) -> tuple[int, int, int] | None:
+        """``stamp`` if a later change is sure to move its ctime (see :data:`SETTLED_NS`), else ``None``."""
+        return stamp if self._fine_ctime or time.time_ns() - stamp[1] > SETTLED_NS else None
 
     def _remember(self, key: ChunkKey, plan: Plan) -> None:
         with self._lock:

@@ -144,9 +144,9 @@ def _weights(w: dict[str, Any]) -> str:
 
 
 def _peers(p: dict[str, Any]) -> str:
-    from .peers import OURS, ratio_rows
+    from .peers import peer_names, ratio_rows
 
-    names = [s for s in p["systems"] if s != OURS]
+    names = peer_names(p)
     body = [[format_size(r["size"]), r["op"], f"{r['ours']:.2f}", *(f"{r[n]:.2f}" for n in names),
              *(_x(r[f"ratio_{n}"]) for n in names),
              "-" if r.get("bare") is None else f"{r['bare']:.2f}", _x(r.get("ratio_bare"))] for r in ratio_rows(p)]
@@ -155,7 +155,9 @@ def _peers(p: dict[str, Any]) -> str:
             f"median of {p['repeats']} runs; "
             "GB/s = bytes per round ÷ mean round time; every run starts after a `sync`. *bare* is the limit of our "
             "loads: the same object files read again on the same threads with nothing but `open` + one `preadv` + "
-            "xxh3 + `close` per file (LMCache's readers are C++ and check no checksum).\n\n"
+            "xxh3 + `close` per file (LMCache's readers are C++ and check no checksum); for *load, verify once* "
+            "(the disk tier with `verify_reads: once`, which skips the checksum of files it wrote or verified) "
+            "`open` + `fstat` + one `preadv`.\n\n"
             + md_table(["object", "op", "tierstore GB/s", *(f"LMCache {n} GB/s" for n in names),
                         *(f"tierstore ÷ {n}" for n in names), "bare GB/s", "tierstore ÷ bare"], body))
 
@@ -417,12 +419,12 @@ def _plots(s: dict[str, Any], out: str) -> list[str]:
         ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="center right")
         written.append(_save(fig, out, "lookup.png"))
     if s.get("peers"):
-        from .peers import OURS, ratio_rows
+        from .peers import peer_names, ratio_rows
         p = s["peers"]
         fig, axes = plt.subplots(1, 2, figsize=(9, 4))
         for ax, op in zip(axes, ("load", "store"), strict=True):
             rows = [r for r in ratio_rows(p) if r["op"] == op]
-            systems = [("tierstore disk", "ours")] + [(f"LMCache {n}", n) for n in p["systems"] if n != OURS]
+            systems = [("tierstore disk", "ours")] + [(f"LMCache {n}", n) for n in peer_names(p)]
             width = 0.8 / len(systems)
             for i, (label, key) in enumerate(systems):
                 ax.bar([j + (i - (len(systems) - 1) / 2) * width for j in range(len(rows))], [r[key] for r in rows],
