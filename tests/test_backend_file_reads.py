@@ -196,6 +196,19 @@ def test_a_mismatched_out_is_an_error_for_that_key_only(store, backend):
     assert_same(store.get(key_of(1)), chunk(1, SIZE))
 
 
+def test_an_out_that_gained_a_tensor_since_the_last_read_is_refused_not_half_filled(backend):
+    """The read path keeps the segments it made for an ``out`` mapping; a tensor added to that same mapping
+    afterwards would not be filled by them."""
+    backend.write(key_of(1), chunk(1, SIZE))
+    (out,) = outs_for(chunk(1, SIZE))
+    for _ in range(2):
+        assert_same(values(backend.read_into_many([key_of(1)], [out]))[0], chunk(1, SIZE))
+    out["extra"] = torch.full((4,), 7.0)
+    (got,) = backend.read_into_many([key_of(1)], [out])
+    assert isinstance(got, InvalidInputError), got
+    assert torch.equal(out["extra"], torch.full((4,), 7.0))
+
+
 def test_bfloat16_and_compressed_objects(tmp_path):
     data = {"k": torch.randn(3, 1000).to(torch.bfloat16), "idx": torch.arange(77, dtype=torch.int64)}
     for codec in ("none", "zstd"):

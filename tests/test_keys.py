@@ -25,6 +25,17 @@ def test_hex_roundtrip_equality_and_hash():
         k._digest = b"x" * 32
 
 
+def test_a_key_is_never_equal_to_plain_bytes():
+    k = ChunkKey.from_tensors(sample())
+    d = k.digest
+    assert type(d) is bytes and d == bytes(k)
+    assert k != d and d != k  # __ne__ and __eq__ each (both ways)
+    assert (k == d) is False and (d == k) is False
+    assert {k: 1}.get(d) is None and {d: 1}.get(k) is None and d not in {k} and k not in {d}
+    assert str(k) == repr(k) == f"{k}" and repr(k).startswith("ChunkKey(")
+    assert ChunkKey(bytearray(d)) == k and ChunkKey(memoryview(d)) == k and ChunkKey(k) == k
+
+
 @pytest.mark.parametrize("bad,exc", [("zz" * 32, InvalidInputError), ("ab", InvalidInputError),
                                      (b"x" * 32, InvalidTypeError)])
 def test_from_hex_rejects(bad, exc):

@@ -28,29 +28,28 @@ def _frame(data: bytes) -> bytes:
     return struct.pack("<Q", len(data)) + data
 
 
-class ChunkKey:
-    """Immutable 32-byte digest naming one chunk; hashable and equal by digest."""
+class ChunkKey(bytes):
+    """Immutable 32-byte digest naming one chunk; hashable, and equal only to a ChunkKey of the same digest.
 
-    __slots__ = ("_digest",)
-    _digest: bytes
+    A ``bytes`` subclass so that hashing and comparing it (several dict lookups per key per call) run in C;
+    it never compares equal to plain ``bytes``."""
 
-    def __init__(self, digest: bytes):
+    __slots__ = ()
+
+    def __new__(cls, digest: bytes) -> ChunkKey:
         if not isinstance(digest, (bytes, bytearray, memoryview)):
             raise InvalidTypeError(f"ChunkKey takes {DIGEST_SIZE} bytes, got {type(digest).__name__}")
-        digest = bytes(digest)
-        if len(digest) != DIGEST_SIZE:
-            raise InvalidInputError(f"ChunkKey takes {DIGEST_SIZE} bytes, got {len(digest)}")
-        object.__setattr__(self, "_digest", digest)
+        key = super().__new__(cls, digest)
+        if len(key) != DIGEST_SIZE:
+            raise InvalidInputError(f"ChunkKey takes {DIGEST_SIZE} bytes, got {len(key)}")
+        return key
 
     def __setattr__(self, name: str, value: object) -> NoReturn:
         raise AttributeError("ChunkKey is immutable")
 
     @property
     def digest(self) -> bytes:
-        return self._digest
-
-    def hex(self) -> str:
-        return self._digest.hex()
+        return bytes(self)
 
     @classmethod
     def from_hex(cls, text: str) -> ChunkKey:
@@ -98,17 +97,21 @@ class ChunkKey:
         return cls(h.digest())
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ChunkKey) and other._digest == self._digest
+        return isinstance(other, ChunkKey) and bytes.__eq__(self, other)
 
-    def __hash__(self) -> int:
-        return hash(self._digest)  # bytes cache their hash: keys are hashed many times per call
+    def __ne__(self, other: object) -> bool:
+        return not (isinstance(other, ChunkKey) and bytes.__eq__(self, other))
+
+    __hash__ = bytes.__hash__  # the C slot itself (bytes cache their hash): no Python call per dict lookup
 
     def __repr__(self) -> str:
         return f"ChunkKey({self.hex()[:16]}…)"
 
+    __str__ = __repr__
+
     # copy/deepcopy support; tierstore itself never pickles
     def __reduce__(self) -> tuple[type[ChunkKey], tuple[bytes]]:
-        return (ChunkKey, (self._digest,))
+        return (ChunkKey, (bytes(self),))
 
 
 def check_key(key: object) -> ChunkKey:

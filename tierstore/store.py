@@ -343,23 +343,31 @@ class TieredStore:
         # objects read from a shared level are decoded here, so a promotion writes them without reading again
         objects = [lv.index for lv in self.tiers if retain and lv.shared and lv.caps.objects and lv.index > top]
         with self._life.call():
-            values, source = self._transfers.read(keys, out, device, objects_from=objects)
-            results: list[Any] = []
-            admit: list[tuple[ChunkKey, int, int, Encoded | None]] = []
-            seen: set[ChunkKey] = set()
-            for k, value, src in zip(keys, values, source, strict=True):
-                obj = None
-                if isinstance(value, tuple):
-                    value, obj = value
-                results.append(value)
-                if retain and src is not None and src[0] > top and src[1] >= 0 and k not in seen:
-                    seen.add(k)
-                    admit.append((k, src[0], src[1], obj))
+            results, source = self._transfers.read(keys, out, device, objects_from=objects)
+            if retain:
+                results = self._admit_below(keys, results, source, top)
             self._note_use_below(keys, source)
-            if admit:
-                self._promoter.admit(admit)
         hits = sum(isinstance(r, dict) for r in results)
         self._count(gets=len(keys), hits=hits, misses=len(keys) - hits)
+        return results
+
+    def _admit_below(self, keys: list[ChunkKey], values: list[Any], source: list[tuple[int, int] | None],
+                     top: int) -> list[Any]:
+        """Hand the hits read from below ``top`` to the promoter (``retain``); returns the values, each object
+        read along (a ``(value, Encoded)`` pair) replaced by its value."""
+        results: list[Any] = []
+        admit: list[tuple[ChunkKey, int, int, Encoded | None]] = []
+        seen: set[ChunkKey] = set()
+        for k, value, src in zip(keys, values, source, strict=True):
+            obj = None
+            if isinstance(value, tuple):
+                value, obj = value
+            results.append(value)
+            if src is not None and src[0] > top and src[1] >= 0 and k not in seen:
+                seen.add(k)
+                admit.append((k, src[0], src[1], obj))
+        if admit:
+            self._promoter.admit(admit)
         return results
 
     def _note_use_below(self, keys: list[ChunkKey], source: list[tuple[int, int] | None]) -> None:

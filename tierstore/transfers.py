@@ -487,6 +487,8 @@ class Transfers:
     def _pin(self, keys: Sequence[ChunkKey], todo: list[int], skip: dict[int, set[int]]) -> list[Hold | None]:
         """Pin each of ``todo``'s keys at the first level holding its current value, past the levels ``skip``
         names for it."""
+        if not skip and len(todo) == len(keys):  # the first pass over the whole batch
+            return self.res.pin(keys)
         holds: list[Hold | None] = [None] * len(keys)
         plain = [i for i in todo if i not in skip]
         for i, h in zip(plain, self.res.pin([keys[i] for i in plain]), strict=True):
