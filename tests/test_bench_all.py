@@ -145,6 +145,17 @@ def test_peers_ours_only_runs_and_reports_ratios(tmp_path, capsys):
     assert list(tmp_path.glob("tierstore-peers-*")) == []  # every run's folder is removed
 
 
+def test_peers_ratios_per_repeat_pair_each_run_with_the_peer_run_of_the_same_repeat():
+    loads = {peers.OURS: (2.0, 6.0, 3.0), "fs_native": (1.0, 4.0, 6.0)}
+    runs = [{"system": s, "size": 1, "repeat": rep, "load": v, "store": 1.0}
+            for s, vals in loads.items() for rep, v in enumerate(vals)]
+    med = [{"system": s, "size": 1, "load": 3.0, "store": 1.0} for s in (peers.OURS, "fs_native")]
+    result = {"runs": runs, "medians": med, "sizes": [1], "systems": [peers.OURS, "fs_native"], "repeats": 3}
+    (load, _) = peers.ratio_rows(result)
+    assert load["runs_fs_native"] == [0.5, 1.5, 2.0] and load["ratio_fs_native"] == 1.0
+    assert "0.50–2.00" in peers.table(result)
+
+
 def test_round_shape_matches_the_recorded_lmcache_runs():
     assert peers.round_shape(256 << 10, 1 << 30) == (256, 16)
     assert peers.round_shape(16 << 20, 1 << 30) == (16, 4)

@@ -264,6 +264,8 @@ def ratio_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     disk tier with ``verify_reads: once`` (its bare limit reads without a hash)."""
     rows = []
     med = {(m["system"], m["size"]): m for m in result["medians"]}
+    runs: dict[tuple[str, int, int], dict[str, Any]] = {(r["system"], r["size"], r["repeat"]): r
+                                                       for r in result.get("runs", [])}
     mine = [(OURS, op, op) for op in ("load", "store")]
     if OURS_ONCE in result["systems"]:
         mine.insert(1, (OURS_ONCE, "load", "load, verify once"))
@@ -276,16 +278,25 @@ def ratio_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
             for peer in peer_names(result):
                 row[peer] = med[(peer, size)][op]
                 row[f"ratio_{peer}"] = ours / row[peer] if row[peer] else float("nan")
+                # ours ÷ the peer within each repeat (the two ran minutes apart at most): the spread of the ratio
+                row[f"runs_{peer}"] = sorted(
+                    runs[(system, size, rep)][op] / runs[(peer, size, rep)][op] for rep in range(result["repeats"])
+                    if (system, size, rep) in runs and runs.get((peer, size, rep), {}).get(op))
             rows.append(row)
     return rows
+
+
+def spread(ratios: Sequence[float]) -> str:
+    """Per-repeat ratios as ``min–max`` (``-`` when there are none)."""
+    return f"{ratios[0]:.2f}–{ratios[-1]:.2f}" if ratios else "-"
 
 
 def table(result: dict[str, Any]) -> str:
     peers = peer_names(result)
     head = ["size", "op", "tierstore disk GB/s", *(f"LMCache {p} GB/s" for p in peers),
-            *(f"vs {p}" for p in peers), "bare GB/s", "vs bare"]
+            *(f"vs {p}" for p in peers), *(f"per run vs {p}" for p in peers[:1]), "bare GB/s", "vs bare"]
     body = [[format_size(r["size"]), r["op"], f"{r['ours']:.2f}", *(f"{r[p]:.2f}" for p in peers),
-             *(f"{r[f'ratio_{p}']:.2f}x" for p in peers),
+             *(f"{r[f'ratio_{p}']:.2f}x" for p in peers), *(spread(r[f"runs_{p}"]) for p in peers[:1]),
              *((f"{r['bare']:.2f}", f"{r['ratio_bare']:.2f}x") if r["bare"] else ("-", "-"))]
             for r in ratio_rows(result)]
     widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]

@@ -144,11 +144,11 @@ def _weights(w: dict[str, Any]) -> str:
 
 
 def _peers(p: dict[str, Any]) -> str:
-    from .peers import peer_names, ratio_rows
+    from .peers import peer_names, ratio_rows, spread
 
     names = peer_names(p)
     body = [[format_size(r["size"]), r["op"], f"{r['ours']:.2f}", *(f"{r[n]:.2f}" for n in names),
-             *(_x(r[f"ratio_{n}"]) for n in names),
+             *(_x(r[f"ratio_{n}"]) for n in names), *(spread(r[f"runs_{n}"]) for n in names[:1]),
              "-" if r.get("bare") is None else f"{r['bare']:.2f}", _x(r.get("ratio_bare"))] for r in ratio_rows(p)]
     return (f"LMCache 0.5.6 `lmcache bench l2` vs the tierstore disk tier (not durable; neither fsyncs), "
             f"{format_size(p['total_bytes'])} per run (rounds of fresh keys, one warm-up), alternating, "
@@ -157,9 +157,11 @@ def _peers(p: dict[str, Any]) -> str:
             "loads: the same object files read again on the same threads with nothing but `open` + one `preadv` + "
             "xxh3 + `close` per file (LMCache's readers are C++ and check no checksum); for *load, verify once* "
             "(the disk tier with `verify_reads: once`, which skips the checksum of files it wrote or verified) "
-            "`open` + `fstat` + one `preadv`.\n\n"
+            "`open` + `fstat` + one `preadv`. *Per run* is tierstore ÷ the peer within each repeat (min–max): "
+            "how far one run's ratio strays on this machine.\n\n"
             + md_table(["object", "op", "tierstore GB/s", *(f"LMCache {n} GB/s" for n in names),
-                        *(f"tierstore ÷ {n}" for n in names), "bare GB/s", "tierstore ÷ bare"], body))
+                        *(f"tierstore ÷ {n}" for n in names), *(f"per run ÷ {n}" for n in names[:1]), "bare GB/s",
+                        "tierstore ÷ bare"], body))
 
 
 def _promotion(p: dict[str, Any]) -> str:
