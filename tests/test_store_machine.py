@@ -81,7 +81,7 @@ def make_machine(remote_config):
         def prefetch(self, ids):
             # a promotion an earlier read admitted (retain; 4 promotion workers) may land after this prefetch and
             # evict its chunk from the tiny host tier: let those finish first, so the check below is about the
-            # prefetch (a CI run once saw the chunk on disk right after n == 1; not reproduced on demand)
+            # prefetch (a CI run once saw the chunk on disk right after n == 1; reproduced by delaying an admission)
             wait_for_jobs(self.store, ("promote",))
             n = self.store.prefetch([key_of(i) for i in ids]).result(timeout=60)
             present = [i for i in ids if i in self.model]

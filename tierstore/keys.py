@@ -99,8 +99,8 @@ class ChunkKey(bytes):
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ChunkKey) and bytes.__eq__(self, other)
 
-    def __ne__(self, other: object) -> bool:
-        return not (isinstance(other, ChunkKey) and bytes.__eq__(self, other))
+    def __ne__(self, other: object) -> bool:  # bytes' own would compare equal to plain bytes
+        return not self.__eq__(other)
 
     __hash__ = bytes.__hash__  # the C slot itself (bytes cache their hash): no Python call per dict lookup
 

@@ -74,10 +74,6 @@ _P = objformat.PREFIX_SIZE
 #: within the same clock tick as the stamp would not move the ctime; ticks are milliseconds)
 SETTLED_NS = 1_000_000_000
 
-#: a hit refreshes the file's mtime (the LRU order after a restart) when it is older than this: the order
-#: survives a restart to the minute, and re-reading fresh chunks costs no metadata write (~20% of a 256 KiB read)
-TOUCH_EVERY_NS = 60 * 1_000_000_000
-
 #: a byte past a planned read's size: a longer file fills it (its content is never looked at, so every thread
 #: may read into this one)
 _BEYOND = bytearray(1)
@@ -218,12 +214,10 @@ class BatchedReader:
         threads = min(self.backend.io_threads, n, CORES)
         results: list[ReadResult] = [None] * n
 
-        now = time.time_ns()
-
         def run(first: int) -> None:
             for i in range(first, n, threads):
                 key, out = keys[i], outs[i]
-                size = self._read_planned(key, out, now)
+                size = self._read_planned(key, out)
                 if size:  # verified: nothing to classify
                     results[i] = Hit(out if type(out) is dict else dict(out), size)
                     continue
@@ -238,9 +232,9 @@ class BatchedReader:
             self.backend.run_on_pool(run, threads)
         return results
 
-    def _read_planned(self, key: ChunkKey, out: Mapping[str, torch.Tensor], now: int) -> int:
+    def _read_planned(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> int:
         """Read ``key``'s object as its plan says into ``out``; its size when a plan exists and the read is
-        verified, else 0 (see module doc). ``now``: the batch's time (whether the file's mtime is due a touch)."""
+        verified, else 0 (see module doc)."""
         plan = self._plans.get(key)  # no lock: one dict lookup
         if plan is None:
             return 0
@@ -261,8 +255,7 @@ class BatchedReader:
                     got = os.preadv(fd, [scratch, *segments, _BEYOND], 0)
                     if got != plan.size or scratch != plan.head:
                         return 0
-                    if now - plan.mtime_ns > TOUCH_EVERY_NS:
-                        plan.mtime_ns = self.backend.touch(fd, plan.mtime_ns)
+                    plan.mtime_ns = self.backend.touch(fd, plan.mtime_ns)
                     return plan.size
             if plan.size <= ONE_READ:
                 got = os.preadv(fd, [scratch, *segments, _BEYOND], 0)
@@ -276,8 +269,7 @@ class BatchedReader:
                 return 0
             if stamp is not None:
                 plan.stamp = self._settled(stamp)
-            if now - plan.mtime_ns > TOUCH_EVERY_NS:
-                plan.mtime_ns = self.backend.touch(fd, plan.mtime_ns)
+            plan.mtime_ns = self.backend.touch(fd, plan.mtime_ns)
             return plan.size
         except OSError:
             return 0
@@ -287,7 +279,7 @@ class BatchedReader:
     def read_into(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> Hit | None:
         """One object into ``out``: planned when a plan exists and holds, else the careful read; ``None`` if
         there is no such object."""
-        size = self._read_planned(key, out, time.time_ns())
+        size = self._read_planned(key, out)
         return Hit(dict(out), size) if size else self._read_carefully(key, out)
 
     def _copy(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> Hit | None:
