@@ -24,17 +24,19 @@ def kv_layers(n: int, seed: int) -> list[torch.Tensor]:
     return [torch.randn(2, n, H, D, generator=g) for _ in range(LAYERS)]
 
 
-def vllm_caches(blocks: int) -> list[torch.Tensor]:
-    return [torch.zeros(2, blocks, BS, H, D) for _ in range(LAYERS)]
+def vllm_caches(blocks: int, device: str = "cpu") -> list[torch.Tensor]:
+    return [torch.zeros(2, blocks, BS, H, D, device=device) for _ in range(LAYERS)]
 
 
 def storage(out) -> int:
     return next(iter(out[0].values())).untyped_storage().data_ptr()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])  # CUDA: pinned staging, non-blocking scatters
 @pytest.mark.parametrize("layerwise", [False, True])
-def test_a_failed_load_never_leaves_a_read_filling_staging_another_load_uses(tmp_path, monkeypatch, layerwise):
-    with tierstore.open({"tiers": [{"kind": "host", "capacity": "64MiB", "pinned": False},
+def test_a_failed_load_never_leaves_a_read_filling_staging_another_load_uses(tmp_path, monkeypatch, layerwise, device):
+    with tierstore.open({"tiers": [{"kind": "host", "capacity": "64MiB", "pinned": device == "cuda"},
                                    {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"}]}) as store:
         kv = KVCacheStore(store, NS, chunk_tokens=C, layers_per_object=1, num_layers=LAYERS)  # a task per layer
         n = 3 * C
@@ -79,16 +81,16 @@ def test_a_failed_load_never_leaves_a_read_filling_staging_another_load_uses(tmp
         monkeypatch.setattr(PagedTransfer, "scatter", fail_first_scatter)
         table = list(range(-(-n // BS)))
         with pytest.raises(RuntimeError, match="injected"):
-            got = kv.load_into(a_tokens, vllm_caches(len(table)), "vllm", table, layerwise=layerwise)
+            got = kv.load_into(a_tokens, vllm_caches(len(table), device), "vllm", table, layerwise=layerwise)
             if layerwise:
                 got.result(10)
         assert failed
 
-        dst = vllm_caches(len(table))
+        dst = vllm_caches(len(table), device)
         got = kv.load_into(b_tokens, dst, "vllm", table, layerwise=layerwise)
         assert (got.result(10) if layerwise else got) == n
         loaded = gather_layers(dst, PagedLayout.VLLM, table, 0, n)
-        assert all(torch.equal(g, b) for g, b in zip(loaded, b_kv, strict=True))  # B's KV, never A's
+        assert all(torch.equal(g.cpu(), b) for g, b in zip(loaded, b_kv, strict=True))  # B's KV, never A's
 
 
 def test_a_failed_save_never_lets_a_late_put_store_another_requests_kv(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """``tierstore`` command line: demo, serve, bench {tiers,kv,weights,peers,control,promotion,metrics,server,trust,
-serve,gc,fleet,all,vllm}, stats, verify, gc, crashtest, keygen.
+serve,gc,fleet,gpu,all,vllm}, stats, verify, gc, crashtest, keygen.
 
 Each verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them up, importing a verb's module when it runs.
@@ -34,6 +34,7 @@ BENCHES = {
     "trust": ("tierstore.bench.trust", "what sealing a shared tier (auth) costs a reader: file:// and S3"),
     "gc": ("tierstore.bench.gc", "gc of a shared prefix: requests vs object count (S3 and file://)"),
     "fleet": ("tierstore.bench.fleet", "8-64 instances on one S3 prefix with a gc sidecar: lookup cost vs N"),
+    "gpu": ("tierstore.bench.gpu", "what reaches the GPU: H2D limits, store gets, KV load_into, weights (CUDA)"),
     "all": ("tierstore.bench.all", "every bench in one run: BENCHMARKS.md and PNG plots in --out"),
     "vllm": ("tierstore_vllm.bench", "multi-round-chat TTFT of real vLLM engines (needs tierstore_vllm + vLLM)"),
 }

@@ -327,5 +327,8 @@ class HostBackend(MemoryBackend):
             self._runs.clear()
             memfd = None if self.pool is None else self.pool.memfd
             if memfd is not None:  # the mapping stays until its last view is gone
+                from ..serve import shm
+
                 self.pool.memfd = None  # type: ignore[union-attr]
                 os.close(memfd)
+                shm.unregister_for_dma(self.pool.buffer)  # type: ignore[union-attr]

@@ -235,7 +235,8 @@ class ServerStore:
             self.tiers = conn.tiers
             self._counts["reconnects"] += 1
             for gone in [sid for sid in self._pools if sid != conn.server]:
-                del self._pools[gone]  # a restarted server's old pool: unmapped once the last view of it goes
+                # a restarted server's old pool: unmapped once the last view of it goes
+                shm.unregister_for_dma(self._pools.pop(gone))
         return conn
 
     def _take(self) -> _Connection:
@@ -587,8 +588,11 @@ class ServerStore:
         self._releaser.join(5)
         with self._lock:
             idle, self._idle = self._idle, []
+            pools, self._pools = self._pools, {}
         for c in idle:
             c.close()  # the server gives back what a closed connection held
+        for pool in pools.values():
+            shm.unregister_for_dma(pool)
 
     def __enter__(self) -> ServerStore:
         return self

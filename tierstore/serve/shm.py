@@ -8,9 +8,11 @@ read-only descriptor: a client can read chunks out of it but never write into an
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
+import threading
 import warnings
 
 import torch
@@ -61,9 +63,41 @@ def map_bytes(fd: int, size: int, writable: bool = True) -> torch.Tensor:
 _REGISTER_READ_ONLY = 8
 
 
+#: addresses registered by :func:`register_for_dma` and not yet unregistered
+_registered: set[int] = set()
+_registered_lock = threading.Lock()
+
+
 def register_for_dma(t: torch.Tensor, read_only: bool) -> bool:
-    """Page-lock ``t``'s memory for CUDA (copies between it and a GPU are then DMA); whether it was done."""
+    """Page-lock ``t``'s memory for CUDA (copies between it and a GPU are then DMA); whether it was done.
+    Undo it with :func:`unregister_for_dma` before the mapping may go."""
     if t.numel() == 0 or not torch.cuda.is_available():
         return False
     rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), _REGISTER_READ_ONLY if read_only else 0)
-    return int(rc) == 0
+    if int(rc) != 0:
+        _forget_cuda_error()
+        return False
+    with _registered_lock:
+        _registered.add(t.data_ptr())
+    return True
+
+
+def unregister_for_dma(t: torch.Tensor) -> None:
+    """Undo :func:`register_for_dma` (a no-op for memory it did not register). The driver keeps a registration
+    past ``munmap``: a later mapping at the same address could then not be registered, and copies from it could
+    read the old pages. Views of ``t`` stay valid (copies from them are then staged)."""
+    with _registered_lock:
+        if t.data_ptr() not in _registered:
+            return
+        _registered.discard(t.data_ptr())
+    torch.cuda.synchronize()  # no copy out of these pages is still queued
+    if int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr())) != 0:
+        _forget_cuda_error()
+
+
+def _forget_cuda_error() -> None:
+    """A failed CUDA runtime call leaves the thread's "last error" set, and torch raises it at the next kernel
+    launch, in whatever code happens to launch one; torch exposes no ``cudaGetLastError``, so a throwaway launch
+    takes it."""
+    with contextlib.suppress(RuntimeError):
+        torch.zeros(1, device="cuda")

@@ -45,7 +45,7 @@ from .options import (
 )
 from .plan import Group, Piece, plan
 from .sources import Source
-from .staging import StagingRing, alloc_host, copy_segments, get_ring, put_ring
+from .staging import StagingRing, alloc_host, callers_streams, copy_segments, get_ring, put_ring
 
 if TYPE_CHECKING:
     from ..store import TieredStore
@@ -177,6 +177,8 @@ class _Pipeline:
                 feed(bufs)
             return several
 
+        after = callers_streams(segs)  # (this runs on the caller's thread, the copies on a worker's)
+
         def staged() -> None:
             ring = self.ring()
             slot = ring.acquire()
@@ -184,7 +186,7 @@ class _Pipeline:
                 buf = slot[:p.nbytes]
                 _read_into(source, p.start, buf, cache)
                 feed([buf.numpy().data])
-                copy_segments(buf, segs)
+                copy_segments(buf, segs, after)
             finally:
                 ring.release(slot)
         self.ring()  # allocate up front, in the caller's thread

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -67,12 +68,21 @@ def _stream(device: torch.device) -> torch.cuda.Stream:
     return s
 
 
-def copy_segments(src: torch.Tensor, segments: Iterable[tuple[torch.Tensor, int, int, int]]) -> None:
+def callers_streams(segments: Iterable[tuple[torch.Tensor, int, int, int]]) -> dict[torch.device, Any]:
+    """The current CUDA stream of each device among ``segments``' destinations, taken on the caller's thread
+    (a worker thread's current stream is the default stream, whatever stream the caller works on)."""
+    return {d.device: torch.cuda.current_stream(d.device) for d, *_ in segments if d.device.type == "cuda"}
+
+
+def copy_segments(src: torch.Tensor, segments: Iterable[tuple[torch.Tensor, int, int, int]],
+                  after: Mapping[torch.device, Any] | None = None) -> None:
     """Copy byte ranges of the CPU tensor ``src`` into their destinations, and wait for the copies.
 
     Args:
         segments: ``(dst, dst_offset, src_lo, src_hi)`` tuples; ``dst`` is a 1-D uint8 tensor on any
             device. CUDA copies are issued non-blocking on this thread's stream and waited for once.
+        after: per device, the stream whose queued work the copies must follow (see :func:`callers_streams`);
+            by default this thread's current stream.
     """
     cuda = None
     for dst, off, lo, hi in segments:
@@ -81,7 +91,8 @@ def copy_segments(src: torch.Tensor, segments: Iterable[tuple[torch.Tensor, int,
             if cuda is None:
                 # work the caller queued on its stream (say, initialising these parameters) must not
                 # land after our copy and overwrite it
-                stream.wait_stream(torch.cuda.current_stream(dst.device))
+                first = None if after is None else after.get(dst.device)
+                stream.wait_stream(first if first is not None else torch.cuda.current_stream(dst.device))
             cuda = dst.device
             with torch.cuda.stream(stream):
                 dst[off:off + hi - lo].copy_(src[lo:hi], non_blocking=True)
