@@ -403,7 +403,7 @@ class Residency:
         does. ``touch`` marks the copies most recently used. Each hold goes back through :meth:`unpin`."""
         order = list(range(len(self.levels))) if levels is None else sorted(levels)
         holds: list[Hold | None] = []
-        append, records = holds.append, self._keys
+        append, records, new = holds.append, self._keys, tuple.__new__  # a NamedTuple's own __new__ is Python
         candidates = [(i, self.levels[i]) for i in order]
         with self._lock:
             for key in keys:
@@ -417,7 +417,7 @@ class Residency:
                                 lv.copies.move_to_end(key)
                             pins = lv.pins
                             pins[key] = pins.get(key, 0) + 1
-                            found = Hold(key, i, packed & _SIZE_MASK, packed >> _SIZE_BITS)
+                            found = new(Hold, (key, i, packed & _SIZE_MASK, packed >> _SIZE_BITS))
                             break
                 append(found)
         return holds

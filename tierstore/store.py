@@ -339,7 +339,7 @@ class TieredStore:
                 raise InvalidInputError(f"out has {len(out)} entries for {len(keys)} keys")
             check_outs(out)
         top = self._transfers.top if self._transfers.top is not None else len(self.tiers)
-        retain = self.prefetch_policy is PrefetchPolicy.RETAIN and top < len(self.tiers)
+        retain = self.prefetch_policy is PrefetchPolicy.RETAIN and top < len(self.tiers) - 1  # a level below top
         # objects read from a shared level are decoded here, so a promotion writes them without reading again
         objects = [lv.index for lv in self.tiers if retain and lv.shared and lv.caps.objects and lv.index > top]
         with self._life.call():
@@ -347,7 +347,7 @@ class TieredStore:
             if retain:
                 results = self._admit_below(keys, results, source, top)
             self._note_use_below(keys, source)
-        hits = sum(isinstance(r, dict) for r in results)
+        hits = len(keys) - source.count(None)  # a key read from no level missed (or its out did not fit)
         self._count(gets=len(keys), hits=hits, misses=len(keys) - hits)
         return results
 
@@ -634,6 +634,9 @@ class TieredStore:
 def check_keys(keys: Sequence[ChunkKey]) -> list[ChunkKey]:
     if isinstance(keys, (ChunkKey, str, bytes)) or not isinstance(keys, Iterable):
         raise InvalidTypeError("expected a sequence of ChunkKey")
+    keys = list(keys)
+    if set(map(type, keys)) <= {ChunkKey}:  # the common case, checked in C
+        return keys
     return [check_key(k) for k in keys]
 
 
