@@ -12,6 +12,7 @@ without a GPU (what is CUDA-specific — pinning, streams, device placement — 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import subprocess
@@ -193,6 +194,64 @@ def test_cuda_device_tier_over_host_and_disk_round_trips_exactly(tmp_path, host_
         s.flush()
 
 
+@pytest.mark.parametrize("verify", ["always", "once"])
+def test_cuda_disk_reads_into_cuda_outs_are_staged_verified_and_ordered_after_the_callers_work(tmp_path, verify):
+    """The disk tier fills CUDA ``out`` tensors through pinned staging: first reads (careful), repeated reads
+    (planned), a damaged object (a miss, its ``out`` untouched), an ``out`` that does not fit (refused), and
+    copies that follow work the caller queued on its own stream."""
+    from tierstore.backends import file_reads
+
+    disk = tmp_path / "disk"
+    config = {"tiers": [{"kind": "disk", "path": str(disk), "capacity": "64MiB", "verify_reads": verify}]}
+    n = 12
+    keys = [key_of(i) for i in range(n)]
+    values = [{**chunk(i, CHUNK), "ids": torch.arange(i, i + 1000, dtype=torch.int64)} for i in range(n)]
+    with tierstore.open(config) as s:
+        assert all(s.put_many(list(zip(keys, values, strict=True))))
+        s.flush()
+        for _ in range(3):  # careful, then planned (verify once: trusted) reads into CUDA tensors
+            outs = [{name: torch.zeros_like(t, device=DEVICE) for name, t in v.items()} for v in values]
+            got = s.get_many(keys, out=outs)
+            for g, o, v in zip(got, outs, values, strict=True):
+                assert g is not None and all(g[name] is o[name] for name in o)
+                assert_same({name: t.cpu() for name, t in o.items()}, v)
+        if CUDA:
+            assert file_reads._staging.buffer.is_pinned()  # the caller's thread staged some of them
+
+        # work the caller queued on a side stream lands before the copies into the same tensors
+        side = torch.cuda.Stream() if CUDA else None
+        outs = [{name: torch.empty_like(t, device=DEVICE) for name, t in v.items()} for v in values]
+        with torch.cuda.stream(side) if CUDA else contextlib.nullcontext():
+            if CUDA:
+                torch.cuda._sleep(100_000_000)
+            for o in outs:
+                for t in o.values():
+                    t.fill_(7)
+            got = s.get_many(keys, out=outs)
+        sync()
+        for o, v in zip(outs, values, strict=True):
+            assert_same({name: t.cpu() for name, t in o.items()}, v)
+
+        # an out that does not fit is refused; a damaged object is a miss and its out is left alone
+        wrong = [{name: torch.zeros(t.numel() + 1, dtype=t.dtype, device=DEVICE) for name, t in values[0].items()}]
+        assert s.get_many(keys[:1], out=wrong) == [None]
+        path = s.tier("disk").backend.object_path(keys[3])
+        with open(path, "r+b") as f:
+            f.seek(-100, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-100, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        outs = [{name: torch.zeros_like(t, device=DEVICE) for name, t in v.items()} for v in values]
+        got = s.get_many(keys, out=outs)
+        assert got[3] is None  # (verify once too: the write moved the file's ctime, so it is verified again)
+        if CUDA:  # staged: checked before anything reaches the device (a CPU out holds unspecified bytes)
+            assert all(not t.any() for t in outs[3].values())
+        for i, (g, o, v) in enumerate(zip(got, outs, values, strict=True)):
+            if i != 3:
+                assert g is not None
+                assert_same({name: t.cpu() for name, t in o.items()}, v)
+
+
 # ---------------------------------------------------------------------- KV caches
 @pytest.fixture
 def kv_store(tmp_path):
@@ -357,13 +416,14 @@ def test_cuda_weights_load_to_cuda_is_exact_through_a_pinned_ring_and_copy_strea
     tw = weights()
     from safetensors.torch import load_file
 
-    from tierstore.weights import loader, staging
+    from tierstore import tensors as helpers
+    from tierstore.weights import loader
 
     directory, tensors = checkpoint
     rings, streams = [], []
-    get_ring, stream = loader.get_ring, staging._stream
+    get_ring, stream = loader.get_ring, helpers._stream
     monkeypatch.setattr(loader, "get_ring", lambda *a: rings.append(get_ring(*a)) or rings[-1])
-    monkeypatch.setattr(staging, "_stream", lambda d: streams.append(d) or stream(d))
+    monkeypatch.setattr(helpers, "_stream", lambda d: streams.append(d) or stream(d))
     for device in (DEVICE, str(DEVICE), DEVICE.type):
         got = tw.load(directory, device=device, block_size=64 << 10, concurrency=4, memory_limit=256 << 10)
         assert sorted(got) == sorted(tensors)

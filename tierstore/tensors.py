@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -168,3 +170,50 @@ def fill_out(out: Mapping[str, torch.Tensor], src: Mapping[str, torch.Tensor]) -
         dst.copy_(src[name], non_blocking=dst.device.type == "cuda")
     wait_for_copies(*src.values(), *out.values())
     return dict(out)
+
+
+_local = threading.local()  # per thread: its copy stream per device
+
+
+def _stream(device: torch.device) -> torch.cuda.Stream:
+    streams = getattr(_local, "streams", None)
+    if streams is None:
+        streams = _local.streams = {}
+    s = streams.get(device)
+    if s is None:
+        s = streams[device] = torch.cuda.Stream(device=device)
+    return s
+
+
+def callers_streams(tensors: Iterable[torch.Tensor]) -> dict[torch.device, Any]:
+    """The current CUDA stream of each device ``tensors`` are on, taken on the caller's thread (a worker
+    thread's current stream is the default stream, whatever stream the caller works on)."""
+    return {t.device: torch.cuda.current_stream(t.device) for t in tensors if t.device.type == "cuda"}
+
+
+def copy_segments(src: torch.Tensor, segments: Iterable[tuple[torch.Tensor, int, int, int]],
+                  after: Mapping[torch.device, Any] | None = None) -> None:
+    """Copy byte ranges of the CPU tensor ``src`` into their destinations, and wait for the copies.
+
+    Args:
+        segments: ``(dst, dst_offset, src_lo, src_hi)`` tuples; ``dst`` is a 1-D uint8 tensor on any
+            device. CUDA copies are issued non-blocking on this thread's stream and waited for once.
+        after: per device, the stream whose queued work the copies must follow (see :func:`callers_streams`);
+            by default this thread's current stream.
+    """
+    cuda = None
+    for dst, off, lo, hi in segments:
+        if dst.device.type == "cuda":
+            stream = _stream(dst.device)
+            if cuda is None:
+                # work the caller queued on its stream (say, initialising these parameters) must not
+                # land after our copy and overwrite it
+                first = None if after is None else after.get(dst.device)
+                stream.wait_stream(first if first is not None else torch.cuda.current_stream(dst.device))
+            cuda = dst.device
+            with torch.cuda.stream(stream):
+                dst[off:off + hi - lo].copy_(src[lo:hi], non_blocking=True)
+        else:
+            dst[off:off + hi - lo].copy_(src[lo:hi])
+    if cuda is not None:
+        _stream(cuda).synchronize()

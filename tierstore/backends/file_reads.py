@@ -49,7 +49,7 @@ from .. import objformat
 from ..errors import CorruptObjectError
 from ..iov import IOV_MAX, read_into
 from ..keys import ChunkKey
-from ..tensors import fill_out
+from ..tensors import byte_alias, callers_streams, copy_segments, fill_out
 from . import objfile
 from .base import Hit
 
@@ -130,7 +130,52 @@ def raw_view(t: torch.Tensor) -> memoryview:
     return view
 
 
-@dataclass
+#: a device ``out`` of up to this many bytes is read into the thread's pinned staging first (larger ones are
+#: decoded and copied): at most this much pinned memory per I/O thread that fills device tensors
+STAGE_MAX = 16 << 20
+
+
+class _Staging(threading.local):
+    """Per I/O thread: a host buffer (pinned when CUDA is present) and ``out``-shaped views of it by layout."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+        self.views: dict[tuple[Any, ...], tuple[dict[str, torch.Tensor], list[tuple[int, int]]]] = {}
+
+
+_staging = _Staging()
+
+
+def _staging_for(out: Mapping[str, torch.Tensor]
+                 ) -> tuple[dict[str, torch.Tensor], list[tuple[int, int]], torch.Tensor] | None:
+    """For an ``out`` of contiguous tensors on a CUDA device: CPU tensors shaped like it in this thread's
+    staging, their byte spans in it, and the buffer; ``None`` for any other ``out``."""
+    if all(t.is_cpu for t in out.values()) or not all(t.is_cuda and t.is_contiguous() for t in out.values()) \
+            or len({t.device for t in out.values()}) != 1:
+        return None
+    layout = tuple((name, t.shape, t.dtype) for name, t in out.items())
+    kept = _staging.views.get(layout)
+    if kept is not None:
+        return (*kept, _staging.buffer)
+    spans, end = [], 0
+    for t in out.values():
+        spans.append((end, end + t.nbytes))
+        end += -(-t.nbytes // 64) * 64
+    if end > STAGE_MAX:
+        return None
+    if end > _staging.buffer.numel():
+        _staging.buffer = torch.empty(max(end, 1 << 20), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        _staging.views.clear()
+    buf = _staging.buffer
+    staged = {name: buf[lo:hi].view(t.dtype).view(t.shape) for (name, t), (lo, hi) in zip(out.items(), spans,
+                                                                                            strict=True)}
+    if len(_staging.views) >= 64:
+        _staging.views.clear()
+    _staging.views[layout] = (staged, spans)
+    return staged, spans, buf
+
+
+@dataclass(slots=True)  # slots: fewer cache lines per read (they are cold after the previous object's copy)
 class Plan:
     """How a verified object was laid out: enough to read it again without parsing its header."""
 
@@ -213,16 +258,19 @@ class BatchedReader:
         n = len(keys)
         threads = min(self.backend.io_threads, n, CORES)
         results: list[ReadResult] = [None] * n
+        # device outs are filled by the I/O threads: their copies must follow the work the caller queued
+        after = callers_streams(t for o in outs for t in o.values()) if torch.cuda.is_initialized() else None
+        hit = tuple.__new__  # a NamedTuple's own __new__ is a Python call
 
         def run(first: int) -> None:
             for i in range(first, n, threads):
                 key, out = keys[i], outs[i]
                 size = self._read_planned(key, out)
                 if size:  # verified: nothing to classify
-                    results[i] = Hit(out if type(out) is dict else dict(out), size)
+                    results[i] = hit(Hit, (out if type(out) is dict else dict(out), size))
                     continue
                 try:
-                    results[i] = self.read_into(key, out)
+                    results[i] = self.read_into(key, out, after)
                 except Exception as exc:  # noqa: BLE001 - the item's result
                     results[i] = exc
 
@@ -276,11 +324,28 @@ class BatchedReader:
         finally:
             os.close(fd)
 
-    def read_into(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> Hit | None:
+    def read_into(self, key: ChunkKey, out: Mapping[str, torch.Tensor], after: Any = None) -> Hit | None:
         """One object into ``out``: planned when a plan exists and holds, else the careful read; ``None`` if
-        there is no such object."""
+        there is no such object. ``after``: per CUDA device, the stream whose work a copy into ``out`` must
+        follow (see :func:`~tierstore.tensors.copy_segments`; this thread's current stream by default)."""
         size = self._read_planned(key, out)
-        return Hit(dict(out), size) if size else self._read_carefully(key, out)
+        if size:
+            return Hit(dict(out), size)
+        staging = _staging_for(out)
+        if staging is not None:
+            return self._read_staged(key, out, *staging, after)
+        return self._read_carefully(key, out)
+
+    def _read_staged(self, key: ChunkKey, out: Mapping[str, torch.Tensor], staged: dict[str, torch.Tensor],
+                     spans: list[tuple[int, int]], buffer: torch.Tensor, after: Any) -> Hit | None:
+        """A device ``out``: the object read as into CPU tensors (planned or careful, verified) into
+        ``staged``, this thread's pinned host memory shaped like ``out``, then copied to the device."""
+        hit = self.read_into(key, staged)
+        if hit is None:
+            return None
+        copy_segments(buffer, [(byte_alias(t), 0, lo, hi) for t, (lo, hi) in zip(out.values(), spans, strict=True)],
+                      after)
+        return Hit(dict(out), hit.size)
 
     def _copy(self, key: ChunkKey, out: Mapping[str, torch.Tensor]) -> Hit | None:
         """Decode the whole object, then copy it into ``out`` (whatever its device, layout or codec)."""

@@ -1,19 +1,17 @@
-"""Bounded staging: a ring of equal host buffers (pinned when CUDA is present) and device copies.
+"""Bounded staging: a ring of equal host buffers (pinned when CUDA is present).
 
 Ranged reads that cannot land in their final memory (a GPU destination, a dtype cast, a range that is
 also being cached) land in a ring slot first. The ring is one allocation carved into ``count`` slots, so
 staging memory is fixed however large the checkpoint; pinning (``cudaHostAlloc``) is slow, so the last
 ring is kept for the next load. With a CUDA destination each worker thread copies its slot to the device
 with a non-blocking H2D copy on its own stream while the other workers keep reading, and waits for that
-copy only before handing the slot back.
+copy only before handing the slot back (:func:`tierstore.tensors.copy_segments`).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Mapping
-from typing import Any
 
 import torch
 
@@ -53,53 +51,6 @@ def put_ring(ring: StagingRing) -> None:
     global _cached
     with _cache_lock:
         _cached = ring
-
-
-_local = threading.local()
-
-
-def _stream(device: torch.device) -> torch.cuda.Stream:
-    streams = getattr(_local, "streams", None)
-    if streams is None:
-        streams = _local.streams = {}
-    s = streams.get(device)
-    if s is None:
-        s = streams[device] = torch.cuda.Stream(device=device)
-    return s
-
-
-def callers_streams(segments: Iterable[tuple[torch.Tensor, int, int, int]]) -> dict[torch.device, Any]:
-    """The current CUDA stream of each device among ``segments``' destinations, taken on the caller's thread
-    (a worker thread's current stream is the default stream, whatever stream the caller works on)."""
-    return {d.device: torch.cuda.current_stream(d.device) for d, *_ in segments if d.device.type == "cuda"}
-
-
-def copy_segments(src: torch.Tensor, segments: Iterable[tuple[torch.Tensor, int, int, int]],
-                  after: Mapping[torch.device, Any] | None = None) -> None:
-    """Copy byte ranges of the CPU tensor ``src`` into their destinations, and wait for the copies.
-
-    Args:
-        segments: ``(dst, dst_offset, src_lo, src_hi)`` tuples; ``dst`` is a 1-D uint8 tensor on any
-            device. CUDA copies are issued non-blocking on this thread's stream and waited for once.
-        after: per device, the stream whose queued work the copies must follow (see :func:`callers_streams`);
-            by default this thread's current stream.
-    """
-    cuda = None
-    for dst, off, lo, hi in segments:
-        if dst.device.type == "cuda":
-            stream = _stream(dst.device)
-            if cuda is None:
-                # work the caller queued on its stream (say, initialising these parameters) must not
-                # land after our copy and overwrite it
-                first = None if after is None else after.get(dst.device)
-                stream.wait_stream(first if first is not None else torch.cuda.current_stream(dst.device))
-            cuda = dst.device
-            with torch.cuda.stream(stream):
-                dst[off:off + hi - lo].copy_(src[lo:hi], non_blocking=True)
-        else:
-            dst[off:off + hi - lo].copy_(src[lo:hi])
-    if cuda is not None:
-        _stream(cuda).synchronize()
 
 
 HUGE_ALLOC_MIN = 4 * 1024 * 1024
