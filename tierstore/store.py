@@ -49,10 +49,12 @@ from .errors import ClosedError, ConfigError, InvalidInputError, InvalidTypeErro
 from .keys import ChunkKey, check_key
 from .lifecycle import Lifecycle, track, untrack
 from .objformat import Encoded, validate_chunk
+from .promotion import Promoter
 from .residency import Hold, LevelSpec, Pressure, Residency
 from .telemetry import Counters, Latency
 from .tensors import TensorDict, check_outs
-from .transfers import FlushReport, Level, Promoter, Transfers, WriteBack
+from .transfers import Level, Transfers
+from .writeback import FlushReport, WriteBack
 
 if TYPE_CHECKING:
     from .metrics import MetricsServer
@@ -280,7 +282,7 @@ class TieredStore:
         ``flush`` that began after its ``put`` returns without raising and without naming it in ``dropped``.
 
         Returns:
-            a :class:`~tierstore.transfers.FlushReport`: the chunks the ``drop`` pressure policy gave up
+            a :class:`~tierstore.writeback.FlushReport`: the chunks the ``drop`` pressure policy gave up
             (named by every flush until the key is put again).
         Raises:
             WriteBackError: some chunks could not be written; ``failed`` maps each key to the names of the

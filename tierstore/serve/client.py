@@ -533,7 +533,7 @@ class ServerStore:
     def flush(self, timeout: float | None = None) -> Any:
         """As :meth:`TieredStore.flush` on the server's store. Raises :class:`ServerUnavailableError` if the
         server cannot be reached (what was put may not be written)."""
-        from ..transfers import FlushReport
+        from ..writeback import FlushReport
 
         wait = None if timeout is None else float(timeout)
         try:

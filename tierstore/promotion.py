@@ -1,0 +1,185 @@
+"""Promotion: the part of the data plane (:mod:`tierstore.transfers`) that copies chunks up to the top level.
+
+Jobs on a small pool, never on a reader's thread: the hits a read found below the top (``retain``),
+``prefetch``, and the background promotion behind ``readiness``. A key being promoted is *pending* until its
+job is done.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from functools import partial
+from typing import Any
+
+from . import objformat
+from .backends.base import Chunk
+from .errors import ClosedError
+from .keys import ChunkKey
+from .transfers import Transfers
+
+log = logging.getLogger("tierstore")
+
+class Promoter:
+    """Promotion jobs of one store: admission after a read (``retain``), ``prefetch`` and the background
+    promotion behind ``readiness``; keys being promoted are *pending* until their job is done."""
+
+    def __init__(self, transfers: Transfers, workers: int) -> None:
+        self.t = transfers
+        self.res = transfers.res
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tierstore-promote")
+        self._lock = threading.Lock()
+        self._in_flight: dict[ChunkKey, Future[Any]] = {}
+        self.counts = {"promotions": 0, "prefetch_errors": 0}
+
+    def admit(self, hits: list[tuple[ChunkKey, int, int, objformat.Encoded | None]]) -> None:
+        """Promote ``(key, level read from, generation, object in hand or None)`` in the background, each only
+        if it is still the key's current value then."""
+        top = self.t.top
+        if top is None:
+            return
+        try:
+            self.t.jobs.submit(self._pool, "promote", self.t.levels[top].name, len(hits),
+                               lambda: [self.promote(*h) for h in hits])
+        except ClosedError:
+            pass
+
+    def promote(self, key: ChunkKey, source: int, gen: int, data: Chunk | None = None) -> bool:
+        """Copy generation ``gen`` of ``key`` from level ``source`` into the top level (re-reading it unless
+        ``data`` is at hand) and have write-back fill the levels between; whether the top holds it now."""
+        t, res, top = self.t, self.res, self.t.top
+        if top is None or source <= top:
+            return source == top
+        if not res.begin_promote(key, source, gen, top):
+            # another write into the top may be landing this very value (a read's promotion): its outcome counts
+            res.wait_until(lambda: None if res.writing(key, top) else True, time.monotonic() + self.t.pin_wait)
+            return res.current_gen(key, top) is not None
+        with ExitStack() as stack:
+            if data is None:
+                try:
+                    data = t.read_for_copy(stack, source, key, top)
+                except Exception as exc:  # noqa: BLE001 - nothing promoted
+                    log.debug("promotion of %s: reading tier %s failed: %s", key.hex(), t.levels[source].name, exc)
+            if data is None:
+                res.abort_write(key, top, gen)
+                return False
+            (ok,) = t.land_many(top, [(key, gen, data)], slots_held=True, kind="promote")
+        if ok:
+            res.fill(key, gen, [j for j in range(top + 1, source) if t.levels[j].writable])
+            with self._lock:
+                self.counts["promotions"] += 1
+        return bool(ok)
+
+    def promote_current(self, key: ChunkKey) -> bool:
+        """Copy ``key``'s current value toward the top from wherever it is (indexed, or found on a shared level
+        now); whether the top holds it then."""
+        t, res = self.t, self.res
+        (level,) = res.locate([key])
+        if level is None:
+            token = res.deletes
+            for lv in t.levels:
+                if lv.shared and lv.index in res.probe_levels(key):
+                    (size,) = lv.backend.stat_many([key])
+                    if size is not None and res.found(lv.index, key, size, token) is not None:
+                        level = lv.index
+                        break
+        gen = None if level is None else res.current_gen(key, level)
+        return level is not None and gen is not None and self.promote(key, level, gen)
+
+    def prefetch(self, keys: Sequence[ChunkKey]) -> Future[int]:
+        """Promote ``keys`` in the background; the future resolves to how many the top level then holds (or
+        raises the first error once every key is done)."""
+        done: Future[int] = Future()
+        if not keys:
+            done.set_result(0)
+            return done
+        remaining, held, errors, lock = [len(keys)], [0], [], threading.Lock()
+
+        def finished(f: Future[Any]) -> None:
+            exc = f.exception()
+            if exc is not None:
+                with self._lock:
+                    self.counts["prefetch_errors"] += 1
+                log.log(logging.DEBUG if isinstance(exc, ClosedError) else logging.WARNING,
+                        "prefetch failed: %s: %s", type(exc).__name__, exc)
+            with lock:
+                if exc is not None:
+                    errors.append(exc)
+                else:
+                    held[0] += bool(f.result())
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                if errors:
+                    done.set_exception(errors[0])
+                else:
+                    done.set_result(held[0])
+
+        name = self.t.levels[self.t.top].name if self.t.top is not None else ""
+        for k in keys:
+            self.t.jobs.submit(self._pool, "prefetch", name, 1, partial(self.promote_current, k)
+                               ).future.add_done_callback(finished)
+        return done
+
+    def promote_shared(self, keys: Sequence[ChunkKey], lookup: Callable[[Sequence[ChunkKey]], int]) -> None:
+        """In the background: find the leading run of ``keys`` the levels hold (``lookup``, which probes the
+        shared ones) and promote it. The keys count as pending from now until that is done."""
+        future: Future[int] = Future()
+        with self._lock:
+            if keys[0] in self._in_flight:
+                return
+            for k in keys:
+                self._in_flight.setdefault(k, future)
+
+        def job() -> int:
+            try:
+                run = lookup(keys)
+                self._landed(keys[run:], future)  # what the probe did not find is not on its way
+                got = sum(self.promote_current(k) for k in keys[:run])
+                future.set_result(got)
+                return got
+            except BaseException as exc:
+                future.set_exception(exc)
+                raise
+            finally:
+                self._landed(keys, future)
+
+        name = self.t.levels[self.t.top].name if self.t.top is not None else ""
+        try:
+            self.t.jobs.submit(self._pool, "prefetch", name, len(keys), job)
+        except ClosedError:
+            self._landed(keys, future)
+            raise
+
+    def _landed(self, keys: Sequence[ChunkKey], job: Future[int]) -> None:
+        with self._lock:
+            for k in keys:
+                if self._in_flight.get(k) is job:
+                    del self._in_flight[k]
+
+    def pending(self, keys: Sequence[ChunkKey]) -> int:
+        """Length of the leading run of ``keys`` being promoted now."""
+        with self._lock:
+            n = 0
+            while n < len(keys) and keys[n] in self._in_flight:
+                n += 1
+            return n
+
+    def wait(self, deadline: float | None) -> None:
+        """Wait (until ``deadline``, ``time.monotonic``) for the promotion jobs running or queued now."""
+        for job in self.t.jobs.running():
+            if job.kind in ("promote", "prefetch"):
+                try:
+                    job.future.exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                except Exception:  # noqa: BLE001 - a timeout: the flush's own deadline decides
+                    return
+
+    def stop(self, deadline: float) -> None:
+        """Cancel queued jobs and wait (until ``deadline``) for the running ones: they write into the levels
+        close() is about to shut."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.wait(deadline)

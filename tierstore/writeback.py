@@ -1,0 +1,155 @@
+"""Write-back: the part of the data plane (:mod:`tierstore.transfers`) that copies what the residency says is
+due into each level below the one a put landed in.
+
+A scheduler thread takes the due writes per level and hands them, a batch at a time, to that level's writer
+thread; a batch reads its sources (an object's bytes as they are between backends of the same codec) and
+lands them (:meth:`~tierstore.transfers.Transfers.land_many`). A failure is retried with back-off (the
+residency keeps the schedule) and reported by :meth:`WriteBack.flush` once it keeps failing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+from .backends.base import Chunk
+from .errors import ClosedError, CorruptObjectError, UnsupportedObjectError
+from .keys import ChunkKey
+from .residency import Hold, Write
+from .transfers import Transfers
+
+log = logging.getLogger("tierstore")
+
+@dataclass(frozen=True)
+class FlushReport:
+    """What a :meth:`~tierstore.TieredStore.flush` that raised nothing has to say: the chunks the ``drop``
+    pressure policy gave up (key -> names of the tiers they never reached). Every flush names a dropped chunk
+    until its key is put again or deleted, so each caller that flushes learns of it."""
+
+    dropped: dict[ChunkKey, tuple[str, ...]] = field(default_factory=dict)
+
+
+class WriteBack:
+    """Write-back of one store: a scheduler thread takes what the residency says is due into each level and
+    hands it, a batch at a time, to that level's writer thread (one batch in flight per level; a backend runs
+    a batch on its own parallelism)."""
+
+    def __init__(self, transfers: Transfers, batch: int) -> None:
+        self.t = transfers
+        self.res = transfers.res
+        self.batch = batch
+        self._levels = [lv.index for lv in transfers.levels if lv.index > 0 and lv.writable]
+        self._writers = {j: ThreadPoolExecutor(1, thread_name_prefix=f"tierstore-writeback-{transfers.levels[j].name}")
+                         for j in self._levels}
+        self._busy: set[int] = set()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, daemon=True, name="tierstore-writeback")
+        self._thread.start()
+
+    def _run(self) -> None:
+        res = self.res
+        while not self._stopping:
+            seen = res.changes
+            due = self._due()
+            if not due:
+                res.wait_for_change(seen, self._idle())
+                continue
+            for j in due:
+                writes, stale = res.take_due(j, self.batch)
+                for key, level in stale:
+                    self.t.remove_stale(key, [level])
+                if writes:
+                    self._submit(j, writes)
+
+    def _due(self) -> list[int] | None:
+        """Levels with write-backs due now and no batch in flight (``None``: none)."""
+        due = [j for j in self._levels if j not in self._busy and self.res.next_due(j) == 0.0]
+        return due or None
+
+    def _idle(self) -> float:
+        """Seconds until the next retry falls due (at most one)."""
+        times = [t for j in self._levels if j not in self._busy and (t := self.res.next_due(j)) is not None]
+        return 1.0 if not times else min(1.0, max(0.0, min(times) - self.res.clock()))
+
+    def _submit(self, level: int, writes: list[Write]) -> None:
+        self._busy.add(level)
+        try:
+            self.t.jobs.submit(self._writers[level], "write-back", self.t.levels[level].name, len(writes),
+                               lambda: self._write(level, writes))
+        except ClosedError:
+            self._done(level)
+
+    def _done(self, level: int) -> None:
+        self._busy.discard(level)
+        self.res.notify()
+
+    def _write(self, level: int, writes: list[Write]) -> None:
+        t, res = self.t, self.res
+        try:
+            with ExitStack() as stack:
+                items: list[tuple[ChunkKey, int, Chunk]] = []
+                for w in writes:
+                    try:
+                        data = t.read_for_copy(stack, w.source, w.key, level)
+                    except (CorruptObjectError, UnsupportedObjectError) as exc:
+                        log.warning("write-back of %s: its copy in tier %s cannot be read (%s); forgetting it",
+                                    w.key.hex(), t.levels[w.source].name, exc)
+                        res.lost(w.source, w.key, w.gen, remove=False)
+                        data = None
+                    except Exception as exc:  # noqa: BLE001 - an I/O error: retried with back-off
+                        log.debug("write-back of %s: reading tier %s failed: %s", w.key.hex(),
+                                  t.levels[w.source].name, exc)
+                        data = None
+                    finally:
+                        res.unpin([Hold(w.key, w.source, w.source_size, w.gen)])
+                    if data is None:
+                        t.abort(level, w.key, w.gen)
+                    else:
+                        items.append((w.key, w.gen, data))
+                t.land_many(level, items, slots_held=True, kind="write-back")
+        finally:
+            self._done(level)
+
+    def flush(self, timeout: float | None = None) -> FlushReport:
+        """Wait until every chunk put so far reached every level below it, is failing there, or was dropped.
+
+        Failing levels first get a fresh round of retries. Raises :class:`~tierstore.WriteBackError` naming
+        the keys and tiers that could not be written (with ``dropped`` as in the report), and
+        :class:`~tierstore.TierTimeoutError` if ``timeout`` passed first.
+        """
+        from .errors import TierTimeoutError, WriteBackError
+
+        res = self.res
+        state = res.flush_begin()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if res.wait_until(lambda: True if res.flush_settled(state) else None, deadline) is None:
+            raise TierTimeoutError(f"flush: {len(state.watched)} write-backs still pending after {timeout}s")
+        failed, dropped = res.losses()
+        report = FlushReport(self._named(dropped))
+        if failed:
+            raise WriteBackError(self._named(failed), report.dropped)
+        return report
+
+    def _named(self, levels: dict[ChunkKey, set[int]]) -> dict[ChunkKey, tuple[str, ...]]:
+        return {k: tuple(self.t.levels[j].name for j in sorted(js)) for k, js in levels.items()}
+
+    def stop(self, timeout: float) -> None:
+        """Stop scheduling; let the batches in flight finish, waiting up to ``timeout`` s in all."""
+        deadline = time.monotonic() + timeout
+        self._stopping = True
+        self.res.notify()
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        for writer in self._writers.values():
+            writer.shutdown(wait=False, cancel_futures=True)
+        for job in self.t.jobs.running():
+            if job.kind == "write-back":
+                try:
+                    job.future.exception(max(0.0, deadline - time.monotonic()))
+                except Exception:  # noqa: BLE001 - a timeout here: close goes on
+                    pass
+
+
