@@ -21,7 +21,7 @@ import time
 
 import pytest
 import torch
-from test_kv_paged_io import BS, LAYERS, C, kv_for, kw, make_caches
+from test_kv_paged_io import BS, LAYERS, C, kv_for, kw, make_caches, saved_with_a_chunk_that_vanishes
 from test_serve import node_config, url_of
 
 import tierstore
@@ -340,20 +340,8 @@ def test_cuda_kv_a_chunk_vanishing_mid_load_writes_what_the_cpu_load_writes(kv_s
     """A failed chunk read (chunk 3, layer 2's object) shortens the load exactly as on CPU: the CUDA cache ends
     up identical to the CPU one, nothing written past the vanished chunk in that layer."""
     layout = PagedLayout.VLLM
-    kv = kv_for(kv_store, layout, layers_per_object=1)
-    n = 5 * C
-    table = list(range(-(-n // BS)))
-    src = make_caches(layout, len(table))
-    tokens = list(range(n))
-    kv.save_from(tokens, on_device(src), layout, table)
-    victim = kv._object_keys(kv.keys(tokens)[3], kv._groups(None))[2]
-    original = type(kv_store).get_many
-
-    def lossy(self, keys, out=None, device="cpu"):
-        result = original(self, keys, out=out, device=device)
-        return [None if k == victim else r for k, r in zip(keys, result, strict=True)]
-
-    monkeypatch.setattr(type(kv_store), "get_many", lossy)
+    kv, tokens, table, src = saved_with_a_chunk_that_vanishes(kv_store, monkeypatch, on_device)
+    n = len(tokens)
     results = []
     for caches in (make_caches(layout, len(table), fill=torch.zeros),
                    on_device(make_caches(layout, len(table), fill=torch.zeros))):

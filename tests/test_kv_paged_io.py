@@ -172,14 +172,16 @@ def test_layerwise_layers_complete_in_order_before_later_layers_are_read(store, 
             assert at[("ready", i)] < at[("start", i + 2)]
 
 
-def test_a_chunk_vanishing_mid_load_shortens_the_result_and_writes_nothing_past_it(store, monkeypatch):
+def saved_with_a_chunk_that_vanishes(store, monkeypatch, place=lambda caches: caches):
+    """5 chunks of vLLM-layout KV saved one object per layer (from ``place(src)``), then every read of chunk 3's
+    layer-2 object misses; returns ``(kv, tokens, table, src)``."""
     layout = PagedLayout.VLLM
     kv = kv_for(store, layout, layers_per_object=1)
     n = 5 * C
     table = list(range(-(-n // BS)))
     src = make_caches(layout, len(table))
     tokens = list(range(n))
-    kv.save_from(tokens, src, layout, table)
+    kv.save_from(tokens, place(src), layout, table)
     victim = kv._object_keys(kv.keys(tokens)[3], kv._groups(None))[2]  # chunk 3, layer 2
     original = type(store).get_many
 
@@ -188,6 +190,13 @@ def test_a_chunk_vanishing_mid_load_shortens_the_result_and_writes_nothing_past_
         return [None if k == victim else r for k, r in zip(keys, result, strict=True)]
 
     monkeypatch.setattr(type(store), "get_many", lossy)
+    return kv, tokens, table, src
+
+
+def test_a_chunk_vanishing_mid_load_shortens_the_result_and_writes_nothing_past_it(store, monkeypatch):
+    layout = PagedLayout.VLLM
+    kv, tokens, table, src = saved_with_a_chunk_that_vanishes(store, monkeypatch)
+    n = len(tokens)
     dst = make_caches(layout, len(table), fill=torch.zeros)
     handle = kv.load_into(tokens, dst, layout, table, layerwise=True)
     assert handle.result(10) == 3 * C

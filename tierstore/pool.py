@@ -13,6 +13,7 @@ any run from a larger class otherwise. When no run is large enough the owner evi
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -55,6 +56,17 @@ class SlotPool:
     @property
     def capacity(self) -> int:
         return self.nslots * self.slot_size
+
+    def close(self) -> None:
+        """Give back what a shared pool holds outside this object: its memfd and its DMA registration (the
+        mapping itself stays until its last view is gone). A no-op for a private pool, and once done."""
+        if self.memfd is None:
+            return
+        from .serve import shm
+
+        memfd, self.memfd = self.memfd, None
+        os.close(memfd)
+        shm.unregister_for_dma(self.buffer)
 
     def slots_for(self, nbytes: int) -> int:
         return max(1, -(-nbytes // self.slot_size))

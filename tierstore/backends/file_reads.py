@@ -150,8 +150,7 @@ def _staging_for(out: Mapping[str, torch.Tensor]
                  ) -> tuple[dict[str, torch.Tensor], list[tuple[int, int]], torch.Tensor] | None:
     """For an ``out`` of contiguous tensors on a CUDA device: CPU tensors shaped like it in this thread's
     staging, their byte spans in it, and the buffer; ``None`` for any other ``out``."""
-    if all(t.is_cpu for t in out.values()) or not all(t.is_cuda and t.is_contiguous() for t in out.values()) \
-            or len({t.device for t in out.values()}) != 1:
+    if not all(t.is_cuda and t.is_contiguous() for t in out.values()) or len({t.device for t in out.values()}) != 1:
         return None
     layout = tuple((name, t.shape, t.dtype) for name, t in out.items())
     kept = _staging.views.get(layout)

@@ -21,7 +21,6 @@ pool and trust the copy if the word still holds that stamp after it (``tierstore
 from __future__ import annotations
 
 import errno
-import os
 import secrets
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -325,10 +324,5 @@ class HostBackend(MemoryBackend):
         with self._lock:
             self._data.clear()
             self._runs.clear()
-            memfd = None if self.pool is None else self.pool.memfd
-            if memfd is not None:  # the mapping stays until its last view is gone
-                from ..serve import shm
-
-                self.pool.memfd = None  # type: ignore[union-attr]
-                os.close(memfd)
-                shm.unregister_for_dma(self.pool.buffer)  # type: ignore[union-attr]
+            if self.pool is not None:
+                self.pool.close()

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import statistics
 import tempfile
 import time
 import traceback
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 
 from ..sizes import format_size, parse_size
-from .common import Report, Row, gbps
+from .common import Report, Row, gbps, median_time
 
 SECTIONS = ("h2d", "store", "kv", "weights")
 
@@ -81,20 +80,19 @@ class _Bench:
     def time(self, fn: Callable[[], object], repeats: int | None = None,
              setup: Callable[[], object] | None = None) -> float:
         """Median seconds of ``fn`` (each run ends when the device is done), after one untimed warm-up."""
-        if setup is not None:
-            setup()
-        fn()
-        self.sync()
-        times = []
-        for _ in range(repeats or self.repeats):
+
+        def prepare() -> None:
             if setup is not None:
                 setup()
             self.sync()
-            t0 = time.perf_counter()
+
+        def run() -> None:
             fn()
             self.sync()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+
+        prepare()
+        run()
+        return median_time(run, repeats or self.repeats, setup=prepare)
 
     def add(self, name: str, nbytes: int, seconds: float, baseline: Row | None = None, note: str = "") -> Row:
         return self.report.add(name, gbps(nbytes, seconds), "GB/s", baseline, note=note)
