@@ -307,10 +307,11 @@ class TieredStore:
         result.
         """
         results = self._read_many(keys, out, device)
-        for i, r in enumerate(results):
-            if isinstance(r, InvalidInputError):
-                log.warning("get_many: out[%d] does not fit its chunk: %s", i, r)
-                results[i] = None
+        if out is not None and any(issubclass(t, InvalidInputError) for t in set(map(type, results))):
+            for i, r in enumerate(results):
+                if isinstance(r, InvalidInputError):
+                    log.warning("get_many: out[%d] does not fit its chunk: %s", i, r)
+                    results[i] = None
         return results  # type: ignore[return-value]  # errors replaced just above
 
     def get(self, key: ChunkKey, *, out: Mapping[str, torch.Tensor] | None = None,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
+import operator
 import threading
 import time
 from collections import deque
@@ -33,7 +34,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
 from time import perf_counter
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -454,35 +455,53 @@ class Transfers:
             holds = self._pin(keys, todo, skip)
             again: list[int] = []
             try:
-                by_level: dict[int, list[int]] = {}
-                for i in todo:
-                    h = holds[i]
-                    if h is not None:
-                        by_level.setdefault(h.level, []).append(i)
-                for level, idx in by_level.items():
-                    got = self._read_level(level, [keys[i] for i in idx],
-                                           None if outs is None else [outs[i] for i in idx], device,
-                                           level in as_objects)
-                    hits = read = 0
-                    for i, r in zip(idx, got, strict=True):
+                level = _one_level(holds) if len(todo) == n else None
+                if level is not None:  # the common case: the whole batch at one level, read as it came
+                    got = self._read_level(level, keys, outs, device, level in as_objects)
+                    if set(map(type, got)) == {Hit}:  # and every key a hit: no Python per key
+                        found, pinned = cast(list[Hit], got), cast(list[Hold], holds)
+                        results[:] = map(_VALUE, found)
+                        source[:] = zip(itertools.repeat(level), map(_GEN, pinned))
+                        self.levels[level].count(hits=n, bytes_out=sum(map(_SIZE, found)))
+                    else:
+                        self._classify(level, todo, got, holds, keys, results, source, skip, again)
+                else:
+                    by_level: dict[int, list[int]] = {}
+                    for i in todo:
                         h = holds[i]
-                        assert h is not None
-                        if type(r) is Hit:  # the common case, counted once per level below
-                            results[i] = r.value
-                            source[i] = (level, h.gen)
-                            hits += 1
-                            read += r.size
-                        elif not self._settle(i, level, h.gen, keys[i], r, results, source):
-                            skip.setdefault(i, set()).add(level)
-                            again.append(i)
-                    if hits:
-                        self.levels[level].count(hits=hits, bytes_out=read)
+                        if h is not None:
+                            by_level.setdefault(h.level, []).append(i)
+                    for level, idx in by_level.items():
+                        got = self._read_level(level, [keys[i] for i in idx],
+                                               None if outs is None else [outs[i] for i in idx], device,
+                                               level in as_objects)
+                        self._classify(level, idx, got, holds, keys, results, source, skip, again)
             finally:
                 res.unpin(holds)
             unseen = [i for i in todo if holds[i] is None]
             again += self._ask_shared(unseen, keys, outs, device, as_objects, results, source, skip, probed)
             todo = again
         return results, source
+
+    def _classify(self, level: int, idx: list[int], got: list[ReadResult], holds: list[Hold | None],
+                  keys: Sequence[ChunkKey], results: list[Any], source: list[tuple[int, int] | None],
+                  skip: dict[int, set[int]], again: list[int]) -> None:
+        """Take in ``got``, what ``level`` returned for the keys at ``idx``: hits into ``results`` and
+        ``source``; a key to read again from a lower level into ``again`` (and that level into ``skip``)."""
+        hits = read = 0
+        for i, r in zip(idx, got, strict=True):
+            h = holds[i]
+            assert h is not None
+            if type(r) is Hit:  # the common case, counted once below
+                results[i] = r.value
+                source[i] = (level, h.gen)
+                hits += 1
+                read += r.size
+            elif not self._settle(i, level, h.gen, keys[i], r, results, source):
+                skip.setdefault(i, set()).add(level)
+                again.append(i)
+        if hits:
+            self.levels[level].count(hits=hits, bytes_out=read)
 
     def _pin(self, keys: Sequence[ChunkKey], todo: list[int], skip: dict[int, set[int]]) -> list[Hold | None]:
         """Pin each of ``todo``'s keys at the first level holding its current value, past the levels ``skip``
@@ -498,7 +517,7 @@ class Transfers:
                 holds[i] = self.res.pin([keys[i]], [j for j in range(len(self.levels)) if j not in skip[i]])[0]
         return holds
 
-    def _read_level(self, level: int, keys: list[ChunkKey], outs: list[Mapping[str, torch.Tensor]] | None,
+    def _read_level(self, level: int, keys: Sequence[ChunkKey], outs: Sequence[Mapping[str, torch.Tensor]] | None,
                     device: str | torch.device, as_objects: bool) -> list[ReadResult]:
         lv = self.levels[level]
         start = perf_counter()
@@ -595,6 +614,21 @@ class Transfers:
             lv.failures.report("read", "read failed (%s: %s); treating as a miss", type(r).__name__, r)
         lv.count(misses=1)
         return False
+
+
+_VALUE, _SIZE, _GEN = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(3)  # Hit / Hold fields
+
+
+def _one_level(holds: list[Hold | None]) -> int | None:
+    """The level every hold is at, if all are at one (``None`` if some key has none, or they differ)."""
+    try:
+        levels = set(map(_LEVEL, holds))  # type: ignore[arg-type]  # a None raises
+    except TypeError:
+        return None
+    return levels.pop() if len(levels) == 1 else None
+
+
+_LEVEL = operator.itemgetter(1)
 
 
 def _decoded(r: ReadResult, out: Mapping[str, torch.Tensor] | None, device: str | torch.device) -> ReadResult:
