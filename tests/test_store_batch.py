@@ -1,6 +1,7 @@
 """The batched and asynchronous store API: per-key results, misses, duplicates, out= buffers, isolated
 errors, write-back marking, concurrent probing in lookup, futures."""
 
+import os
 import sys
 import threading
 import time
@@ -233,3 +234,37 @@ def test_get_many_from_the_remote_tier_only(s3_server, s3_bucket):
         for i in range(8):
             assert_same(got[i], chunk(i, CHUNK))
             _wait_for(lambda i=i: s.where(key_of(i)) == "host")  # promoted by a background job
+
+
+def test_get_many_of_a_batch_at_one_tier_counts_it_once_and_falls_back_per_key(tmp_path):
+    """A batch whose keys all sit at one tier is read in one go (its hits counted as one batch); a key that
+    tier fails is then read from the tier below, the rest of the batch untouched."""
+    cfg = {"tiers": [{"kind": "disk", "name": "a", "path": str(tmp_path / "a"), "capacity": "4MiB"},
+                     {"kind": "disk", "name": "b", "path": str(tmp_path / "b"), "capacity": "4MiB"}],
+           "write_policy": "write_through", "prefetch_policy": "transient"}
+    with tierstore.open(cfg) as s:
+        data = {i: chunk(i, CHUNK) for i in range(6)}
+        assert s.put_many([(key_of(i), data[i]) for i in range(6)]) == [True] * 6
+        keys = [key_of(i) for i in (0, 1, 2, 3, 4, 5, 2)]  # a duplicate gets its own result
+        outs = [empty_like(data[0]) for _ in keys]
+        before = s.stats()["tiers"]
+        got = s.get_many(keys, out=outs)
+        for i, r, o in zip((0, 1, 2, 3, 4, 5, 2), got, outs, strict=True):
+            assert r is not None and all(r[n] is o[n] for n in o)
+            assert_same(o, data[i])
+        after = s.stats()["tiers"]
+        assert after["a"]["hits"] - before["a"]["hits"] == 7 and after["b"]["hits"] == before["b"]["hits"]
+        assert after["a"]["bytes_out"] - before["a"]["bytes_out"] == 7 * s.tier("a").backend.stat_many(
+            [key_of(0)])[0]
+
+        os.unlink(s.tier("a").backend.object_path(key_of(3)))  # tier a loses one object behind the store's back
+        outs = [empty_like(data[0]) for _ in keys]
+        got = s.get_many(keys, out=outs)
+        for i, r, o in zip((0, 1, 2, 3, 4, 5, 2), got, outs, strict=True):
+            assert r is not None
+            assert_same(o, data[i])
+        final = s.stats()["tiers"]
+        assert final["a"]["hits"] - after["a"]["hits"] == 6 and final["b"]["hits"] - after["b"]["hits"] == 1
+        assert final["a"]["misses"] - after["a"]["misses"] == 1
+        assert s.where(key_of(3)) == "b"  # (transient: nothing promoted back)
+        assert pins(s) == {"a": 0, "b": 0}

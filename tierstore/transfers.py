@@ -616,7 +616,9 @@ class Transfers:
         return False
 
 
-_VALUE, _SIZE, _GEN = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(3)  # Hit / Hold fields
+# fields read in C over a whole batch: a Hit's value and size, a Hold's level and generation
+_VALUE, _SIZE = operator.itemgetter(0), operator.itemgetter(1)
+_LEVEL, _GEN = operator.itemgetter(1), operator.itemgetter(3)
 
 
 def _one_level(holds: list[Hold | None]) -> int | None:
@@ -626,9 +628,6 @@ def _one_level(holds: list[Hold | None]) -> int | None:
     except TypeError:
         return None
     return levels.pop() if len(levels) == 1 else None
-
-
-_LEVEL = operator.itemgetter(1)
 
 
 def _decoded(r: ReadResult, out: Mapping[str, torch.Tensor] | None, device: str | torch.device) -> ReadResult:
