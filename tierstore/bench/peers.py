@@ -115,9 +115,10 @@ def parse_lmcache(result: dict[str, Any], round_bytes: int) -> dict[str, float]:
 
 # ---------------------------------------------------------------------------------------------- ours
 def run_ours(folder: str, keys: int, size: int, rounds: int, verify: str = "always") -> dict[str, float]:
-    """LMCache's rounds on a tierstore disk tier (not durable, ``verify_reads: verify``): every round stores
-    ``keys`` fresh objects in one batch (``put_many`` where the store has it), then every round's objects are
-    read back into caller-owned buffers (``get_many(out=)``). Round 0 warms up and is not timed."""
+    """LMCache's rounds on a tierstore disk tier (not durable; ``verify_reads`` is ``verify``: ``always`` or
+    ``once``): every round stores ``keys`` fresh objects in one batch (``put_many`` where the store has it), then
+    every round's objects are read back into caller-owned buffers (``get_many(out=)``). Round 0 warms up and is
+    not timed."""
     import tierstore
 
     g = torch.Generator().manual_seed(size)
