@@ -457,25 +457,19 @@ class Transfers:
             try:
                 level = _one_level(holds) if len(todo) == n else None
                 if level is not None:  # the common case: the whole batch at one level, read as it came
-                    got = self._read_level(level, keys, outs, device, level in as_objects)
-                    if set(map(type, got)) == {Hit}:  # and every key a hit: no Python per key
-                        found, pinned = cast(list[Hit], got), cast(list[Hold], holds)
-                        results[:] = map(_VALUE, found)
-                        source[:] = zip(itertools.repeat(level), map(_GEN, pinned))
-                        self.levels[level].count(hits=n, bytes_out=sum(map(_SIZE, found)))
-                    else:
-                        self._classify(level, todo, got, holds, keys, results, source, skip, again)
+                    by_level = {level: todo}
                 else:
-                    by_level: dict[int, list[int]] = {}
+                    by_level = {}
                     for i in todo:
                         h = holds[i]
                         if h is not None:
                             by_level.setdefault(h.level, []).append(i)
-                    for level, idx in by_level.items():
-                        got = self._read_level(level, [keys[i] for i in idx],
-                                               None if outs is None else [outs[i] for i in idx], device,
-                                               level in as_objects)
-                        self._classify(level, idx, got, holds, keys, results, source, skip, again)
+                for level, idx in by_level.items():
+                    whole = len(idx) == n
+                    got = self._read_level(level, keys if whole else [keys[i] for i in idx],
+                                           outs if whole or outs is None else [outs[i] for i in idx], device,
+                                           level in as_objects)
+                    self._classify(level, idx, got, holds, keys, results, source, skip, again)
             finally:
                 res.unpin(holds)
             unseen = [i for i in todo if holds[i] is None]
@@ -488,6 +482,12 @@ class Transfers:
                   skip: dict[int, set[int]], again: list[int]) -> None:
         """Take in ``got``, what ``level`` returned for the keys at ``idx``: hits into ``results`` and
         ``source``; a key to read again from a lower level into ``again`` (and that level into ``skip``)."""
+        if len(idx) == len(results) and set(map(type, got)) == {Hit}:  # the whole batch hit: filled in C
+            found, pinned = cast(list[Hit], got), cast(list[Hold], holds)
+            results[:] = map(_VALUE, found)
+            source[:] = zip(itertools.repeat(level), map(_GEN, pinned))
+            self.levels[level].count(hits=len(found), bytes_out=sum(map(_SIZE, found)))
+            return
         hits = read = 0
         for i, r in zip(idx, got, strict=True):
             h = holds[i]
