@@ -66,6 +66,11 @@ def test_an_overwritten_deleted_or_evicted_chunk_is_never_read_from_its_old_plac
         assert reader.get(key_of(1), out=out) is None
         assert writer.put(key_of(2), chunk(2, SIZE))
         assert_same(reader.get(key_of(2), out=out), chunk(2, SIZE))
+        # the reader's lease on key 2 goes back from its idle pass (RELEASE_AFTER): until then key 2 is pinned in host
+        deadline = time.monotonic() + 5
+        while server.store.stats()["tiers"]["host"]["pinned"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.store.stats()["tiers"]["host"]["pinned"] == 0
         for i in range(3, 40):  # 3.7 MB through a 1 MiB host tier: key 2 goes to disk, its memory to others
             assert writer.put(key_of(i), chunk(i, SIZE))
         assert server.store.where(key_of(2)) == "disk"
