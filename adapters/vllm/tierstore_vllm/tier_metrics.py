@@ -4,7 +4,6 @@ tiering spec (``build_metric_definitions`` / ``get_stats``): the same ``tierstor
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -14,9 +13,6 @@ from tierstore.metrics import PREFIX, TIER_FAMILIES
 
 from .metrics import _SEP, StatsDeltas
 
-#: at most one ``stats()`` of the store per this many seconds (vLLM asks every step)
-INTERVAL_S = 1.0
-
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     return {PREFIX + f.name: (OffloadingCounterMetadata if f.kind == "counter" else OffloadingGaugeMetadata)(
@@ -24,18 +20,13 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
 
 
 class TierStats:
-    """Turns the store's counters into :class:`OffloadingConnectorStats` deltas, at most every
-    :data:`INTERVAL_S` (``None`` in between and when nothing changed)."""
+    """Turns the store's counters into :class:`OffloadingConnectorStats`: what changed since the last call
+    (``None`` when nothing did)."""
 
     def __init__(self, store: Any) -> None:
         self._deltas = StatsDeltas(store, rank="")
-        self._next = 0.0
 
     def take(self) -> OffloadingConnectorStats | None:
-        now = time.monotonic()
-        if now < self._next:
-            return None
-        self._next = now + INTERVAL_S
         taken = self._deltas.take()
         if taken is None:
             return None
