@@ -8,6 +8,7 @@ chunk: a 600-token prompt is four chunks (512 tokens) there and four objects in 
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -80,9 +81,12 @@ def test_two_api_servers_share_a_file_tier_and_a_flipped_byte_is_a_miss(tiny_mod
     tokens) and the second prompt's as corrupt (a miss, recomputed): B's answers equal A's."""
     root = tmp_path / "shared"
     kv = tier_kv_config(tier([{"kind": "host", "capacity": "64MiB"}, {"kind": "remote", "url": f"file://{root}"}]))
+    ids = [f"tierstore-test-{uuid.uuid4().hex[:12]}" for _ in range(2)]
     args = ["--enable-prompt-tokens-details"]
-    with ApiServer(tiny_model, free_port(), kv=kv, log=tmp_path / "a.log", extra_args=args) as a, \
-            ApiServer(tiny_model, free_port(), kv=kv, log=tmp_path / "b.log", extra_args=args) as b:
+    with ApiServer(tiny_model, free_port(), kv={**kv, "engine_id": ids[0]}, log=tmp_path / "a.log",
+                   extra_args=args) as a, \
+            ApiServer(tiny_model, free_port(), kv={**kv, "engine_id": ids[1]}, log=tmp_path / "b.log",
+                      extra_args=args) as b:
         try:
             first = a.complete(PROMPTS[0], max_tokens=6)
             before = _wait_for(root, CHUNKS)
@@ -106,3 +110,5 @@ def test_two_api_servers_share_a_file_tier_and_a_flipped_byte_is_a_miss(tiny_mod
         except BaseException:
             print(a.log_tail(), b.log_tail(), sep="\n----\n")
             raise
+    # vLLM force-kills its workers at shutdown: the CPU tier's shared region must not outlive the servers
+    assert not [i for i in ids if Path(f"/dev/shm/vllm_offload_{i}.mmap").exists()]

@@ -14,6 +14,8 @@ tiers, events, metrics) is vLLM's.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from typing import Any
 
@@ -44,8 +46,19 @@ class CPUTieringOffloadingSpec(TieringOffloadingSpec):
         super().__init__(config)
         self._cpu_worker: CPUBlockCopier | None = None
 
+    def get_manager(self) -> Any:
+        manager = super().get_manager()
+        region = self._scheduler_mmap
+        if not _vllm_worker(current_platform) and region is not None and not region._creator:
+            # vLLM builds the scheduler after every worker has mapped the CPU tier's region (the KV caches are
+            # registered first), so the file's name is no longer needed: dropping it now means an engine that
+            # is killed (vLLM force-kills its workers on shutdown) leaves no /dev/shm file behind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(region.mmap_path)
+        return manager
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if current_platform.is_cuda_alike() or current_platform.is_xpu():
+        if _vllm_worker(current_platform):
             return super().get_worker(kv_caches)
         if self._cpu_worker is None:
             if self.config.canonical_layout:
@@ -61,6 +74,11 @@ class CPUTieringOffloadingSpec(TieringOffloadingSpec):
                 region.cleanup()
                 raise
         return self._cpu_worker
+
+
+def _vllm_worker(platform: Any) -> bool:
+    """Whether vLLM's own offloading worker runs on ``platform`` (CUDA, ROCm, XPU)."""
+    return bool(platform.is_cuda_alike() or platform.is_xpu())
 
 
 class CPUBlockCopier(OffloadingWorker):
@@ -131,5 +149,7 @@ class CPUBlockCopier(OffloadingWorker):
     def shutdown(self) -> None:
         self._blocks, self._chunks = [], []
         if self._region is not None:
+            if not os.path.exists(self._region.mmap_path):  # the scheduler dropped the name (get_manager)
+                self._region._creator = False
             self._region.cleanup()
             self._region = None
