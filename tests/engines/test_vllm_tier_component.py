@@ -97,10 +97,52 @@ def test_tier_and_worker_override_every_abstract_method_with_the_same_parameters
         if name != "__init__" and name in TierstoreTier.__dict__:
             assert params(TierstoreTier, name) == params(SecondaryTierManager, name), name
     assert params(TierstoreTier, "__init__")[:5] == params(SecondaryTierManager, "__init__")
-    for name in OffloadingWorker.__abstractmethods__:
-        assert params(CPUBlockCopier, name) == params(OffloadingWorker, name), name
+    for name in OffloadingWorker.__abstractmethods__:  # 0.33 adds `expedited=False` to submit_load (below)
+        assert params(CPUBlockCopier, name)[:len(params(OffloadingWorker, name))] == params(OffloadingWorker, name)
     assert issubclass(CPUTieringOffloadingSpec, TieringOffloadingSpec)
     assert params(CPUTieringOffloadingSpec, "get_worker") == params(TieringOffloadingSpec, "get_worker")
+
+
+#: vLLM 0.33.0's API, read from its wheel (vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl, which cannot serve on
+#: this CPU: see ../shared/notes/engines_on_cpu.md) with ``ast``: the abstract methods of SecondaryTierManager and
+#: OffloadingWorker with their parameters, and the OffloadingConfig fields the tier's keys read
+VLLM_033 = {
+    "tier_abstract": {"drain_jobs": ["self"], "get_finished_jobs": ["self"], "lookup": ["self", "key", "req_context"],
+                      "on_new_request": ["self", "req_context"], "submit_load": ["self", "job_metadata"],
+                      "submit_store": ["self", "job_metadata"]},
+    "tier_init": ["self", "offloading_spec", "primary_kv_view", "tier_type", "backpressure_detector"],
+    "worker_abstract": {"submit_store": ["self", "job_id", "src_spec", "dst_spec"],
+                        "submit_load": ["self", "job_id", "src_spec", "dst_spec", "expedited"],
+                        "get_finished": ["self"], "wait": ["self", "job_ids"]},
+    "config": {"OffloadingGroupConfig": ["tokens_per_block", "layer_names", "group_id",
+                                         "sliding_window_size_in_chunks"],
+               "OffloadingModelConfig": ["name", "dtype", "max_model_len"],
+               "OffloadingCacheConfig": ["tokens_per_hash", "blocks_per_chunk"],
+               "OffloadingParallelConfig": ["rank", "world_size", "tp_size", "pp_size", "pcp_size", "dcp_size",
+                                            "data_parallel_index", "data_parallel_size", "data_parallel_rank_local",
+                                            "is_parallelism_agnostic"]},
+}
+
+
+def test_the_tier_and_the_worker_fit_vllm_033s_api():
+    """What vLLM 0.33 calls (its abstract methods, positionally and by name) the tier and worker accept; what the
+    keys read from its offloading config, 0.33's config has. (0.33 also adds optional hooks the tier leaves at
+    their defaults: ``tolerates_off_thread_polling = False`` keeps every call on the scheduler's thread.)"""
+    def names(cls, name):
+        return list(inspect.signature(getattr(cls, name)).parameters)
+
+    for name, expected in VLLM_033["tier_abstract"].items():
+        assert names(TierstoreTier, name)[:len(expected)] == expected, name
+    assert names(TierstoreTier, "__init__")[:5] == VLLM_033["tier_init"]
+    for name, expected in VLLM_033["worker_abstract"].items():
+        assert names(CPUBlockCopier, name) == expected, name
+    import dataclasses
+
+    from vllm.v1.kv_offload import config as config_032
+
+    for cls, fields in VLLM_033["config"].items():
+        used = {f.name for f in dataclasses.fields(getattr(config_032, cls))} & set(fields)
+        assert used == set(fields) - {"sliding_window_size_in_chunks", "max_model_len"}, cls  # new in 0.33, unused
 
 
 # ---------------------------------------------------------------------------------------------- vLLM's manager

@@ -108,7 +108,9 @@ class CPUBlockCopier(OffloadingWorker):
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
         return self._transfer(job_id, src_spec, dst_spec, store=True)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec,
+                    expedited: bool = False) -> bool:
+        """``expedited`` (vLLM 0.33): every load here is done when this returns."""
         return self._transfer(job_id, dst_spec, src_spec, store=False)
 
     def _transfer(self, job_id: int, blocks_spec: GPULoadStoreSpec, chunks_spec: LoadStoreSpec, store: bool) -> bool:
