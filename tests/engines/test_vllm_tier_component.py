@@ -254,6 +254,32 @@ def test_chunks_of_both_kv_groups_go_to_a_shared_tier_and_another_engine_loads_t
         b.close()
 
 
+def test_two_engines_share_through_a_node_server(tmp_path):
+    """``"server": "unix://..."``: both engines' tiers are clients of one ``tierstore serve``; what A stored is in
+    the node's host tier, and B's lookups (asked of the server in the background: RETRY, then HIT) load it."""
+    from tierstore.serve.server import NodeServer
+
+    keys, data = keys_and_data(4)
+    config = {"tiers": [{"kind": "host", "capacity": "8MiB", "pinned": False}],
+              "serve": {"socket": str(tmp_path / "run" / "ts.sock")}}
+    with NodeServer(config).start() as server:
+        tier = {"type": "TierstoreTier", "module_path": "tierstore_vllm", "server": f"unix://{server.config.socket}"}
+        a = Engine(tier)
+        try:
+            a.store(keys, data)
+            assert a.tier.get_stats() is None  # the node reports its tiers on its own /metrics
+        finally:
+            a.close()
+        b = Engine(tier)
+        try:
+            first, last, ctx = b.lookup(keys)
+            assert first == [LookupResult.RETRY] * len(keys) and last == [LookupResult.HIT] * len(keys)
+            assert [x[:BYTES_PER_BLOCK].tolist() for x in b.loaded(keys, ctx)] == [d.tolist() for d in data]
+        finally:
+            b.close()
+        assert server.store.stats()["tiers"]["host"]["objects"] == len(keys)
+
+
 @pytest.mark.parametrize("change", [{"groups": {"full": GROUPS["full"], "sliding": ("model.layers.3.attn",)}},
                                     {"dtype": "float16"}, {"tenant": "other"}, {"model_id": "other-model"}])
 def test_engines_whose_kv_differs_never_share(tmp_path, change):
