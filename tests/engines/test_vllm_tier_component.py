@@ -299,7 +299,7 @@ def test_engines_whose_kv_differs_never_share(tmp_path, change):
         b.close()
 
 
-def test_a_corrupt_object_is_a_miss_and_is_not_promised_again(tmp_path):
+def test_a_corrupt_object_is_a_miss_not_promised_again_until_stored_again(tmp_path):
     keys, data = keys_and_data(3, n=1)
     a = Engine(shared_tier(tmp_path / "shared", host=False))
     try:
@@ -326,6 +326,12 @@ def test_a_corrupt_object_is_a_miss_and_is_not_promised_again(tmp_path):
             b.step()
             assert b.manager.lookup(keys[0], ctx) is LookupResult.MISS
         assert b.tier.store.stats()["tiers"]["remote"]["corrupt"] >= 1
+        b.manager.on_request_finished(ctx)
+        b.store(keys, [d + 1 for d in data])  # recomputed and stored again: written over the corrupt object
+        b.manager.reset_cache()  # out of vLLM's CPU tier: the next hit is tierstore's
+        first, last, ctx = b.lookup(keys)
+        assert last == [LookupResult.HIT] * len(keys)
+        assert [x[:BYTES_PER_BLOCK].tolist() for x in b.loaded(keys, ctx)] == [(d + 1).tolist() for d in data]
     finally:
         b.close()
 
