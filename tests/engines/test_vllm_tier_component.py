@@ -147,10 +147,10 @@ def test_the_tier_and_the_worker_fit_vllm_033s_api():
 
 # ---------------------------------------------------------------------------------------------- vLLM's manager
 def offloading_config(tier: dict, groups: dict[str, tuple[str, ...]] = GROUPS, dtype: str = "bfloat16",
-                      chunks: int = 16) -> OffloadingConfig:
+                      chunks: int = 16, events: bool = False) -> OffloadingConfig:
     return OffloadingConfig(
         groups=tuple(OffloadingGroupConfig(BLOCK_TOKENS, layers, i) for i, layers in enumerate(groups.values())),
-        worker_kv_bytes_per_block=BYTES_PER_BLOCK, enable_kv_cache_events=False,
+        worker_kv_bytes_per_block=BYTES_PER_BLOCK, enable_kv_cache_events=events,
         extra_config={"cpu_bytes_to_use": chunks * 4096, "secondary_tiers": [tier]},
         engine_id=f"tierstore-test-{uuid.uuid4().hex[:8]}", model=OffloadingModelConfig("tiny", dtype),
         cache=OffloadingCacheConfig(tokens_per_hash=BLOCK_TOKENS, blocks_per_chunk=1),
@@ -252,6 +252,26 @@ def test_chunks_of_both_kv_groups_go_to_a_shared_tier_and_another_engine_loads_t
         assert stats is not None and stats.data["data"]["tierstore_hits"][("remote",)] == len(keys)
     finally:
         b.close()
+
+
+def test_stored_chunks_are_announced_as_storage_events_when_asked(tmp_path):
+    from vllm.v1.kv_offload.base import Locality, Medium
+
+    keys, data = keys_and_data(5, n=2)
+    quiet = Engine(shared_tier(tmp_path / "a"), events=True)  # vLLM's events on, the tier's option off
+    try:
+        quiet.store(keys, data)
+        assert not list(quiet.tier.take_events())
+    finally:
+        quiet.close()
+    loud = Engine(shared_tier(tmp_path / "b", enable_kv_events=True), events=True)
+    try:
+        loud.store(keys, data)
+        events = [e for e in loud.manager.take_events() if e.medium is Medium.STORAGE]
+        assert sorted(k for e in events for k in e.keys) == sorted(keys)
+        assert {(e.removed, e.locality) for e in events} == {(False, Locality.REMOTE)}
+    finally:
+        loud.close()
 
 
 def test_two_engines_share_through_a_node_server(tmp_path):
