@@ -300,6 +300,33 @@ def test_two_engines_share_through_a_node_server(tmp_path):
         assert server.store.stats()["tiers"]["host"]["objects"] == len(keys)
 
 
+def test_two_engines_share_through_s3(s3_server):
+    """The shared tier on the local S3 server: what A stored (written back from its host tier), B finds in the
+    bucket's listing and loads (promoted through vLLM's CPU tier: HIT_PENDING, then HIT)."""
+    keys, data = keys_and_data(6)
+    url = f"s3://{s3_server.new_bucket()}/kv"
+
+    def tier() -> dict:
+        return {"type": "TierstoreTier", "module_path": "tierstore_vllm", "config": {"tiers": [
+            {"kind": "host", "capacity": "16MiB"},
+            {"kind": "remote", "url": url, "storage_options": s3_server.storage_options}]}}
+
+    a = Engine(tier())
+    try:
+        a.store(keys, data)
+        a.tier.store.flush()
+    finally:
+        a.close()
+    b = Engine(tier())
+    try:
+        first, last, ctx = b.lookup(keys)
+        assert first == [LookupResult.HIT_PENDING] * len(keys) and last == [LookupResult.HIT] * len(keys)
+        assert [x[:BYTES_PER_BLOCK].tolist() for x in b.loaded(keys, ctx)] == [d.tolist() for d in data]
+        assert b.tier.store.stats()["tiers"]["remote"]["hits"] == len(keys)
+    finally:
+        b.close()
+
+
 @pytest.mark.parametrize("change", [{"groups": {"full": GROUPS["full"], "sliding": ("model.layers.3.attn",)}},
                                     {"dtype": "float16"}, {"tenant": "other"}, {"model_id": "other-model"}])
 def test_engines_whose_kv_differs_never_share(tmp_path, change):
