@@ -109,17 +109,19 @@ def test_a_probe_answers_after_one_step_and_the_verdict_stays_while_asked(shared
     assert probes.verdict(b"k2", "r2") is False
     probes.release("r2")
     assert probes.verdict(b"k1", "r3") is None and probes.verdict(b"k2", "r3") is None  # forgotten
-    probes.mark_miss([b"k1"])  # nothing to mark: no error
+    probes.settle([b"k1"], False)  # nothing to settle: no error
 
 
-def test_a_failed_load_turns_the_verdict_into_a_miss(shared_and_probes):
+def test_a_failed_load_or_a_store_of_our_own_settles_the_verdict(shared_and_probes):
     _, probes = shared_and_probes
     probes.ask(b"k1", chunk(1), "r1")
     probes.flush()
     settle(probes)
     assert probes.verdict(b"k1", "r1") is True
-    probes.mark_miss([b"k1"])
+    probes.settle([b"k1"], False)
     assert probes.verdict(b"k1", "r1") is False
+    probes.settle([b"k1"], True)  # this engine stored it again
+    assert probes.verdict(b"k1", "r1") is True
 
 
 def test_a_request_finishing_while_its_probe_is_in_flight_leaves_nothing_behind():

@@ -254,6 +254,28 @@ def test_chunks_of_both_kv_groups_go_to_a_shared_tier_and_another_engine_loads_t
         b.close()
 
 
+def test_a_miss_a_waiting_request_was_told_turns_into_a_hit_once_this_engine_stored_the_chunk(tmp_path):
+    """A request was told MISS (the shared tier's probe found nothing); this engine then computes and stores the
+    chunk for another request: the waiting request's next lookup is a hit, not the stale miss."""
+    keys, data = keys_and_data(7, n=1)
+    e = Engine(shared_tier(tmp_path / "shared"))
+    try:
+        waiting = ReqContext("waiting")
+        e.manager.on_new_request(waiting)
+        for _ in range(100):
+            answer = e.manager.lookup(keys[0], waiting)
+            if answer is LookupResult.MISS:
+                break
+            e.step()
+            time.sleep(0.01)
+        assert answer is LookupResult.MISS
+        e.store(keys, data)
+        e.manager.reset_cache()  # out of vLLM's CPU tier: the answer is the secondary tier's
+        assert e.manager.lookup(keys[0], waiting) is LookupResult.HIT_PENDING  # a hit, being promoted
+    finally:
+        e.close()
+
+
 def test_stored_chunks_are_announced_as_storage_events_when_asked(tmp_path):
     from vllm.v1.kv_offload.base import Locality, Medium
 

@@ -89,12 +89,13 @@ class Probes:
                 if not state.requests:
                     del self._states[key]
 
-    def mark_miss(self, keys: Iterable[bytes]) -> None:
-        """A load of ``keys`` failed: their verdict is now a miss (no request asks to load them again)."""
+    def settle(self, keys: Iterable[bytes], found: bool) -> None:
+        """What this engine learnt of ``keys`` itself: a load of them failed (``False``: no request asks to load them
+        again) or it stored them (``True``)."""
         for key in keys:
             state = self._states.get(key)
-            if state is not None:
-                state.found = False
+            if state is not None and not state.pending:
+                state.found = found
 
     def release(self, req_id: str) -> None:
         """``req_id`` finished: forget the verdicts no other request relies on (in-flight ones when they land)."""

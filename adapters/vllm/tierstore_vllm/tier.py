@@ -165,13 +165,14 @@ class TierstoreTier(SecondaryTierManager):
             self._jobs.pop(result.job_id, None)
             for key in stored:
                 self._failed.pop(key, None)
+            self._probes.settle(stored, True)
             if stored and self._events is not None:
                 self._events.append(OffloadingEvent(keys=stored, medium=Medium.STORAGE, removed=False,
                                                     locality=self.locality))
             if failed:  # never promised again (vLLM would retry the promotion for ever)
                 log.warning("tierstore: %d of the chunks a load asked for were misses (corrupt or gone); "
                             "vLLM recomputes them", len(failed))
-                self._probes.mark_miss(failed)
+                self._probes.settle(failed, False)
                 for key in failed:
                     self._failed[key] = None
                 while len(self._failed) > FAILED_KEYS:
