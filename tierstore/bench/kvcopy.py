@@ -95,8 +95,8 @@ def _namespace(shape: Shape):  # noqa: ANN202 - tierstore imported late
                                  chunk_tokens=shape.chunk)
 
 
-def alternate(variants: dict[str, Callable[[], None]], repeats: int,
-              setups: dict[str, Callable[[], None]] | None = None) -> dict[str, float]:
+def alternate(variants: dict[str, Callable[[], object]], repeats: int,
+              setups: dict[str, Callable[[], object]] | None = None) -> dict[str, float]:
     """Median seconds of each variant, the variants run in turn within every repeat (one warm-up round)."""
     setups = setups or {}
     times: dict[str, list[float]] = {name: [] for name in variants}
@@ -140,6 +140,7 @@ def host_tier(shape: Shape, args: argparse.Namespace, bare: torch.Tensor) -> dic
 def disk_tier(shape: Shape, args: argparse.Namespace, root: Path) -> dict[str, float]:
     import tierstore
     from tierstore import objformat
+    from tierstore.backends.file_reads import raw_view
 
     path = root / f"disk-{shape.tokens}"
     store = tierstore.open({"tiers": [{"kind": "disk", "path": str(path), "capacity": 2 * shape.bytes + (1 << 30)}]})
@@ -167,7 +168,7 @@ def disk_tier(shape: Shape, args: argparse.Namespace, root: Path) -> dict[str, f
             for c, (p, off) in enumerate(paths):
                 fd = os.open(p, os.O_RDONLY)
                 try:
-                    got = os.preadv(fd, [memoryview(staging.numpy())], off)
+                    got = os.preadv(fd, [raw_view(staging)], off)
                 finally:
                     os.close(fd)
                 assert got == staging.numel(), got

@@ -22,7 +22,7 @@ import torch
 from ..errors import InvalidInputError, InvalidTypeError
 from ..keys import ChunkKey
 from ..tensors import wait_for_copies
-from .paged import PagedLayout, _layout, _Plan, block_table
+from .paged import _HOST, PagedLayout, _layout, _on, _Plan, block_table
 
 #: bytes of staging per task (two tasks are in flight); a window holds as many chunks as fit
 STAGING_BYTES = 64 << 20
@@ -115,13 +115,16 @@ class PagedTransfer:
         first = self.pool if self.pool is not None else self.caches[0]
         if first.dtype != dtype:
             raise InvalidInputError(f"the KV cache is {first.dtype}, the namespace says {dtype}")
-        self.block_ids, self.block_size = block_table(block_ids, first.device), probe.block_size  # once, not per plan
+        self.block_ids, self.block_size = block_table(block_ids, _HOST), probe.block_size  # once, on the host
         self.device = first.device
         self.dtype = dtype
         self.token_dim = 0 if is_mla else 1
         self._canon = list(probe.result_shape())
         self._bases: dict[tuple[int, int], _Plan] = {}
-        self._indexes: dict[tuple[tuple[int, int], ...], tuple[int, torch.Tensor]] = {}  # per-layer caches' rows
+        self._bases_at: dict[int, int] = {}  # id of a base plan -> its first token
+        self._flats: dict[int, torch.Tensor | None] = {}
+        #: per-layer caches: the rows of a window of pieces (run, index on the device, entries per piece)
+        self._indexes: dict[tuple[tuple[int, int], ...], tuple[int, torch.Tensor, list[int]]] = {}
 
     def canonical_shape(self, n_tokens: int) -> tuple[int, ...]:
         shape = list(self._canon)
@@ -136,77 +139,84 @@ class PagedTransfer:
         if base is None:
             base = self._bases[(a, b)] = _Plan(self.caches[0], self.layout, self.block_ids, a, b,
                                                self.block_size, None)
+            self._bases_at[id(base)] = a
         return base if layer == 0 else base.rebind(self.caches[layer])
 
-    def _window(self, layer: int, pieces: list[Piece]) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The flat row view of ``layer``'s cache (``None`` if its strides allow none) and the rows of
-        every piece's tokens, in piece order, grouped a block at a time where they allow. Per-layer caches
-        share one index: it is computed for the first layer of a window and reused for the others."""
+    def _cover(self, a: int, b: int) -> _Plan | None:
+        """A plan of the first layer made before whose tokens include ``[a, b)`` (the whole transfer's, made when
+        its block table was checked): windows cut their rows out of it instead of planning again."""
+        for (lo, hi), base in self._bases.items():
+            if lo <= a and b <= hi:
+                return base
+        return None
+
+    def _flat(self, layer: int) -> torch.Tensor | None:
+        """The flat row view of a per-layer cache (``None`` if its strides allow none), made once per layer."""
+        if layer not in self._flats:
+            base = next(iter(self._bases.values()))
+            self._flats[layer] = (base if layer == 0 else base.rebind(self.caches[layer])).flat
+        return self._flats[layer]
+
+    def _window(self, layer: int, pieces: list[Piece]) -> tuple[torch.Tensor | None, torch.Tensor, list[int]]:
+        """The flat row view of ``layer``'s cache (``None`` if its strides allow none), the rows of every piece's
+        tokens in piece order, grouped a block at a time where they allow, and how many index entries each
+        piece has (to copy a piece on its own). Computed on the host for the first layer of a window and moved
+        to the cache's device once; per-layer caches reuse it."""
         span = tuple((p.a, p.b) for p in pieces)
-        whole = self.plan(layer, pieces[0].a, pieces[-1].b)
         got = self._indexes.get(span) if self.pool is None else None
+        whole = self._cover(pieces[0].a, pieces[-1].b) if self.pool is None else None
+        if whole is None:
+            whole = self.plan(layer, pieces[0].a, pieces[-1].b)
         if got is None:
-            if any(p.b != q.a for p, q in zip(pieces, pieces[1:], strict=False)):
-                index = torch.cat([self.plan(layer, p.a, p.b).flat_index for p in pieces])
-            elif len(pieces) == 1:
-                index = whole.flat_index
-            else:  # consecutive pieces (as load and save make them): one plan, cut per piece (each piece's
-                # rows stay together, in its canonical order)
-                grid = whole.flat_index.view(whole.order)
-                a = pieces[0].a
-                index = torch.cat([grid.narrow(self.token_dim, p.a - a, p.b - p.a).reshape(-1) for p in pieces])
-            got = _coarsen(whole.flat, index, self.block_size)
+            # one plan covering every piece, cut per piece (each piece's rows stay together, in canonical order)
+            a = self._bases_at.get(id(whole), pieces[0].a)
+            grid = whole.host_index.view(whole.order)
+            parts = [grid.narrow(self.token_dim, p.a - a, p.b - p.a).reshape(-1) for p in pieces]
+            index = torch.cat(parts) if len(parts) > 1 else parts[0]
+            lengths = [t.numel() for t in parts]
+            run = 1
+            if all(n % self.block_size == 0 for n in lengths):  # each piece whole groups of ``run`` rows
+                run, index = _coarsen(whole.flat, index, self.block_size)
+            got = (run, _on(index, self.device), [n // run for n in lengths])
             if self.pool is None:
                 self._indexes[span] = got
-        run, index = got
-        flat = whole.flat
+        run, index, splits = got
+        flat = self._flat(layer) if self.pool is None else whole.flat
         if flat is not None and run > 1:
             flat = flat.view(flat.shape[0] // run, run, *flat.shape[1:])
-        return flat, index
+        return flat, index, splits
 
     def scatter(self, layer: int, pieces: list[Piece], staged: list[torch.Tensor]) -> None:
-        """Write each piece's tokens from its staged canonical chunk tensor into the cache's blocks: each run
-        of whole chunks with one ``index_copy_`` where the rows allow, a partial chunk (a load that starts or
-        ends inside one) on its own."""
-        i = 0
-        while i < len(pieces):
-            j = i
-            while j < len(pieces) and pieces[j].whole:
-                j += 1
-            if j == i or not self._scatter_whole(layer, pieces[i:j], staged[i:j]):
-                j = max(j, i + 1)
-                for p, t in zip(pieces[i:j], staged[i:j], strict=True):
-                    part = t.narrow(self.token_dim, p.a - p.first, p.b - p.a)
-                    self.plan(layer, p.a, p.b).scatter(part.to(self.device, non_blocking=True))
-            i = j
+        """Write each piece's tokens from its canonical chunk tensor (staging, or a chunk the store lends) into
+        the cache's blocks: adjacent whole chunks with one ``index_copy_``, others one ``index_copy_`` each."""
+        flat, index, splits = self._window(layer, pieces)
+        if flat is None:  # no flat view (interleaved strides): advanced indexing, piece by piece
+            for p, t in zip(pieces, staged, strict=True):
+                self.plan(layer, p.a, p.b).scatter(self._part(p, t).to(self.device, non_blocking=True))
+            return
+        if all(p.whole for p in pieces) and _adjacent(staged):
+            _copy_rows_in(flat, index, _span(staged))
+            return
+        for p, t, idx in zip(pieces, staged, index.split(splits), strict=True):
+            _copy_rows_in(flat, idx, self._part(p, t))
 
-    def _scatter_whole(self, layer: int, pieces: list[Piece], staged: list[torch.Tensor]) -> bool:
-        """Whole chunks whose staged tensors are adjacent, as one ``index_copy_``; ``False`` if not possible."""
-        if not _adjacent(staged):
-            return False
-        flat, index = self._window(layer, pieces)
-        if flat is None:
-            return False
-        rows = _span(staged).view(index.numel(), *flat.shape[1:]).to(self.device, non_blocking=True)
-        flat_words, row_words = _words(flat), _words(rows)
-        if flat_words is not None and row_words is not None:  # 8-byte elements: ~1.7x the bf16 copy rate
-            flat_words.index_copy_(0, index, row_words)
-        else:
-            flat.index_copy_(0, index, rows)
-        return True
+    def _part(self, p: Piece, t: torch.Tensor) -> torch.Tensor:
+        """The tokens piece ``p`` moves, out of its whole chunk ``t``."""
+        return t if p.whole else t.narrow(self.token_dim, p.a - p.first, p.b - p.a)
 
     def gather(self, layer: int, pieces: list[Piece], staged: list[torch.Tensor]) -> None:
-        """Copy each piece's tokens (whole chunks) out of the cache into its staged canonical tensor."""
-        flat, index = self._window(layer, pieces)
-        if flat is not None and _adjacent(staged):
-            rows = _span(staged).view(index.numel(), *flat.shape[1:])
-            if rows.device == flat.device:
-                torch.index_select(flat, 0, index, out=rows)
-            else:
-                rows.copy_(flat.index_select(0, index))
+        """Copy each piece's tokens (whole chunks) out of the cache into its canonical tensor (staging, or
+        pool memory reserved for the chunk): adjacent tensors with one ``index_select``, others one each."""
+        flat, index, splits = self._window(layer, pieces)
+        if flat is None:
+            for p, t in zip(pieces, staged, strict=True):
+                t.copy_(self.plan(layer, p.a, p.b).gather(None), non_blocking=True)
             return
-        for p, t in zip(pieces, staged, strict=True):
-            t.copy_(self.plan(layer, p.a, p.b).gather(None))
+        if _adjacent(staged):
+            _copy_rows_out(flat, index, _span(staged))
+            return
+        for t, idx in zip(staged, index.split(splits), strict=True):
+            _copy_rows_out(flat, idx, t)
 
     def synchronize(self) -> None:
         first = self.pool if self.pool is not None else self.caches[0]
@@ -229,6 +239,29 @@ def _coarsen(flat: torch.Tensor | None, index: torch.Tensor, run: int) -> tuple[
     except RuntimeError:
         return 1, index
     return run, first // run
+
+
+def _copy_rows_in(flat: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``flat[index] = src`` (``src``: the rows in index order, anywhere; one DMA first when on another device)."""
+    rows = src.reshape(index.numel(), *flat.shape[1:]).to(flat.device, non_blocking=True)
+    flat_words, row_words = _words(flat), _words(rows)
+    if flat_words is not None and row_words is not None:  # 8-byte elements: ~1.7x the bf16 copy rate
+        flat_words.index_copy_(0, index, row_words)
+    else:
+        flat.index_copy_(0, index, rows)
+
+
+def _copy_rows_out(flat: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst = flat[index]`` for a contiguous ``dst`` (on another device: gathered there, then one DMA)."""
+    rows = dst.view(index.numel(), *flat.shape[1:])
+    if rows.device != flat.device:
+        rows.copy_(flat.index_select(0, index), non_blocking=True)
+        return
+    flat_words, row_words = _words(flat), _words(rows)
+    if flat_words is not None and row_words is not None:
+        torch.index_select(flat_words, 0, index, out=row_words)
+    else:
+        torch.index_select(flat, 0, index, out=rows)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor | None:
@@ -307,12 +340,39 @@ def windows(pieces: list[Piece], per_chunk_bytes: int, budget: int = STAGING_BYT
     return [pieces[i:i + size] for i in range(0, len(pieces), size)]
 
 
+def _lent(loan: Any, task: Task, transfer: PagedTransfer, layer_name: Callable[[int], str]
+          ) -> list[dict[str, torch.Tensor] | None]:
+    """Per piece of ``task``, the chunk the store lent if it has exactly the tensors a stored chunk of that piece
+    has (else ``None``: it is read like any other)."""
+    lo, hi = task.group
+    got: list[dict[str, torch.Tensor] | None] = []
+    for p, d in zip(task.pieces, loan.tensors if loan is not None else [None] * len(task.pieces), strict=True):
+        shape = transfer.canonical_shape(p.stored)
+        ok = d is not None and len(d) == hi - lo and all(
+            (t := d.get(layer_name(j))) is not None and t.dtype == transfer.dtype and tuple(t.shape) == shape
+            and t.is_contiguous() for j in range(lo, hi))
+        got.append(d if ok else None)
+    return got
+
+
+class _Loading:
+    """One task on its way into the cache: the chunks the store lent (scattered from its memory: no copy
+    before the scatter) and a read of the others into a staging buffer."""
+
+    def __init__(self, loan: Any, lent: list[dict[str, torch.Tensor] | None], read: Future[list[Any]] | None,
+                 by_layer: dict[int, list[torch.Tensor]], buf: torch.Tensor | None):
+        self.loan, self.lent, self.read, self.by_layer, self.buf = loan, lent, read, by_layer, buf
+
+
 def run_load(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: Staging, layer_name: Callable[[int], str],
              valid: int, handle: LayerwiseLoad | None = None) -> tuple[int, int, int]:
-    """Read ``tasks`` in order (the next one while the current one is scattered) into the cache.
+    """Move ``tasks`` in order (the next one read while the current one is scattered) into the cache.
 
-    The next task is submitted once the current one's objects are in, not before: two reads at once would
-    only share the CPU and delay the current one (and with it the layer an engine is waiting for).
+    Chunks the store's top tier lends (``store.lend``: the host pool's own memory, pinned against eviction and
+    reuse until the loan is closed) are scattered straight from there: one copy. The others are read with one
+    batched ``get_many(out=...)`` into a staging buffer and scattered from it. The next task is submitted once
+    the current one's objects are in, not before: two reads at once would only share the CPU and delay the
+    current one (and with it the layer an engine is waiting for).
 
     ``valid`` is the token count the caller expects; a missing or mismatching object lowers it to the
     start of its chunk and nothing from that chunk on is written. Layer futures of ``handle`` resolve as
@@ -321,22 +381,40 @@ def run_load(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
     """
     pinned = transfer.device.type == "cuda" and torch.cuda.is_available()
     size = max(task_bytes(t, transfer) for t in tasks)
-    bufs = [staging.acquire(size, pinned) for _ in range(min(2, len(tasks)))]
+    lend = getattr(store, "lend", None)
+    spare: list[torch.Tensor] = []  # staging buffers of this load not in use by a task
+    held: list[torch.Tensor] = []  # every staging buffer this load acquired
     last_of_group = {t.group: i for i, t in enumerate(tasks)}
     read = missed = 0
     reads: list[Future[list[Any]]] = []
-    try:
-        def submit(i: int) -> tuple[Future[list[Any]], dict[int, list[torch.Tensor]]]:
-            outs, by_layer = stage(bufs[i % len(bufs)], tasks[i], transfer, layer_name)
-            reads.append(store.get_many_async(tasks[i].keys, out=outs))
-            return reads[-1], by_layer
+    loans: list[Any] = []
 
-        pending = submit(0)
+    def submit(task: Task) -> _Loading:
+        loan = lend(task.keys) if lend is not None else None
+        if loan is not None:
+            loans.append(loan)
+        lent = _lent(loan, task, transfer, layer_name)
+        todo = [k for k, d in enumerate(lent) if d is None]
+        if not todo:
+            return _Loading(loan, lent, None, {}, None)
+        if not spare:
+            held.append(staging.acquire(size, pinned))
+            spare.append(held[-1])
+        buf = spare.pop()
+        outs, by_layer = stage(buf, task, transfer, layer_name)
+        reads.append(store.get_many_async([task.keys[k] for k in todo], out=[outs[k] for k in todo]))
+        return _Loading(loan, lent, reads[-1], by_layer, buf)
+
+    try:
+        pending = submit(tasks[0])
         for i, task in enumerate(tasks):
-            future, by_layer = pending
-            results = future.result()
+            cur = pending
+            results: list[Any] = list(cur.lent)
+            if cur.read is not None:
+                got = iter(cur.read.result())
+                results = [d if d is not None else next(got) for d in cur.lent]
             if i + 1 < len(tasks):
-                pending = submit(i + 1)
+                pending = submit(tasks[i + 1])
             for p, r in zip(task.pieces, results, strict=True):
                 if r is None:
                     missed += 1
@@ -345,40 +423,80 @@ def run_load(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
             keep = [k for k, p in enumerate(task.pieces) if p.first < valid]  # valid is a chunk start or the goal
             if keep:
                 pieces = [task.pieces[k] for k in keep]
-                for j, staged in by_layer.items():
-                    transfer.scatter(j, pieces, [staged[k] for k in keep])
-            transfer.synchronize()  # a CUDA copy out of this staging buffer must finish before it is reused
+                for j in range(*task.group):
+                    name = layer_name(j)
+                    sources = [d[name] if (d := cur.lent[k]) is not None else cur.by_layer[j][k] for k in keep]
+                    transfer.scatter(j, pieces, sources)
+            transfer.synchronize()  # copies out of this staging buffer or lent memory finish before either goes
+            if cur.loan is not None:
+                cur.loan.close()
+            if cur.buf is not None:
+                spare.append(cur.buf)
             if last_of_group[task.group] == i and handle is not None:
                 for j in range(*task.group):
                     handle.layer(j).set_result(valid)
     finally:
-        _give_back(staging, bufs, transfer, reads)
+        _give_back(staging, held, transfer, reads, loans)
     return valid, read, missed
 
 
 def run_save(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: Staging,
              layer_name: Callable[[int], str]) -> list[bool]:
-    """Gather each task's chunks out of the cache into staging and store them with one ``put_many``."""
-    size = max(task_bytes(t, transfer) for t in tasks)
-    buf = staging.acquire(size, False)
+    """Store each task's chunks out of the cache; per piece (in task order) whether it is stored.
+
+    Where the store reserves pool memory (``store.reserve``: its top tier is a host pool) the chunks are
+    gathered straight into it and committed once the copy is done: one copy, nothing visible before the commit,
+    everything given back on an error. The others are gathered into staging and stored with one ``put_many``."""
+    reserve = getattr(store, "reserve", None)
     ok: list[bool] = []
+    buf: list[torch.Tensor] = []
     stored = True  # False while a put_many runs: one that raised may leave per-key work reading ``buf``
     try:
         for task in tasks:
-            outs, by_layer = stage(buf, task, transfer, layer_name)
-            for j, staged in by_layer.items():
-                transfer.gather(j, task.pieces, staged)
-            transfer.synchronize()
-            stored = False
-            ok += store.put_many(list(zip(task.keys, outs, strict=True)))  # copies/writes before returning
-            stored = True
+            done: list[bool | None] = [None] * len(task.pieces)
+            if reserve is not None:
+                done = _save_reserved(reserve, transfer, task, layer_name)
+            rest = [k for k, d in enumerate(done) if d is None]
+            if rest:
+                part = Task(task.group, [task.pieces[k] for k in rest], [task.keys[k] for k in rest])
+                if not buf:
+                    buf.append(staging.acquire(max(task_bytes(t, transfer) for t in tasks), False))
+                outs, by_layer = stage(buf[0], part, transfer, layer_name)
+                for j, staged in by_layer.items():
+                    transfer.gather(j, part.pieces, staged)
+                transfer.synchronize()
+                stored = False
+                put = store.put_many(list(zip(part.keys, outs, strict=True)))  # copies/writes before returning
+                stored = True
+                for k, r in zip(rest, put, strict=True):
+                    done[k] = r
+            ok += [bool(d) for d in done]
     finally:
-        _give_back(staging, [buf] if stored else [], transfer, [])
+        _give_back(staging, buf if stored else [], transfer, [])
     return ok
 
 
+def _save_reserved(reserve: Callable[..., Any], transfer: PagedTransfer, task: Task,
+                   layer_name: Callable[[int], str]) -> list[bool | None]:
+    """Gather ``task``'s chunks into pool memory the store reserves for them and commit them; per piece whether
+    it is stored, ``None`` where nothing was reserved (put it the usual way)."""
+    lo, hi = task.group
+    likes = [{layer_name(j): torch.empty(transfer.canonical_shape(p.stored), dtype=transfer.dtype, device="meta")
+              for j in range(lo, hi)} for p in task.pieces]
+    with reserve(list(zip(task.keys, likes, strict=True))) as reservation:
+        got = [k for k, t in enumerate(reservation.tensors) if t is not None]
+        if not got:
+            return [None] * len(task.pieces)
+        pieces = [task.pieces[k] for k in got]
+        for j in range(lo, hi):
+            transfer.gather(j, pieces, [reservation.tensors[k][layer_name(j)] for k in got])
+        transfer.synchronize()  # the bytes are in the pool before the chunks are published
+        committed = reservation.commit()
+    return [committed[k] if t is not None else None for k, t in enumerate(reservation.tensors)]
+
+
 def _give_back(staging: Staging, bufs: list[torch.Tensor], transfer: PagedTransfer,
-               reads: list[Future[list[Any]]]) -> None:
+               reads: list[Future[list[Any]]], loans: Sequence[Any] = ()) -> None:
     """Return a transfer's ``bufs`` to the shared ``staging`` only once nothing can write into or copy out
     of them any more: every read submitted into them has finished (waited for here, result or error
     ignored) and the transfer's CUDA copies are done. Otherwise another transfer could acquire a buffer
@@ -389,7 +507,9 @@ def _give_back(staging: Staging, bufs: list[torch.Tensor], transfer: PagedTransf
     try:
         transfer.synchronize()
     except Exception:
-        return  # the error that matters is the one propagating, if any
+        return  # the error that matters is the one propagating, if any (lent memory stays lent: in doubt)
+    for loan in loans:
+        loan.close()  # a second close does nothing
     if all(f.cancelled() or f.exception() is None for f in reads):
         for b in bufs:
             staging.release(b)
