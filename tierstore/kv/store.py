@@ -17,6 +17,7 @@ import logging
 import math
 import struct
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -44,8 +45,41 @@ _GROUP_DOMAIN = b"tierstore.kv.layers"
 #: per-chunk object keys remembered by a KVCacheStore (a few hundred bytes each)
 _GROUP_KEYS_KEPT = 16384
 
-#: layer-wise loads of one KVCacheStore running at once (each holds up to two staging buffers); more queue
+#: layer-wise loads of one store running at once, over all its KVCacheStores and tenants (each holds up to two
+#: staging buffers); more queue
 _LOADERS = 4
+
+
+class _PerStore:
+    """What every :class:`KVCacheStore` over one store shares, whatever its tenant or namespace: the staging
+    buffers and the threads of layer-wise loads (one engine, many tenants: one set, not one per tenant)."""
+
+    def __init__(self) -> None:
+        self.staging = Staging()
+        self._loader: ThreadPoolExecutor | None = None  # started on first use
+        self._lock = threading.Lock()
+
+    def loader(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._loader is None:
+                self._loader = ThreadPoolExecutor(_LOADERS, thread_name_prefix="tierstore-kv-load")
+            return self._loader
+
+
+_PER_STORE: weakref.WeakKeyDictionary[object, _PerStore] = weakref.WeakKeyDictionary()
+_PER_STORE_LOCK = threading.Lock()
+
+
+def _per_store(store: object) -> _PerStore:
+    """``store``'s shared staging and loader threads (gone with the store)."""
+    with _PER_STORE_LOCK:
+        try:
+            got = _PER_STORE.get(store)
+            if got is None:
+                got = _PER_STORE[store] = _PerStore()
+        except TypeError:  # a store that cannot be weakly referenced: its own set per KVCacheStore
+            got = _PerStore()
+        return got
 
 
 def count_token_hits(counters: Counters, asked: int, tiers: Sequence[str], chunk_tokens: int,
@@ -116,7 +150,7 @@ class KVCacheStore:
             raise InvalidInputError("layers_per_object needs num_layers (the model's layer count)")
         self.layers_per_object = layers_per_object
         self.num_layers = num_layers
-        self._staging = Staging()
+        self._shared = _per_store(store)
         self._group_keys: dict[tuple[ChunkKey, tuple[tuple[int, int], ...]], list[ChunkKey]] = {}  # bounded memo
         self.store = store
         self.namespace = namespace
@@ -124,17 +158,14 @@ class KVCacheStore:
         self.chunk_tokens: int = namespace.chunk_tokens
         self.partial_chunks = bool(partial_chunks)
         self._lock = threading.Lock()
-        self._loader: ThreadPoolExecutor | None = None  # layer-wise loads; started on first use
         self._counts = dict.fromkeys(("lookups", "lookup_tokens", "hit_tokens", "saved_chunks",
                                       "skipped_chunks", "loaded_chunks", "load_misses", "bad_chunks"), 0)
 
     def for_tenant(self, tenant: str | None) -> KVCacheStore:
-        """This cache under ``tenant``'s keys (same store, layout options and staging buffers): an engine
-        serving many tenants keeps one set of staging buffers, not one per tenant."""
-        other = KVCacheStore(self.store, self.namespace.replace(tenant=tenant), partial_chunks=self.partial_chunks,
-                             layers_per_object=self.layers_per_object, num_layers=self.num_layers)
-        other._staging = self._staging
-        return other
+        """This cache under ``tenant``'s keys (same store and layout options). Staging buffers and layer-wise
+        loader threads belong to the store: an engine serving many tenants keeps one set, not one per tenant."""
+        return KVCacheStore(self.store, self.namespace.replace(tenant=tenant), partial_chunks=self.partial_chunks,
+                            layers_per_object=self.layers_per_object, num_layers=self.num_layers)
 
     # ------------------------------------------------------------------ keys
     def keys(self, token_ids: TokenIds) -> list[ChunkKey]:
@@ -419,7 +450,7 @@ class KVCacheStore:
         handle = LayerwiseLoad(transfer.num_layers) if layerwise else None
 
         def run() -> int:
-            valid, read, missed = run_load(self.store, transfer, tasks, self._staging, _LAYER.format, want,
+            valid, read, missed = run_load(self.store, transfer, tasks, self._shared.staging, _LAYER.format, want,
                                            handle) if tasks else (want, 0, 0)
             self._count(loaded_chunks=read // max(1, len(self._groups(transfer.num_layers) or [0])),
                         load_misses=missed)
@@ -438,11 +469,7 @@ class KVCacheStore:
             except BaseException as exc:
                 handle._fail(exc)
 
-        with self._lock:
-            if self._loader is None:
-                self._loader = ThreadPoolExecutor(_LOADERS, thread_name_prefix="tierstore-kv-load")
-            loader = self._loader
-        loader.submit(background)
+        self._shared.loader().submit(background)
         return handle
 
     def save_from(self, token_ids: TokenIds, caches: Sequence[torch.Tensor] | torch.Tensor, layout: str | PagedLayout,
@@ -462,7 +489,7 @@ class KVCacheStore:
         have = self._held(keys)
         pieces = self._pieces(have, len(keys), len(tokens), 0, len(tokens), transfer)
         tasks = self._tasks(keys, pieces, transfer)
-        ok = run_save(self.store, transfer, tasks, self._staging, _LAYER.format) if tasks else []
+        ok = run_save(self.store, transfer, tasks, self._shared.staging, _LAYER.format) if tasks else []
         stored_pieces = [p for t in tasks for p in t.pieces]
         failed = {p.index for p, stored in zip(stored_pieces, ok, strict=True) if not stored}
         self._count(saved_chunks=len(pieces), skipped_chunks=have)

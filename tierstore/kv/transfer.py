@@ -289,11 +289,11 @@ def _span(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 class Staging:
     """Reusable host buffers for staged chunks (pinned under CUDA), so transfers do not page-fault fresh
-    memory on every call."""
+    memory on every call. At most ``keep_bytes`` are kept between transfers (the largest buffers)."""
 
-    def __init__(self, keep: int = 4):
+    def __init__(self, keep_bytes: int = 4 * STAGING_BYTES):
         self._free: list[torch.Tensor] = []
-        self._keep = keep
+        self._keep = keep_bytes
         self._lock = threading.Lock()
 
     def acquire(self, nbytes: int, pinned: bool) -> torch.Tensor:
@@ -307,7 +307,13 @@ class Staging:
         with self._lock:
             self._free.append(buf)
             self._free.sort(key=lambda b: b.numel())
-            del self._free[:-self._keep]
+            kept = sum(b.numel() for b in self._free)
+            while kept > self._keep:
+                kept -= self._free.pop(0).numel()
+
+    def kept_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._free)
 
 
 def stage(buf: torch.Tensor, task: Task, transfer: PagedTransfer, layer_name: Callable[[int], str]
@@ -335,8 +341,10 @@ def task_bytes(task: Task, transfer: PagedTransfer) -> int:
     return sum(p.stored for p in task.pieces) * per_token * (task.group[1] - task.group[0])
 
 
-def windows(pieces: list[Piece], per_chunk_bytes: int, budget: int = STAGING_BYTES) -> list[list[Piece]]:
-    size = max(1, budget // max(1, per_chunk_bytes))
+def windows(pieces: list[Piece], per_chunk_bytes: int, budget: int | None = None) -> list[list[Piece]]:
+    """``pieces`` cut into windows of at most ``budget`` bytes (default :data:`STAGING_BYTES`, read at the call),
+    at least one chunk each."""
+    size = max(1, (STAGING_BYTES if budget is None else budget) // max(1, per_chunk_bytes))
     return [pieces[i:i + size] for i in range(0, len(pieces), size)]
 
 
