@@ -124,7 +124,7 @@ class PagedTransfer:
         self._bases_at: dict[int, int] = {}  # id of a base plan -> its first token
         self._flats: dict[int, torch.Tensor | None] = {}
         #: per-layer caches: the rows of a window of pieces (run, index on the device, entries per piece)
-        self._indexes: dict[tuple[tuple[int, int], ...], tuple[int, torch.Tensor, list[int]]] = {}
+        self._indexes: dict[tuple[tuple[int, int], ...], tuple[int, torch.Tensor, tuple[torch.Tensor, ...]]] = {}
 
     def canonical_shape(self, n_tokens: int) -> tuple[int, ...]:
         shape = list(self._canon)
@@ -157,10 +157,11 @@ class PagedTransfer:
             self._flats[layer] = (base if layer == 0 else base.rebind(self.caches[layer])).flat
         return self._flats[layer]
 
-    def _window(self, layer: int, pieces: list[Piece]) -> tuple[torch.Tensor | None, torch.Tensor, list[int]]:
+    def _window(self, layer: int, pieces: list[Piece]
+                ) -> tuple[torch.Tensor | None, torch.Tensor, tuple[torch.Tensor, ...]]:
         """The flat row view of ``layer``'s cache (``None`` if its strides allow none), the rows of every piece's
-        tokens in piece order, grouped a block at a time where they allow, and how many index entries each
-        piece has (to copy a piece on its own). Computed on the host for the first layer of a window and moved
+        tokens in piece order, grouped a block at a time where they allow, and that index cut per piece (to copy
+        a piece on its own). Computed on the host for the first layer of a window and moved
         to the cache's device once; per-layer caches reuse it."""
         span = tuple((p.a, p.b) for p in pieces)
         got = self._indexes.get(span) if self.pool is None else None
@@ -177,19 +178,20 @@ class PagedTransfer:
             run = 1
             if all(n % self.block_size == 0 for n in lengths):  # each piece whole groups of ``run`` rows
                 run, index = _coarsen(whole.flat, index, self.block_size)
-            got = (run, _on(index, self.device), [n // run for n in lengths])
+            index = _on(index, self.device)
+            got = (run, index, index.split([n // run for n in lengths]))
             if self.pool is None:
                 self._indexes[span] = got
-        run, index, splits = got
+        run, index, per_piece = got
         flat = self._flat(layer) if self.pool is None else whole.flat
         if flat is not None and run > 1:
             flat = flat.view(flat.shape[0] // run, run, *flat.shape[1:])
-        return flat, index, splits
+        return flat, index, per_piece
 
     def scatter(self, layer: int, pieces: list[Piece], staged: list[torch.Tensor]) -> None:
         """Write each piece's tokens from its canonical chunk tensor (staging, or a chunk the store lends) into
         the cache's blocks: adjacent whole chunks with one ``index_copy_``, others one ``index_copy_`` each."""
-        flat, index, splits = self._window(layer, pieces)
+        flat, index, per_piece = self._window(layer, pieces)
         if flat is None:  # no flat view (interleaved strides): advanced indexing, piece by piece
             for p, t in zip(pieces, staged, strict=True):
                 self.plan(layer, p.a, p.b).scatter(self._part(p, t).to(self.device, non_blocking=True))
@@ -197,7 +199,7 @@ class PagedTransfer:
         if all(p.whole for p in pieces) and _adjacent(staged):
             _copy_rows_in(flat, index, _span(staged))
             return
-        for p, t, idx in zip(pieces, staged, index.split(splits), strict=True):
+        for p, t, idx in zip(pieces, staged, per_piece, strict=True):
             _copy_rows_in(flat, idx, self._part(p, t))
 
     def _part(self, p: Piece, t: torch.Tensor) -> torch.Tensor:
@@ -207,7 +209,7 @@ class PagedTransfer:
     def gather(self, layer: int, pieces: list[Piece], staged: list[torch.Tensor]) -> None:
         """Copy each piece's tokens (whole chunks) out of the cache into its canonical tensor (staging, or
         pool memory reserved for the chunk): adjacent tensors with one ``index_select``, others one each."""
-        flat, index, splits = self._window(layer, pieces)
+        flat, index, per_piece = self._window(layer, pieces)
         if flat is None:
             for p, t in zip(pieces, staged, strict=True):
                 t.copy_(self.plan(layer, p.a, p.b).gather(None), non_blocking=True)
@@ -215,7 +217,7 @@ class PagedTransfer:
         if _adjacent(staged):
             _copy_rows_out(flat, index, _span(staged))
             return
-        for t, idx in zip(staged, index.split(splits), strict=True):
+        for t, idx in zip(staged, per_piece, strict=True):
             _copy_rows_out(flat, idx, t)
 
     def synchronize(self) -> None:
@@ -489,8 +491,9 @@ def _save_reserved(reserve: Callable[..., Any], transfer: PagedTransfer, task: T
     """Gather ``task``'s chunks into pool memory the store reserves for them and commit them; per piece whether
     it is stored, ``None`` where nothing was reserved (put it the usual way)."""
     lo, hi = task.group
-    likes = [{layer_name(j): torch.empty(transfer.canonical_shape(p.stored), dtype=transfer.dtype, device="meta")
-              for j in range(lo, hi)} for p in task.pieces]
+    shaped = {n: torch.empty(transfer.canonical_shape(n), dtype=transfer.dtype, device="meta")  # no memory
+              for n in {p.stored for p in task.pieces}}
+    likes = [{layer_name(j): shaped[p.stored] for j in range(lo, hi)} for p in task.pieces]
     with reserve(list(zip(task.keys, likes, strict=True))) as reservation:
         got = [k for k, t in enumerate(reservation.tensors) if t is not None]
         if not got:
