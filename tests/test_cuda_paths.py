@@ -359,6 +359,40 @@ def test_cuda_kv_a_chunk_vanishing_mid_load_writes_what_the_cpu_load_writes(kv_s
     assert all(torch.equal(loaded[i], want[i]) for i in (0, 1))
 
 
+@pytest.mark.parametrize("layout", [PagedLayout.VLLM, PagedLayout.VLLM_CPU, PagedLayout.SGLANG_PAGE_FIRST],
+                         ids=lambda layout: layout.value)
+def test_cuda_kv_one_copy_each_way_between_cuda_blocks_and_the_pinned_pool(kv_store, monkeypatch, layout):
+    """``save_from`` a CUDA cache gathers into pinned pool memory reserved for the chunks (no staging: one
+    non-blocking D2H copy per piece, synchronized before the commit); ``load_into`` a CUDA cache scatters from
+    the pool memory the host tier lends (no read into staging), whole and layer-wise, and gives every loan
+    back. The CUDA cache ends up as the same load into a CPU cache leaves it."""
+    pool = kv_store.tiers[0].backend.pool
+    assert pool is not None and pool.pinned == CUDA
+    staged, reads = [], []
+    acquire, get_many_async = transfer.Staging.acquire, type(kv_store).get_many_async
+    monkeypatch.setattr(transfer.Staging, "acquire", lambda self, *a: staged.append(a) or acquire(self, *a))
+    monkeypatch.setattr(type(kv_store), "get_many_async",
+                        lambda self, keys, **kw: reads.append(keys) or get_many_async(self, keys, **kw))
+    kv = kv_for(kv_store, layout)
+    n, blocks = 4 * C, 40
+    table = torch.randperm(blocks, generator=torch.Generator().manual_seed(4))[:-(-n // BS)].tolist()
+    src = make_caches(layout, blocks)
+    tokens = list(range(300, 300 + n))
+    assert kv.save_from(tokens, on_device(src), layout, table, **kw(layout)) == n
+    assert staged == [] and kv.where(tokens) == ["host"] * 4
+    expected = gather_layers(src, layout, table, 0, n, **kw(layout))
+    assert all(torch.equal(a, b) for a, b in zip(kv.load(tokens), expected, strict=True))
+    for layerwise in (False, True):
+        want = make_caches(layout, blocks, fill=torch.zeros)
+        assert load(kv, tokens, want, layout, table, 0, None, layerwise=False) == n
+        gpu = on_device(make_caches(layout, blocks, fill=torch.zeros))
+        assert load(kv, tokens, gpu, layout, table, 0, None, layerwise) == n
+        sync()
+        assert same_caches(gpu, want)
+    assert staged == [] and reads == []
+    assert kv_store.tiers[0].backend._lent == {}  # every loan given back
+
+
 def test_cuda_kv_canonical_save_and_load_on_the_device(kv_store):
     kv = kv_for(kv_store, PagedLayout.VLLM)
     g = torch.Generator().manual_seed(4)
