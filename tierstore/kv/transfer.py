@@ -458,14 +458,23 @@ def run_save(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
     gathered straight into it and committed once the copy is done: one copy, nothing visible before the commit,
     everything given back on an error. The others are gathered into staging and stored with one ``put_many``."""
     reserve = getattr(store, "reserve", None)
+    reserved: dict[int, list[bool | None]] = {}  # task -> per piece: stored, not, or None (put it)
+    if reserve is not None:  # a layer group's chunks in one reservation: one commit, one gather per piece
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, t in enumerate(tasks):
+            groups.setdefault(t.group, []).append(i)
+        for group, members in groups.items():
+            whole = Task(group, [p for i in members for p in tasks[i].pieces],
+                         [k for i in members for k in tasks[i].keys])
+            got = iter(_save_reserved(reserve, transfer, whole, layer_name))
+            for i in members:
+                reserved[i] = [next(got) for _ in tasks[i].pieces]
     ok: list[bool] = []
     buf: list[torch.Tensor] = []
     stored = True  # False while a put_many runs: one that raised may leave per-key work reading ``buf``
     try:
-        for task in tasks:
-            done: list[bool | None] = [None] * len(task.pieces)
-            if reserve is not None:
-                done = _save_reserved(reserve, transfer, task, layer_name)
+        for ti, task in enumerate(tasks):
+            done = reserved.get(ti) or [None] * len(task.pieces)
             rest = [k for k, d in enumerate(done) if d is None]
             if rest:
                 part = Task(task.group, [task.pieces[k] for k in rest], [task.keys[k] for k in rest])
