@@ -27,7 +27,7 @@ from test_serve import node_config, url_of
 import tierstore
 from tierstore.backends import Hit
 from tierstore.backends.memory import DeviceBackend, HostBackend
-from tierstore.kv import KVCacheStore, KVNamespace, PagedLayout, gather_layers, transfer
+from tierstore.kv import KVCacheStore, KVNamespace, PagedLayout, gather_layers, scatter_layers, transfer
 from tierstore.pool import SlotPool
 from tierstore.serve import places
 from tierstore.serve.server import NodeServer
@@ -391,6 +391,35 @@ def test_cuda_kv_one_copy_each_way_between_cuda_blocks_and_the_pinned_pool(kv_st
         assert same_caches(gpu, want)
     assert staged == [] and reads == []
     assert kv_store.tiers[0].backend._lent == {}  # every loan given back
+
+
+@pytest.mark.parametrize("layout", [PagedLayout.VLLM, PagedLayout.VLLM_CPU, PagedLayout.SGLANG_PAGE_FIRST],
+                         ids=lambda layout: layout.value)
+def test_cuda_kv_gather_and_scatter_never_wait_on_the_device(layout):
+    """Block-table checks and indexes are computed on the host (review_turn4 #14): gathering a request's KV out
+    of CUDA blocks and scattering it back, as the vLLM worker does per layer on the forward thread, makes no
+    synchronizing CUDA call (``torch.cuda.set_sync_debug_mode("error")`` raises on any)."""
+    blocks, n = 40, 4 * C + 3
+    table = torch.randperm(blocks, generator=torch.Generator().manual_seed(6))[:-(-n // BS)].tolist()
+    src = on_device(make_caches(layout, blocks))
+    dst = on_device(make_caches(layout, blocks, fill=torch.zeros))
+    sync()
+    guard = contextlib.nullcontext()
+    if CUDA:
+        @contextlib.contextmanager
+        def guard_syncs():
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        guard = guard_syncs()
+    with guard:
+        layers = gather_layers(src, layout, table, 3, n, **kw(layout))
+        scatter_layers(dst, layout, table, layers, 3, **kw(layout))
+    sync()
+    assert all(torch.equal(a, b) for a, b in zip(gather_layers(dst, layout, table, 3, n, **kw(layout)),
+                                                 gather_layers(src, layout, table, 3, n, **kw(layout)), strict=True))
 
 
 def test_cuda_kv_canonical_save_and_load_on_the_device(kv_store):

@@ -198,8 +198,11 @@ def _positions(block_ids: BlockIds, start: int, end: int, block_size: int, num_b
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host index ``t`` on ``device`` (an asynchronous copy for a GPU: nothing waits for its stream)."""
-    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+    """A host index ``t`` on ``device``: for a GPU one asynchronous copy from pinned memory (nothing waits for
+    the stream; the caching host allocator keeps the pinned block until the copy is done)."""
+    if device.type == "cpu":
+        return t
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
 def _index(layout: PagedLayout, blk: torch.Tensor, off: torch.Tensor, block_size: int, layers: int,
