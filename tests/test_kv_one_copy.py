@@ -74,13 +74,17 @@ def test_reserved_chunks_are_invisible_until_commit_and_an_abort_leaves_nothing(
         assert store.get(k2) is None and pool_free(store) == free and lv.reserved == 0
 
 
+def four_chunks(store):
+    """A KVCacheStore over ``store`` and the tokens, block table and vLLM caches of 4 chunks of KV."""
+    n = 4 * C
+    table = list(range(n // BS))
+    return KVCacheStore(store, NS, chunk_tokens=C), list(range(n)), table, caches(len(table))
+
+
 def test_a_save_that_fails_mid_gather_leaves_nothing_visible_and_the_next_save_stores_it(monkeypatch):
     with host_store() as store:
-        kv = KVCacheStore(store, NS, chunk_tokens=C)
-        n = 4 * C
-        table = list(range(n // BS))
-        src = caches(len(table))
-        tokens = list(range(n))
+        kv, tokens, table, src = four_chunks(store)
+        n = len(tokens)
         free = pool_free(store)
         gather, calls = PagedTransfer.gather, []
 
@@ -190,11 +194,9 @@ def test_a_lent_chunk_replaced_or_evicted_mid_load_never_scatters_another_values
 
 def test_loads_from_the_host_tier_read_nothing_into_staging(monkeypatch):
     with host_store() as store:
-        kv = KVCacheStore(store, NS, chunk_tokens=C)
-        n = 4 * C
-        table = list(range(n // BS))
-        src = caches(len(table))
-        kv.save_from(list(range(n)), src, "vllm", table)
+        kv, tokens, table, src = four_chunks(store)
+        n = len(tokens)
+        kv.save_from(tokens, src, "vllm", table)
         reads = []
         get_many_async = type(store).get_many_async
         monkeypatch.setattr(type(store), "get_many_async",
@@ -293,3 +295,25 @@ def test_load_into_after_save_from_round_trips_bit_exact_for_random_tables_and_l
                 assert all(not t.any() for r in rest for t in r)
 
         prop()
+
+
+def test_stores_that_cannot_reserve_save_through_staging(tmp_path):
+    """``write_through`` (every tier written by the put itself) and a top tier without a pool reserve nothing:
+    their saves go through staging and ``put_many``, with the same result."""
+    configs = [{"tiers": [{"kind": "host", "capacity": "64MiB", "pinned": False, "pool": True},
+                          {"kind": "disk", "path": str(tmp_path / "a"), "capacity": "64MiB"}],
+                "write_policy": "write_through"},
+               {"tiers": [{"kind": "host", "capacity": "64MiB", "pinned": False, "pool": False}]},
+               {"tiers": [{"kind": "disk", "path": str(tmp_path / "b"), "capacity": "64MiB"}]}]
+    for config in configs:
+        with tierstore.open(config) as store:
+            kv, tokens, table, src = four_chunks(store)
+            r = store.reserve([(kv.keys(tokens)[0], like(C))])
+            assert r.tensors == [None]
+            r.abort()
+            assert kv.save_from(tokens, src, "vllm", table) == len(tokens)
+            if config.get("write_policy") == "write_through":
+                assert kv.where(tokens) == ["host"] * 4 and store.tier("disk").backend.stat_many(kv.keys(tokens))[0]
+            dst = caches(len(table), seed=None)
+            assert kv.load_into(tokens, dst, "vllm", table) == len(tokens)
+            assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
