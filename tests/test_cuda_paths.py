@@ -422,6 +422,27 @@ def test_cuda_kv_gather_and_scatter_never_wait_on_the_device(layout):
                                                  gather_layers(src, layout, table, 3, n, **kw(layout)), strict=True))
 
 
+def test_cuda_kv_a_device_tier_lends_to_a_cpu_cache_and_takes_saves_by_put(tmp_path):
+    """A ``device`` tier on top lends CUDA tensors: a load into a CPU cache copies them to the host before the
+    CPU scatter reads them (never an asynchronous copy a CPU op would outrun); a save into it (no pool to
+    reserve) goes through a put. Both as exact as the host tier."""
+    layout = PagedLayout.VLLM
+    with tierstore.open({"tiers": [{"kind": "device", "device": str(DEVICE), "capacity": "64MiB"},
+                                   {"kind": "host", "capacity": "64MiB", "pinned": True}]}) as store:
+        kv = kv_for(store, layout)
+        n, blocks = 4 * C, 40
+        table = torch.randperm(blocks, generator=torch.Generator().manual_seed(7))[:-(-n // BS)].tolist()
+        src = make_caches(layout, blocks)
+        tokens = list(range(500, 500 + n))
+        assert kv.save_from(tokens, src, layout, table) == n
+        assert kv.where(tokens) == ["device"] * 4
+        for _ in range(3):
+            dst = make_caches(layout, blocks, fill=torch.zeros)
+            assert kv.load_into(tokens, dst, layout, table) == n
+            assert all(torch.equal(a, b) for a, b in zip(gather_layers(dst, layout, table, 0, n),
+                                                         gather_layers(src, layout, table, 0, n), strict=True))
+
+
 def test_cuda_kv_canonical_save_and_load_on_the_device(kv_store):
     kv = kv_for(kv_store, PagedLayout.VLLM)
     g = torch.Generator().manual_seed(4)

@@ -194,7 +194,7 @@ class PagedTransfer:
         flat, index, per_piece = self._window(layer, pieces)
         if flat is None:  # no flat view (interleaved strides): advanced indexing, piece by piece
             for p, t in zip(pieces, staged, strict=True):
-                self.plan(layer, p.a, p.b).scatter(self._part(p, t).to(self.device, non_blocking=True))
+                self.plan(layer, p.a, p.b).scatter(_to(self._part(p, t), self.device))
             return
         if all(p.whole for p in pieces) and _adjacent(staged):
             _copy_rows_in(flat, index, _span(staged))
@@ -243,9 +243,15 @@ def _coarsen(flat: torch.Tensor | None, index: torch.Tensor, run: int) -> tuple[
     return run, first // run
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: asynchronously onto a GPU (ordered before the kernels that read it on the stream);
+    onto the host synchronously (the CPU op that follows would not wait for an asynchronous copy)."""
+    return t.to(device, non_blocking=device.type == "cuda")
+
+
 def _copy_rows_in(flat: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
     """``flat[index] = src`` (``src``: the rows in index order, anywhere; one DMA first when on another device)."""
-    rows = src.reshape(index.numel(), *flat.shape[1:]).to(flat.device, non_blocking=True)
+    rows = _to(src.reshape(index.numel(), *flat.shape[1:]), flat.device)
     flat_words, row_words = _words(flat), _words(rows)
     if flat_words is not None and row_words is not None:  # 8-byte elements: ~1.7x the bf16 copy rate
         flat_words.index_copy_(0, index, row_words)
