@@ -12,7 +12,7 @@ import torch
 import tierstore
 from tierstore import InvalidInputError, InvalidTypeError, KVCacheStore, KVNamespace, MissingKeyError
 from tierstore.kv import PagedLayout, gather_layers
-from tierstore.kv.transfer import PagedTransfer
+from tierstore.kv.rows import PagedTransfer
 from tierstore.store import Loan
 
 H, D, LAYERS, C, BS = 2, 4, 3, 16, 5

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import tierstore
 from tierstore import KVCacheStore, KVNamespace
-from tierstore.kv import PagedLayout, gather_layers, transfer
-from tierstore.kv.transfer import PagedTransfer
+from tierstore.kv import PagedLayout, gather_layers, rows, transfer
+from tierstore.kv.rows import PagedTransfer
 from tierstore.store import Loan
 
 H, D, LAYERS, C, BS = 2, 8, 3, 16, 4
@@ -141,13 +141,13 @@ def test_a_lent_chunk_replaced_or_evicted_mid_load_never_scatters_another_values
     table = list(range(n // BS))
     values = [caches(len(table), seed=s) for s in (1, 2)]
     chunk_bytes = 2 * C * H * D * 4 * LAYERS
-    copy_rows_in = transfer._copy_rows_in
+    copy_rows_in = rows._copy_rows_in
 
     def slow(flat, index, src):
         time.sleep(0.0005)  # a scatter is under way while the writer replaces the chunk being read
         copy_rows_in(flat, index, src)
 
-    monkeypatch.setattr(transfer, "_copy_rows_in", slow)
+    monkeypatch.setattr(rows, "_copy_rows_in", slow)
     try:
         with host_store(capacity=6 * chunk_bytes + 4096) as store:
             assert store.tiers[0].backend.pool is not None

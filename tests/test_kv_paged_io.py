@@ -9,7 +9,7 @@ import torch
 
 import tierstore
 from tierstore import InvalidInputError, InvalidTypeError, KVCacheStore, KVNamespace, MissingKeyError
-from tierstore.kv import PagedLayout, gather_layers, scatter_layers, transfer
+from tierstore.kv import PagedLayout, gather_layers, rows, scatter_layers, transfer
 from tierstore.store import Loan
 
 H, D, LAT, LAYERS, C, BS = 2, 4, 6, 3, 16, 5  # chunk size and block size deliberately unaligned
@@ -98,14 +98,14 @@ def test_save_and_load_into_interoperate_and_windows_split(store, monkeypatch, l
 def test_block_aligned_chunks_move_whole_blocks_exactly(store, layout, monkeypatch):
     bs, n = 8, 3 * C  # chunks of 16 tokens are two whole blocks each
     coarse = []
-    original = transfer._coarsen
+    original = rows._coarsen
 
     def spy(flat, index, run):
         got = original(flat, index, run)
         coarse.append(got[1] is not index)
         return got
 
-    monkeypatch.setattr(transfer, "_coarsen", spy)
+    monkeypatch.setattr(rows, "_coarsen", spy)
     kv = kv_for(store, layout, layers_per_object=2)
     table = torch.randperm(12, generator=torch.Generator().manual_seed(3))[:n // bs].tolist()
     src = make_caches(layout, 12, BS=bs)

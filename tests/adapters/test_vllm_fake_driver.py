@@ -27,7 +27,7 @@ from vllm_fakes import (
 
 from tierstore.errors import ConfigError
 from tierstore.kv import PagedLayout, gather
-from tierstore.kv.transfer import PagedTransfer
+from tierstore.kv.rows import PagedTransfer
 
 PROMPT = list(range(100, 180))  # 80 tokens: two full 32-token chunks may hit (never the whole prompt)
 HIT = 64

@@ -17,9 +17,8 @@ import logging
 import math
 import struct
 import threading
-import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,7 +27,8 @@ from ..errors import InvalidInputError, InvalidTypeError, MissingKeyError
 from ..keys import ChunkKey
 from .namespace import KVNamespace, prefix_keys, token_tensor
 from .paged import PagedLayout
-from .transfer import LayerwiseLoad, PagedTransfer, Piece, Staging, Task, run_load, run_save, task_bytes, windows
+from .rows import PagedTransfer, Piece
+from .transfer import LayerwiseLoad, Task, per_store, run_load, run_save, task_bytes, windows
 
 if TYPE_CHECKING:
     from ..store import TieredStore
@@ -44,43 +44,6 @@ _GROUP_DOMAIN = b"tierstore.kv.layers"
 
 #: per-chunk object keys remembered by a KVCacheStore (a few hundred bytes each)
 _GROUP_KEYS_KEPT = 16384
-
-#: layer-wise loads of one store running at once, over all its KVCacheStores and tenants (each holds up to two
-#: staging buffers); more queue
-_LOADERS = 4
-
-
-class _PerStore:
-    """What every :class:`KVCacheStore` over one store shares, whatever its tenant or namespace: the staging
-    buffers and the threads of layer-wise loads (one engine, many tenants: one set, not one per tenant)."""
-
-    def __init__(self) -> None:
-        self.staging = Staging()
-        self._loader: ThreadPoolExecutor | None = None  # started on first use
-        self._lock = threading.Lock()
-
-    def loader(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._loader is None:
-                self._loader = ThreadPoolExecutor(_LOADERS, thread_name_prefix="tierstore-kv-load")
-            return self._loader
-
-
-_PER_STORE: weakref.WeakKeyDictionary[object, _PerStore] = weakref.WeakKeyDictionary()
-_PER_STORE_LOCK = threading.Lock()
-
-
-def _per_store(store: object) -> _PerStore:
-    """``store``'s shared staging and loader threads (gone with the store)."""
-    with _PER_STORE_LOCK:
-        try:
-            got = _PER_STORE.get(store)
-            if got is None:
-                got = _PER_STORE[store] = _PerStore()
-        except TypeError:  # a store that cannot be weakly referenced: its own set per KVCacheStore
-            got = _PerStore()
-        return got
-
 
 def count_token_hits(counters: Counters, asked: int, tiers: Sequence[str], chunk_tokens: int,
                      hit: int | None = None) -> None:
@@ -150,7 +113,7 @@ class KVCacheStore:
             raise InvalidInputError("layers_per_object needs num_layers (the model's layer count)")
         self.layers_per_object = layers_per_object
         self.num_layers = num_layers
-        self._shared = _per_store(store)
+        self._shared = per_store(store)
         self._group_keys: dict[tuple[ChunkKey, tuple[tuple[int, int], ...]], list[ChunkKey]] = {}  # bounded memo
         self.store = store
         self.namespace = namespace
