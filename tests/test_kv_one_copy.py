@@ -317,3 +317,26 @@ def test_stores_that_cannot_reserve_save_through_staging(tmp_path):
             dst = caches(len(table), seed=None)
             assert kv.load_into(tokens, dst, "vllm", table) == len(tokens)
             assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
+
+
+def test_a_reservation_that_fails_midway_gives_back_its_slot_and_bytes(monkeypatch):
+    """The pool raising an unexpected error while a key's room is already reserved: the error propagates and the
+    key's slot and bytes are given back (a put of the key right after takes them at once)."""
+    from tierstore.backends.memory import HostBackend
+
+    with host_store() as store:
+        key = tierstore.ChunkKey.from_tensors({"x": torch.ones(1)})
+        reserve_run = HostBackend.reserve_run
+
+        def broken(self, *args):
+            raise OSError(5, "injected I/O error")
+
+        monkeypatch.setattr(HostBackend, "reserve_run", broken)
+        with pytest.raises(OSError, match="injected"):
+            store.reserve([(key, like(C))])
+        monkeypatch.setattr(HostBackend, "reserve_run", reserve_run)
+        lv = store.residency.levels[0]
+        assert lv.reserved == 0 and not store.residency.writing(key, 0)
+        t0 = time.monotonic()
+        assert store.put(key, {name: torch.zeros(t.shape) for name, t in like(C).items()})
+        assert time.monotonic() - t0 < 1.0  # no wait for a slot left behind

@@ -150,20 +150,24 @@ def _reserve_one(store: TieredStore, lv: Level, key: ChunkKey, like: Mapping[str
     if slot is not Slot.OK:
         lv.count(skipped=1)
         return None
-    reserved = _make_room(store, lv, key, size, deadline)
-    if reserved is None:
-        lv.count(skipped=1)
+    reserved = 0
+    try:
+        got = _make_room(store, lv, key, size, deadline)
+        if got is not None:
+            reserved = got
+            for _ in range(ENOMEM_ROUNDS + 1):
+                try:
+                    run, tensors = backend.reserve_run(key, like, size)  # type: ignore[attr-defined]
+                    return _Held(key, gen, size, reserved, run, tensors)
+                except OSError as exc:  # the pool has the bytes but no contiguous run: evict more, as a put does
+                    if exc.errno != errno.ENOMEM:
+                        raise
+                    for victim in res.reclaim(key, level, size):
+                        store._transfers.evict(victim, deadline)
+    except BaseException:
+        res.release(level, reserved)
         res.abort_write(key, level, gen)
-        return None
-    for _ in range(ENOMEM_ROUNDS + 1):
-        try:
-            run, tensors = backend.reserve_run(key, like, size)  # type: ignore[attr-defined]
-            return _Held(key, gen, size, reserved, run, tensors)
-        except OSError as exc:  # the pool has the bytes but no contiguous run: evict more, as a put does
-            if exc.errno != errno.ENOMEM:
-                raise
-            for victim in res.reclaim(key, level, size):
-                store._transfers.evict(victim, deadline)
+        raise
     lv.count(skipped=1)
     res.release(level, reserved)
     res.abort_write(key, level, gen)
