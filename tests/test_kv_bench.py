@@ -28,6 +28,7 @@ def test_bench_kv_small(tmp_path, capsys):
     assert res["chunk_costs"][0]["chunk_tokens"] == 32 and res["chunk_costs"][0]["host_load_s"] > 0
 
 
+@pytest.mark.slow
 def test_bench_kvcopy_small(tmp_path, capsys):
     out = tmp_path / "kvcopy.json"
     rc = cli.main(["bench", "kvcopy", "--tokens", "512", "--layers", "2", "--kv-heads", "2", "--head-dim", "64",
