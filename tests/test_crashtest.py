@@ -43,7 +43,8 @@ def test_killed_write_through_writers_lose_nothing_acknowledged(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", ["host+disk/write_back", "host+disk+remote/write_back", "disk+remote/write_back"])
+@pytest.mark.parametrize("config", ["host+disk/write_back", "host+disk+remote/write_back", "disk+remote/write_back",
+                                    "reserve:host+disk/write_back"])
 def test_killed_write_back_writers_lose_nothing_acknowledged(tmp_path, config):
     proc, result = crashtest(tmp_path, "--kills", "10", "--configs", config)
     assert_nothing_lost(proc, result, 10)

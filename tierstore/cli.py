@@ -24,6 +24,7 @@ VERBS = {
 BENCHES = {
     "tiers": ("tierstore.bench.tiers", "put/get throughput of each tier vs plain copies and I/O"),
     "kv": ("tierstore.bench.kv", "multi-round-chat TTFT with and without the store"),
+    "kvcopy": ("tierstore.bench.kvcopy", "KV load_into/save_from vs the bare scatter/gather of the same bytes"),
     "weights": ("tierstore.bench.weights", "checkpoint loading vs safetensors and peers"),
     "peers": ("tierstore.bench.peers", "LMCache's bench l2 (fs_native, fs) next to the disk tier"),
     "control": ("tierstore.bench.control", "lookup cost and index memory per key from 10k to 1M keys"),

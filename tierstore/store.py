@@ -58,6 +58,7 @@ from .writeback import FlushReport, WriteBack
 
 if TYPE_CHECKING:
     from .metrics import MetricsServer
+    from .reservation import Reservation
 
 log = logging.getLogger("tierstore")
 
@@ -533,6 +534,13 @@ class TieredStore:
                 top.count(hits=lent)
                 self._count(gets=lent, hits=lent)
             return loan
+
+    def reserve(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]) -> Reservation:
+        """Pool memory of the top tier set aside for each ``(key, like)`` — a chunk shaped like ``like`` — to be
+        filled in place and committed: a put without the copy in (see :mod:`tierstore.reservation`)."""
+        from .reservation import reserve
+
+        return reserve(self, [(check_key(k), like) for k, like in items])
 
     # ------------------------------------------------------------------ async forms
     def get_many_async(self, keys: Sequence[ChunkKey], *, out: Outs | None = None,
