@@ -134,8 +134,8 @@ def test_stats_and_verify_beside_a_live_engine_gc_refuses(config_file, tmp_path,
         assert "6 objects, 5 ok, 1 corrupt" in capsys.readouterr().out
         for verb in (["gc"], ["verify", "--repair"]):
             assert main([*verb, "--config", str(config_file)]) == 2
-            out = capsys.readouterr().out
-            assert "refused, nothing removed" in out and f"pid {engine.pid}" in out
+            err = capsys.readouterr().err
+            assert "refused, nothing removed" in err and f"pid {engine.pid}" in err
         assert victim.exists()  # nothing was removed beside the engine
     finally:
         engine.kill()

@@ -23,13 +23,14 @@ import time
 import tracemalloc
 from typing import Any
 
+from ..cliargs import positive_float, positive_int
 from ..keys import ChunkKey
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="10000,100000,1000000", help="index sizes in keys (comma list)")
-    p.add_argument("--prompt-chunks", type=int, default=128, help="keys per lookup (default 128)")
-    p.add_argument("--seconds", type=float, default=0.5, help="time spent timing lookups per size")
+    p.add_argument("--prompt-chunks", type=positive_int, default=128, help="keys per lookup (default 128)")
+    p.add_argument("--seconds", type=positive_float, default=0.5, help="time spent timing lookups per size")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
 
 

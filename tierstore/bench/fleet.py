@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from ..cliargs import nonneg_float, positive_float, positive_int
+
 SYSTEM_TOKENS = 512
 TURN_TOKENS = 128
 RATE = 8.0  # requests per second, the whole fleet together
@@ -44,14 +46,16 @@ GC_EVERY = 4.0
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", default="8,16,32,64", help="fleet sizes (default 8,16,32,64)")
-    p.add_argument("--users", type=int, default=2, help="conversations per instance (default 2)")
-    p.add_argument("--rounds", type=int, default=4, help="rounds per conversation (default 4)")
-    p.add_argument("--chunk-tokens", type=int, default=64, help="tokens per KV chunk (default 64)")
-    p.add_argument("--budget-share", type=float, default=0.5, help="gc budget as a share of the working set")
-    p.add_argument("--latency", type=float, default=0.020, help="seconds the shim adds per answer (default 0.02)")
-    p.add_argument("--gc-every", type=float, default=GC_EVERY,
+    p.add_argument("--users", type=positive_int, default=2, help="conversations per instance (default 2)")
+    p.add_argument("--rounds", type=positive_int, default=4, help="rounds per conversation (default 4)")
+    p.add_argument("--chunk-tokens", type=positive_int, default=64, help="tokens per KV chunk (default 64)")
+    p.add_argument("--budget-share", type=positive_float, default=0.5, help="gc budget as a share of the working set")
+    p.add_argument("--latency", type=nonneg_float, default=0.020,
+                   help="seconds the shim adds per answer (default 0.02)")
+    p.add_argument("--gc-every", type=positive_float, default=GC_EVERY,
                    help=f"seconds between gc passes (default {GC_EVERY:g})")
-    p.add_argument("--rate", type=float, default=RATE, help=f"requests per second across the fleet (default {RATE:g}; "
+    p.add_argument("--rate", type=positive_float, default=RATE,
+                   help=f"requests per second across the fleet (default {RATE:g}; "
                    "0: every instance as fast as it can)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
 

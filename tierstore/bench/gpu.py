@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..cliargs import positive_float, positive_int
 from ..sizes import format_size, parse_size
 from .common import Report, Row, gbps, median_time
 
@@ -43,17 +44,18 @@ def add_arguments(p) -> None:
     p.add_argument("--h2d-size", default="1GiB", help="bytes of the raw copies (default 1GiB)")
     p.add_argument("--chunk", default="4MiB", help="chunk size of the store rows (default 4MiB)")
     p.add_argument("--store-total", default="1GiB", help="bytes per store get_many (default 1GiB)")
-    p.add_argument("--kv-tokens", type=int, default=8192, help="tokens loaded into the paged cache (default 8192)")
-    p.add_argument("--kv-layers", type=int, default=32, help="layers (default 32)")
-    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
-    p.add_argument("--kv-head-dim", type=int, default=128, help="head dim (default 128)")
-    p.add_argument("--kv-chunk", type=int, default=256, help="tokens per stored chunk (default 256)")
-    p.add_argument("--kv-block", type=int, default=16, help="tokens per cache block (default 16)")
+    p.add_argument("--kv-tokens", type=positive_int, default=8192,
+                   help="tokens loaded into the paged cache (default 8192)")
+    p.add_argument("--kv-layers", type=positive_int, default=32, help="layers (default 32)")
+    p.add_argument("--kv-heads", type=positive_int, default=8, help="KV heads (default 8)")
+    p.add_argument("--kv-head-dim", type=positive_int, default=128, help="head dim (default 128)")
+    p.add_argument("--kv-chunk", type=positive_int, default=256, help="tokens per stored chunk (default 256)")
+    p.add_argument("--kv-block", type=positive_int, default=16, help="tokens per cache block (default 16)")
     p.add_argument("--weights-size", default="2GiB", help="synthetic checkpoint size (default 2GiB)")
-    p.add_argument("--repeats", type=int, default=5, help="repeats per row, medians reported (default 5; the "
+    p.add_argument("--repeats", type=positive_int, default=5, help="repeats per row, medians reported (default 5; the "
                                                           "weights rows take at most 3)")
     p.add_argument("--only", default=None, help=f"comma-separated sections to run (of {','.join(SECTIONS)})")
-    p.add_argument("--budget", type=float, default=150.0,
+    p.add_argument("--budget", type=positive_float, default=150.0,
                    help="seconds: sections not started by then are skipped (default 150)")
     p.add_argument("--dir", default=None, help="scratch directory for the disk tier and the checkpoint "
                                                "(default: a temp dir, removed after)")

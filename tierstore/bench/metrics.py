@@ -20,12 +20,14 @@ from typing import Any
 
 import torch
 
+from ..cliargs import positive_int
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--count", type=int, default=64, help="chunks per round (default 64)")
-    p.add_argument("--size", type=int, default=4096, help="bytes per chunk (default 4096)")
-    p.add_argument("--rounds", type=int, default=101, help="rounds per store; medians reported (default 101)")
-    p.add_argument("--scrape-ms", type=int, default=100, help="scrape period of the 'on' store (default 100)")
+    p.add_argument("--count", type=positive_int, default=64, help="chunks per round (default 64)")
+    p.add_argument("--size", type=positive_int, default=4096, help="bytes per chunk (default 4096)")
+    p.add_argument("--rounds", type=positive_int, default=101, help="rounds per store; medians reported (default 101)")
+    p.add_argument("--scrape-ms", type=positive_int, default=100, help="scrape period of the 'on' store (default 100)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
 
 

@@ -31,6 +31,7 @@ from .. import objformat
 from ..backends.file import FileBackend
 from ..backends.file_reads import CORES, ONE_READ, raw_view
 from ..backends.objfile import open_for_read
+from ..cliargs import positive_int
 from ..iov import PIECE
 from ..keys import ChunkKey
 from ..sizes import format_size, parse_size
@@ -54,8 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--build", action="store_true", help=f"create --venv with {LMCACHE} and {TORCH} if missing")
     p.add_argument("--sizes", default="256KiB,4MiB,16MiB", help="object sizes (default 256KiB,4MiB,16MiB)")
     p.add_argument("--total", default="1GiB", help="bytes over all measured rounds (default 1GiB)")
-    p.add_argument("--rounds", type=int, default=None, help="measured rounds per run (default: see round_shape)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per configuration; medians reported (default 3)")
+    p.add_argument("--rounds", type=positive_int, default=None,
+                   help="measured rounds per run (default: see round_shape)")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="runs per configuration; medians reported (default 3)")
     p.add_argument("--adapters", default=",".join(ADAPTERS), help="LMCache L2 adapters (default fs_native,fs)")
     p.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")

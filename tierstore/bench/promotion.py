@@ -35,15 +35,18 @@ import torch
 
 from ..backends.file import FileBackend
 from ..backends.layout import object_relpath
+from ..cliargs import nonneg_float, positive_int
 from ..keys import ChunkKey
 from .ops import wait_for_jobs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--count", type=int, default=32, help="chunks read (default 32)")
-    p.add_argument("--size", type=int, default=1 << 20, help="bytes per chunk (default 1 MiB)")
-    p.add_argument("--latency", type=float, default=0.020, help="seconds the shim adds to each answer (default 0.02)")
-    p.add_argument("--repeats", type=int, default=5, help="runs per configuration; medians reported (default 5)")
+    p.add_argument("--count", type=positive_int, default=32, help="chunks read (default 32)")
+    p.add_argument("--size", type=positive_int, default=1 << 20, help="bytes per chunk (default 1 MiB)")
+    p.add_argument("--latency", type=nonneg_float, default=0.020,
+                   help="seconds the shim adds to each answer (default 0.02)")
+    p.add_argument("--repeats", type=positive_int, default=5,
+                   help="runs per configuration; medians reported (default 5)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
 
 

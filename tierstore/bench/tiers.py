@@ -16,25 +16,28 @@ from typing import Any
 import torch
 
 from ..backends.base import Backend, Hit
+from ..cliargs import nonneg_int, positive_int, size
 from ..keys import ChunkKey
 from .common import Report, gbps, median_time
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--chunk", default="4MiB", help="chunk size (default 4MiB)")
-    p.add_argument("--count", type=int, default=64, help="chunks per measurement (default 64)")
-    p.add_argument("--total", default=None,
+    p.add_argument("--chunk", type=size(1), default="4MiB", help="chunk size (default 4MiB)")
+    p.add_argument("--count", type=positive_int, default=64, help="chunks per measurement (default 64)")
+    p.add_argument("--total", type=size(1), default=None,
                    help="bytes per measurement instead of --count (e.g. 1GiB: count = total // chunk)")
-    p.add_argument("--io-threads", type=int, default=4, help="disk backend io_threads (default 4)")
-    p.add_argument("--repeats", type=int, default=5, help="repeats; medians are reported (default 5)")
+    p.add_argument("--io-threads", type=positive_int, default=4, help="disk backend io_threads (default 4)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="repeats; medians are reported (default 5)")
     p.add_argument("--no-s3", action="store_true", help="skip the local S3 server rows")
-    p.add_argument("--shim-chunks", type=int, default=64,
+    p.add_argument("--shim-chunks", type=nonneg_int, default=64,
                    help="chunks of the cold-instance rows behind the S3 latency shim (0 to skip; default 64)")
-    p.add_argument("--shim-chunk", default="1MiB", help="chunk size of the cold-instance rows (default 1MiB)")
-    p.add_argument("--shim-in-flight", type=int, default=32,
+    p.add_argument("--shim-chunk", type=size(1), default="1MiB",
+                   help="chunk size of the cold-instance rows (default 1MiB)")
+    p.add_argument("--shim-in-flight", type=positive_int, default=32,
                    help="remote backend max_in_flight in the shim rows (default 32)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
-    p.add_argument("--lookup-keys", type=int, default=10_000, help="keys in the lookup measurement (default 10,000)")
+    p.add_argument("--lookup-keys", type=positive_int, default=10_000,
+                   help="keys in the lookup measurement (default 10,000)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
 
 
@@ -104,7 +107,7 @@ def _tier_rows(report: Report, name: str, backend: Backend, items, total: int, r
 def run(args) -> int:
     from ..backends.file import FileBackend
     from ..backends.memory import HostBackend
-    from ..sizes import parse_size
+    from ..sizes import format_size, parse_size
 
     size = parse_size(args.chunk)
     if args.total:
@@ -112,7 +115,7 @@ def run(args) -> int:
     items = _chunks(args.count, size)
     total = sum(v["k"].nbytes + v["v"].nbytes for _, v in items)
     r = args.repeats
-    report = Report(f"tierstore bench tiers: {args.count} x {args.chunk} chunks, median of {r}",
+    report = Report(f"tierstore bench tiers: {args.count} x {format_size(size)} chunks, median of {r}",
                     meta={"chunk_bytes": size, "count": args.count, "repeats": r, "cpus": os.cpu_count()})
 
     # physical references: fresh-memory clone and memcpy into an existing buffer

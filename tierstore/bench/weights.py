@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..cliargs import nonneg_float, positive_int
 from ..sizes import format_size, parse_size
 from . import weights_peers as peers
 
@@ -41,9 +42,9 @@ def add_arguments(p) -> None:
     p.add_argument("--dir", default=None, help="where the synthetic checkpoint lives "
                                               "(default ~/.cache/tierstore/bench-weights-SIZE)")
     p.add_argument("--shard-size", default="1GiB", help="shard size of the local checkpoint")
-    p.add_argument("--concurrency", type=int, default=None, help="tierstore reads in flight (default: auto)")
+    p.add_argument("--concurrency", type=positive_int, default=None, help="tierstore reads in flight (default: auto)")
     p.add_argument("--block-size", default=None, help="tierstore read size (default 16MiB)")
-    p.add_argument("--repeat", type=int, default=1, help="warm runs per row after one warm-up; best is kept")
+    p.add_argument("--repeat", type=positive_int, default=1, help="warm runs per row after one warm-up; best is kept")
     p.add_argument("--only", default=None, help="comma-separated substrings: run only matching rows")
     p.add_argument("--no-cold", action="store_true", help="skip the cold page-cache runs")
     p.add_argument("--no-s3", action="store_true", help="skip the S3 runs")
@@ -51,8 +52,8 @@ def add_arguments(p) -> None:
     p.add_argument("--s3-shard-size", default="32MiB",
                    help="shard size on S3 (moto copies the whole object on every ranged GET, so huge "
                         "shards would measure moto, not the loaders)")
-    p.add_argument("--latency-ms", type=float, default=20.0, help="S3 shim first-byte latency")
-    p.add_argument("--mbps", type=float, default=90.0, help="S3 shim bandwidth per connection, MB/s")
+    p.add_argument("--latency-ms", type=nonneg_float, default=20.0, help="S3 shim first-byte latency")
+    p.add_argument("--mbps", type=nonneg_float, default=90.0, help="S3 shim bandwidth per connection, MB/s")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
 
 
