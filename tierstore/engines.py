@@ -15,7 +15,7 @@ import torch
 
 from .config import read_config
 from .errors import ConfigError, LockedError
-from .store import TieredStore, open
+from .store import TieredStore, open_tiered
 
 log = logging.getLogger("tierstore")
 
@@ -43,13 +43,13 @@ def open_store(config: Mapping[str, Any]) -> TieredStore:
     """Open a rank's store; a disk directory locked by another process is skipped (logged) while the
     other tiers still serve: an engine never fails to start because of the cache."""
     try:
-        return open(dict(config))
+        return open_tiered(dict(config))
     except LockedError as exc:
         kept = [t for t in config.get("tiers", []) if not (isinstance(t, dict) and t.get("kind") == "disk")]
         if not kept:
             raise
         log.warning("tierstore: %s; running without the disk tier(s)", exc)
-        return open({**config, "tiers": kept})
+        return open_tiered({**config, "tiers": kept})
 
 
 def split_loader_options(extra: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..cliargs import positive_float, positive_int
 from ..keys import ChunkKey
+from ..store import open_tiered
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,11 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def measure(n_keys: int, prompt_chunks: int = 128, seconds: float = 0.5, workdir: str | None = None) -> dict[str, Any]:
     """Index memory per key and ``lookup`` µs per key for an index of ``n_keys`` chunks of 1 MiB."""
-    import tierstore
 
     with tempfile.TemporaryDirectory(prefix="tierstore-bench-control-", dir=workdir) as tmp:
         cfg = {"tiers": [{"kind": "disk", "path": os.path.join(tmp, "disk"), "capacity": n_keys << 20}]}
-        with tierstore.open(cfg) as store:
+        with open_tiered(cfg) as store:
             level = store.tier("disk").index
             gc.collect()
             tracemalloc.start()

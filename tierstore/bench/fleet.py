@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ..cliargs import nonneg_float, positive_float, positive_int
+from ..store import open_tiered
 
 SYSTEM_TOKENS = 512
 TURN_TOKENS = 128
@@ -68,7 +69,6 @@ def _layers(tokens: list[int]) -> list[torch.Tensor]:
 
 def one_fleet(s3: Any, n: int, users: int = 2, rounds: int = 4, chunk_tokens: int = 64, budget_share: float = 0.5,
               latency: float = 0.020, gc_every: float = GC_EVERY, rate: float = RATE) -> dict[str, Any]:
-    import tierstore
     from tierstore.errors import MissingKeyError
     from tierstore.kv import KVCacheStore, KVNamespace
 
@@ -93,7 +93,7 @@ def one_fleet(s3: Any, n: int, users: int = 2, rounds: int = 4, chunk_tokens: in
                              "touch_after": TOUCH_AFTER_S,
                              "list_on_open": False}],
                   "write_policy": "write_back", "prefetch_policy": "transient", "close_timeout": 60}
-        stores = [tierstore.open(config) for _ in range(n)]
+        stores = [open_tiered(config) for _ in range(n)]
         ns = KVNamespace(model="fleet", dtype="float16", chunk_tokens=chunk_tokens)
         start = threading.Barrier(n + 1)
         stop_gc = threading.Event()

@@ -33,6 +33,7 @@ import torch
 
 from ..cliargs import positive_float, positive_int
 from ..sizes import format_size, parse_size
+from ..store import open_tiered
 from .common import Report, Row, gbps, median_time
 
 SECTIONS = ("h2d", "store", "kv", "weights")
@@ -144,7 +145,6 @@ class _Bench:
         self.report.meta["h2d_round_trip"] = self.exact("H2D/D2H round trip", torch.equal(host, src))
 
     def store(self, tmp: str) -> None:
-        import tierstore
 
         from ..keys import ChunkKey
 
@@ -168,7 +168,7 @@ class _Bench:
 
         label = f"{count} x {format_size(size)}"
         host_cfg = {"kind": "host", "capacity": total + total // 8 + (64 << 20), "pinned": True}
-        with tierstore.open({"tiers": [host_cfg]}) as store:
+        with open_tiered({"tiers": [host_cfg]}) as store:
             if not all(store.put_many(items)):
                 raise RuntimeError("the host tier refused a chunk")
             t = self.time(lambda: get_all(store, outs))
@@ -176,7 +176,7 @@ class _Bench:
             self.add(f"get_many(out={self.device.type}), host tier", total, t, self.limit,
                      note=f"pinned pool, {label}; {note}")
         disk_cfg = {"kind": "disk", "path": os.path.join(tmp, "disk"), "capacity": 2 * total + (64 << 20)}
-        with tierstore.open({"tiers": [disk_cfg]}) as store:
+        with open_tiered({"tiers": [disk_cfg]}) as store:
             if not all(store.put_many(items)):
                 raise RuntimeError("the disk tier refused a chunk")
             store.flush()
@@ -192,7 +192,6 @@ class _Bench:
             self.add("get_many(out=cpu), disk tier", total, t, self.limit, note="the disk part alone")
 
     def kv(self) -> None:
-        import tierstore
 
         from ..kv import KVCacheStore, KVNamespace
         from ..kv.transfer import LayerwiseLoad
@@ -222,7 +221,7 @@ class _Bench:
                 d.zero_()
 
         label = f"{n} tokens x {layers} layers, {heads}x{dim} bf16, chunks of {ct}"
-        with tierstore.open({"tiers": [host_cfg]}) as store:
+        with open_tiered({"tiers": [host_cfg]}) as store:
             whole = KVCacheStore(store, ns, chunk_tokens=ct)
             per_layer = KVCacheStore(store, ns, chunk_tokens=ct, layers_per_object=1, num_layers=layers)
 

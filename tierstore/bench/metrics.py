@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..cliargs import positive_int
+from ..store import open_tiered
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,8 +49,8 @@ def measure(count: int = 64, size: int = 4096, rounds: int = 101, scrape_ms: int
     items = [(tierstore.ChunkKey.from_bytes(b"bench-metrics-%d" % i),
               {"x": torch.randint(0, 255, (size,), dtype=torch.uint8)}) for i in range(count)]
     outs = [{"x": torch.empty(size, dtype=torch.uint8)} for _ in range(count)]
-    on = tierstore.open({**config, "metrics": {"port": 0}})
-    off = tierstore.open(config)
+    on = open_tiered({**config, "metrics": {"port": 0}})
+    off = open_tiered(config)
     for lat in [off.latency, *(t.latency for t in off.tiers)]:
         lat.enabled = False
     stop = threading.Event()

@@ -35,6 +35,7 @@ from ..cliargs import positive_int
 from ..iov import PIECE
 from ..keys import ChunkKey
 from ..sizes import format_size, parse_size
+from ..store import open_tiered
 from .ops import get_all_into, put_all
 
 LMCACHE = "lmcache==0.5.6"
@@ -122,7 +123,6 @@ def run_ours(folder: str, keys: int, size: int, rounds: int, verify: str = "alwa
     ``once``): every round stores ``keys`` fresh objects in one batch (``put_many`` where the store has it), then
     every round's objects are read back into caller-owned buffers (``get_many(out=)``). Round 0 warms up and is
     not timed."""
-    import tierstore
 
     g = torch.Generator().manual_seed(size)
     data = [{"kv": torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)} for _ in range(keys)]
@@ -133,7 +133,7 @@ def run_ours(folder: str, keys: int, size: int, rounds: int, verify: str = "alwa
                       "capacity": (rounds + 2) * keys * size, "verify_reads": verify}]}
     store_t: list[float] = []
     load_t: list[float] = []
-    with tierstore.open(cfg) as store:
+    with open_tiered(cfg) as store:
         for batch in batches:
             t0 = time.perf_counter()
             put_all(store, list(zip(batch, data, strict=True)))

@@ -37,6 +37,7 @@ from ..backends.file import FileBackend
 from ..backends.layout import object_relpath
 from ..cliargs import nonneg_float, positive_int
 from ..keys import ChunkKey
+from ..store import open_tiered
 from .ops import wait_for_jobs
 
 
@@ -81,7 +82,7 @@ def measure(s3: Any, count: int = 32, size: int = 1 << 20, latency: float = 0.02
                              {"kind": "disk", "path": os.path.join(tmp, f"{name}-{run}")},
                              {"kind": "remote", "url": url, "storage_options": options, "list_on_open": False}],
                    "prefetch_policy": policy}
-            s = tierstore.open(cfg)
+            s = open_tiered(cfg)
             s.contains_many([ChunkKey.from_bytes(b"promotion-warm-up-%d" % i) for i in range(8)])  # client up
             return s
 
@@ -115,7 +116,7 @@ def measure(s3: Any, count: int = 32, size: int = 1 << 20, latency: float = 0.02
         written = _chunks("written", count, size, 3)
         disk_dir = os.path.join(tmp, "writeback-disk")
         remote = {"kind": "remote", "url": f"s3://{s3.new_bucket('writeback')}/kv", "storage_options": options}
-        with tierstore.open({"tiers": [{"kind": "disk", "path": disk_dir}, remote]}) as s:
+        with open_tiered({"tiers": [{"kind": "disk", "path": disk_dir}, remote]}) as s:
             shim.reset()
             s.put_many(written)
             s.flush(timeout=120)

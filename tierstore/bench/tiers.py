@@ -18,6 +18,7 @@ import torch
 from ..backends.base import Backend, Hit
 from ..cliargs import nonneg_int, positive_int, size
 from ..keys import ChunkKey
+from ..store import open_tiered
 from .common import Report, gbps, median_time
 
 
@@ -222,12 +223,10 @@ def _shim_rows(report: Report, s3, count: int, size: int, in_flight: int, repeat
 
 
 def _store_rows(report: Report, tmp: str, items, total: int, r: int, clone, n_lookup: int) -> None:
-    import tierstore
-
     per_chunk = total / len(items)
     cfg = {"tiers": [{"kind": "host", "capacity": 2 * total + (64 << 20), "pinned": False},
                      {"kind": "disk", "path": os.path.join(tmp, "store-disk"), "capacity": 4 * total}]}
-    with tierstore.open(cfg) as store:
+    with open_tiered(cfg) as store:
         t_put = median_time(lambda: [store.put(k, v) for k, v in items], r)
         store.flush()
         t_get = median_time(lambda: [store.get(k) for k, _ in items], r)
@@ -251,7 +250,7 @@ def _store_rows(report: Report, tmp: str, items, total: int, r: int, clone, n_lo
     small = {"x": torch.zeros(16)}
     tiers = [{"kind": "host", "capacity": "64MiB", "pinned": False, "pool": False},
              {"kind": "disk", "path": os.path.join(tmp, "lookup-disk"), "capacity": "1GiB"}]
-    with tierstore.open({"tiers": tiers}) as store:
+    with open_tiered({"tiers": tiers}) as store:
         for k in keys:
             store.put(k, small)
         store.flush()

@@ -33,7 +33,7 @@ from ..keys import DIGEST_SIZE, ChunkKey, check_key
 from ..objformat import validate_chunk
 from ..store import Item, Readiness, check_items, check_keys
 from ..telemetry import Counters
-from ..tensors import TensorDict, byte_alias, check_outs, copy_tensors, dtype_name, wait_for_copies
+from ..tensors import TensorDict, byte_alias, check_device, check_outs, copy_tensors, dtype_name, wait_for_copies
 from . import shm
 from .places import OutSpec, Places, copy_out
 from .protocol import (
@@ -334,6 +334,7 @@ class ServerStore:
                  device: str | torch.device = "cpu") -> list[TensorDict | None]:
         """As :meth:`TieredStore.get_many`; misses while the server cannot be reached."""
         keys = check_keys(keys)
+        device = check_device(device)
         if out is not None:
             out = list(out)
             if len(out) != len(keys):

@@ -29,7 +29,7 @@ from ..config import read_config
 from ..errors import ConfigError
 from ..sizes import parse_size
 from ..store import Pin, TieredStore
-from ..store import open as open_store
+from ..store import open_tiered as open_store
 from . import access, shm
 from .connection import Connection
 from .protocol import encode, error_reply
