@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import enum
 import json
-import math
 import os
 import shutil
 from collections.abc import Callable, Mapping
@@ -19,7 +18,7 @@ from typing import Any, TypeVar
 from .backends.layout import PERMISSIONS
 from .errors import ConfigError
 from .residency import Pressure
-from .sizes import format_size, parse_size
+from .sizes import format_size, parse_seconds, parse_size
 from .urls import check_storage_options, check_url
 
 E = TypeVar("E", bound=enum.Enum)
@@ -257,9 +256,7 @@ def _storage_options(value: Any, key: str) -> Mapping[str, Any] | None:
 
 
 def _seconds(value: Any, key: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
-        raise ConfigError(f"{key}: expected a positive number of seconds, got {value!r}")
-    return float(value)
+    return parse_seconds(value, key=key)
 
 
 def _optional_seconds(value: Any, key: str) -> float | None:
@@ -294,7 +291,8 @@ TIER_OPTIONS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
     "host": {"capacity": _host_capacity, "pinned": _bool, "pool": _optional_bool, "slot_size": _slot_size,
              "shared_memory": _bool},
     "disk": {"path": _path, "capacity": _capacity, "durable": _bool, "read_only": _bool,
-             "codec": _one_of("none", "zstd"), "io_threads": _positive_int, "permissions": _PERMISSIONS,
+             "compression": _one_of(None, "none", "zstd"), "codec": _one_of("none", "zstd"),
+             "io_threads": _positive_int, "permissions": _PERMISSIONS,
              "instances": _positive_int, "verify_reads": _one_of("always", "once")},
     "remote": {"url": _url, "storage_options": _storage_options, "compression": _one_of(None, "none", "zstd"),
                "capacity": _no_capacity, "max_in_flight": _positive_int, "list_on_open": _bool,
@@ -312,6 +310,10 @@ def check_tier_options(kind: str, options: Mapping[str, Any], where: str) -> dic
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) for a {kind} tier: {', '.join(sorted(unknown))}")
     out = {key: checks[key](value, f"{where}.{key}") for key, value in options.items()}
+    if kind == "disk" and "compression" in out:  # one name for both tiers; `codec` stays as an alias
+        if "codec" in out:
+            raise ConfigError(f"{where}: give compression (or its old name codec), not both")
+        out["codec"] = out.pop("compression") or "none"
     if kind == "remote" and out.get("url") and out.get("storage_options") is not None:
         check_storage_options(out["url"], dict(out["storage_options"]), f"{where}.storage_options")
     if kind == "disk":

@@ -40,7 +40,8 @@ GB = 1e9
 def add_arguments(p) -> None:
     p.add_argument("--size", default="2GiB", help="checkpoint size (default 2GiB; e.g. 256MiB for a quick run)")
     p.add_argument("--dir", default=None, help="where the synthetic checkpoint lives "
-                                              "(default ~/.cache/tierstore/bench-weights-SIZE)")
+                                              "(default ~/.cache/tierstore/bench-weights-SIZE, removed at the "
+                                              "end; a --dir is kept and reused)")
     p.add_argument("--shard-size", default="1GiB", help="shard size of the local checkpoint")
     p.add_argument("--concurrency", type=positive_int, default=None, help="tierstore reads in flight (default: auto)")
     p.add_argument("--block-size", default=None, help="tierstore read size (default 16MiB)")
@@ -316,6 +317,17 @@ def _print_table(res: Results, targets) -> None:
 def run(args) -> int:
     size = parse_size(args.size, key="--size")
     directory = args.dir or os.path.join(os.path.expanduser("~/.cache/tierstore"), f"bench-weights-{size}")
+    try:
+        return _run(args, size, directory)
+    finally:
+        if args.dir is None:  # a --dir is kept for the next run; the default is not left behind
+            for path in (directory, directory + "-published"):
+                shutil.rmtree(path, ignore_errors=True)
+            print(f"removed {directory} (and its -published copy); --dir DIR keeps the checkpoint for the next run",
+                  flush=True)
+
+
+def _run(args, size: int, directory: str) -> int:
     paths = _checkpoint(directory, size, parse_size(args.shard_size, key="--shard-size"))
     params = _params(directory)
     total = sum(t.numel() * t.element_size() for t in params.values())
