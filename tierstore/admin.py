@@ -24,13 +24,13 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .backends import prefix_gc
-from .cliargs import duration, one_line, size
+from .cliargs import duration, one_line, progress_printer, size
 from .errors import CorruptObjectError, ForgedObjectError, LockedError, UnsupportedObjectError
 from .sizes import format_size
 
@@ -166,7 +166,8 @@ def run_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_objects(tier: Persistent, repair: bool) -> dict[str, int]:
+def check_objects(tier: Persistent, repair: bool,
+                  progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
     """Read every object of ``tier`` once: counts of ``ok``, ``corrupt``, ``unsupported`` (a newer format
     or a dtype this torch lacks: always kept, a newer reader needs it), ``forged`` (a tier with keys could
     not open it: always kept, it may belong to another trust domain), ``missing`` (vanished since
@@ -188,6 +189,8 @@ def check_objects(tier: Persistent, repair: bool) -> dict[str, int]:
                 corrupt.append(key)
         if repair and corrupt:
             counts["removed"] += sum(err is None for err in backend.delete_many(corrupt))
+        if progress is not None:
+            progress(i + len(batch), len(keys))
     return counts
 
 
@@ -213,7 +216,9 @@ def _outcome(got: Any) -> str:
 def run_verify(args: argparse.Namespace) -> int:
     try:
         with open_persistent_tiers(args.config, writable=args.repair) as tiers:
-            result = {t.name: check_objects(t, repair=args.repair) for t in tiers}
+            result = {t.name: check_objects(t, repair=args.repair,
+                                            progress=progress_printer(f"verify {t.name}", " objects"))
+                      for t in tiers}
     except LockedError as exc:
         return _refuse(exc, "verify --repair")
     lines = [f"{name}: {r['objects']} objects, {r['ok']} ok, {r['corrupt']} corrupt"
@@ -280,7 +285,8 @@ def _gc_pass(args: argparse.Namespace) -> tuple[int, dict[str, dict[str, Any]]]:
                                  f"{r['stale_temp_removed']} stale temp files; {format_size(r['bytes_after'])} "
                                  f"left{budget}")
                 else:
-                    r = result[tier.name] = check_objects(tier, repair=True)
+                    r = result[tier.name] = check_objects(
+                        tier, repair=True, progress=progress_printer(f"gc {tier.name}", " objects"))
                     lines.append(f"{tier.name}: kept {r['ok']}, removed {r['removed']} corrupt")
     except LockedError as exc:
         return _refuse(exc, "gc"), {}

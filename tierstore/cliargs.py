@@ -9,7 +9,9 @@ proves something never runs having checked nothing (``crashtest --kills 0``) and
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
+from typing import TextIO
 
 from .errors import ConfigError, LockedError
 from .sizes import format_size, parse_duration, parse_size
@@ -75,3 +77,23 @@ def one_line(exc: BaseException) -> str:
         text = text.replace("(open it with read_only=True to inspect it)",
                             "(stop that process first; `tierstore stats` and `tierstore verify` work beside it)")
     return " ".join(text.split())
+
+
+def progress_printer(label: str, unit: str = "", stream: TextIO | None = None) -> Callable[[int, int], None]:
+    """A ``progress(done, total)`` callback for a long verb: a bar redrawn in place when ``stream`` (stderr)
+    is a terminal, otherwise a plain line at every tenth of the way (logs and pipes stay readable)."""
+    out = stream if stream is not None else sys.stderr
+    tty = out.isatty()
+    shown = -1
+
+    def show(done: int, total: int) -> None:
+        nonlocal shown
+        pct = 100 if total <= 0 else min(100, done * 100 // total)
+        if tty:
+            bar = "#" * (pct // 5) + "." * (20 - pct // 5)
+            out.write(f"\r{label} [{bar}] {pct:3d}% {done}/{total}{unit}" + ("\n" if done >= total else ""))
+            out.flush()
+        elif pct // 10 > shown // 10 or (done >= total and shown < 100):
+            print(f"{label}: {done}/{total}{unit} ({pct}%)", file=out, flush=True)
+        shown = pct
+    return show

@@ -209,8 +209,8 @@ def bare_read(pool: ThreadPoolExecutor, paths: Sequence[str], outs: Sequence[dic
 
 
 def round_shape(size: int, total: int) -> tuple[int, int]:
-    """(keys per round, measured rounds) for ``total`` bytes over all rounds, as the LMCache runs of
-    ``shared/notes/lmcache_bench.md``: 256 KiB -> 256 keys x 16 rounds, 16 MiB -> 16 keys x 4 rounds."""
+    """(keys per round, measured rounds) for ``total`` bytes over all rounds, as LMCache's own ``bench l2``
+    runs: 256 KiB -> 256 keys x 16 rounds, 16 MiB -> 16 keys x 4 rounds."""
     keys = max(1, min(256, (256 << 20) // size))
     return keys, max(2, total // (keys * size))
 

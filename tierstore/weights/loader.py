@@ -200,7 +200,15 @@ class _Pipeline:
         inflight = pieces = 0
         max_pieces = 4 * self.concurrency
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="tierstore-weights")
-        delivered = 0
+        delivered = landed = 0
+        total = sum(g.nbytes for g in groups)
+
+        def report(job: _Job) -> None:
+            nonlocal landed
+            landed += job.group.nbytes
+            if o.progress is not None:
+                o.progress(landed, total)
+
         try:
             while pending or running:
                 while pending and (inflight == 0 or (inflight + pending[0].nbytes <= o.memory_limit
@@ -209,6 +217,7 @@ class _Pipeline:
                     inflight += job.charge
                     if not job.tasks:
                         inflight -= job.charge
+                        report(job)
                         yield from job.finish()
                         continue
                     for task in job.tasks:
@@ -227,6 +236,7 @@ class _Pipeline:
                         finished.append(job)
                 for job in finished:
                     inflight -= job.charge
+                    report(job)
                     for item in job.finish():
                         delivered += 1
                         yield item
@@ -301,7 +311,9 @@ def iter_tensors(uri: str | os.PathLike[str], device: str | torch.device = "cpu"
             ``memory_limit`` (bytes of read-but-undelivered data and staging, default 1 GiB — one
             group larger than the limit still loads, alone); ``dtype`` (cast F16/BF16/F32/F64 tensors
             to this float dtype; other dtypes are left alone); ``max_header_size``; ``stats`` (a dict
-            filled with counters when the iteration ends); ``objects_url`` (where an index may name
+            filled with counters when the iteration ends); ``progress`` (called as
+            ``progress(bytes_done, bytes_total)`` as tensors land); ``cache_writes`` (default True: with a
+            ``store``, write fetched ranges into it; False reads from it only); ``objects_url`` (where an index may name
             shards besides its own directory: the ``objects_url`` given to :func:`publish`); ``verify``
             (default True: check every object of a published checkpoint against the digest in its name —
             such an object is then read whole, and a store remembers a version that passed).
