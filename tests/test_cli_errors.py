@@ -140,3 +140,26 @@ def test_python_m_tierstore_version_help_and_a_missing_adapter(tmp_path):
         proc = run("bench", "vllm", "--help")
         assert proc.returncode != 0 and "pip install ./adapters/vllm" in proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_config_messages_say_where_the_path_came_from_and_where_the_mistake_is(tmp_path, capsys, monkeypatch,
+                                                                               broken_yaml):
+    monkeypatch.setenv("TIERSTORE_CONFIG", str(tmp_path / "nope.yaml"))
+    assert_one_line(*run_cli(capsys, ["stats"]), "stats", "(from $TIERSTORE_CONFIG) cannot be read")
+    code, err = run_cli(capsys, ["stats", "--config", str(broken_yaml)])
+    assert_one_line(code, err, "stats", str(broken_yaml), "line 3, column 1")
+    assert "<unicode string>" not in err
+
+
+def test_stats_of_a_config_without_persistent_tiers_says_so(tmp_path, capsys):
+    cfg = tmp_path / "host.json"
+    cfg.write_text(json.dumps({"tiers": [{"kind": "host", "capacity": "1MiB"}]}))
+    for verb in ("stats", "verify", "gc"):
+        assert run_cli(capsys, [verb, "--config", str(cfg)])[0] == 0
+    assert main_out(capsys, ["stats", "--config", str(cfg)]).startswith("no disk or remote tier in this config")
+
+
+def main_out(capsys, argv: list[str]) -> str:
+    capsys.readouterr()
+    cli.main(argv)
+    return capsys.readouterr().out

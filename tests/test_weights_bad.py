@@ -431,3 +431,10 @@ def test_a_filesystem_that_cannot_show_a_replacement_is_named(caplog):
     with caplog.at_level("WARNING", logger="tierstore.weights"):
         FsspecSource(Bare(), "x.safetensors")
     assert "a replacement of the same size during the load cannot be detected" in caplog.text
+
+
+def test_a_torch_save_file_is_named_as_not_safetensors(tmp_path):
+    path = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(4)}, path)
+    with pytest.raises(CheckpointError, match="not a safetensors file: it starts like a zip or pickle archive"):
+        tw.load(path)

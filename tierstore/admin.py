@@ -127,6 +127,9 @@ def open_persistent_tiers(config: Any, writable: bool) -> Iterator[list[Persiste
 
 
 def _emit(args: argparse.Namespace, result: dict[str, Any], lines: list[str]) -> None:
+    if not result or result == {"tiers": {}}:
+        lines = ["no disk or remote tier in this config (a host or device tier is one process's memory: there "
+                 "is nothing to inspect from outside)"]
     print("\n".join(lines), flush=True)
     if args.json:
         with open(args.json, "w") as f:

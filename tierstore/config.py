@@ -109,10 +109,12 @@ def default_config(root: str = DEFAULT_ROOT) -> dict[str, Any]:
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
     """Turn ``None`` (``$TIERSTORE_CONFIG`` or the default), a path or a mapping into a plain dict."""
+    origin = ""
     if config is None:
         config = os.environ.get(ENV_CONFIG) or None
         if config is None:
             return default_config()
+        origin = f" (from ${ENV_CONFIG})"
     if isinstance(config, Mapping):
         return dict(config)
     if isinstance(config, (str, os.PathLike)):
@@ -120,7 +122,7 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> di
         try:
             text = path.read_text()
         except OSError as exc:
-            raise ConfigError(f"config file {str(path)!r} cannot be read: {exc}") from None
+            raise ConfigError(f"config file {str(path)!r}{origin} cannot be read: {exc.strerror or exc}") from None
         try:
             if path.suffix.lower() == ".json":
                 data = json.loads(text)
@@ -128,11 +130,21 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> di
                 import yaml
                 data = yaml.safe_load(text)
         except Exception as exc:  # yaml and json raise different types; both mean a bad file
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML/JSON: {exc}") from None
+            raise ConfigError(f"config file {str(path)!r}{origin} is not valid YAML/JSON: {_where_in(exc)}") from None
         if not isinstance(data, Mapping):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+            raise ConfigError(f"config file {str(path)!r}{origin} must hold a mapping at the top level")
         return dict(data)
     raise ConfigError(f"config must be a mapping, a file path or None, got {type(config).__name__}")
+
+
+def _where_in(exc: Exception) -> str:
+    """A YAML or JSON error as ``line L, column C: problem`` (yaml's own text names "<unicode string>")."""
+    mark = getattr(exc, "problem_mark", None)
+    if mark is not None:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {getattr(exc, 'problem', None) or exc}"
+    if isinstance(exc, json.JSONDecodeError):
+        return f"line {exc.lineno}, column {exc.colno}: {exc.msg}"
+    return " ".join(str(exc).split())
 
 
 def parse_config(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> StoreConfig:
