@@ -163,3 +163,16 @@ def main_out(capsys, argv: list[str]) -> str:
     capsys.readouterr()
     cli.main(argv)
     return capsys.readouterr().out
+
+
+def test_a_metrics_port_in_use(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = tmp_path / "m.json"
+        cfg.write_text(json.dumps({"tiers": [{"kind": "host", "capacity": "64MiB"}], "metrics": {"port": port}}))
+        code, err = run_cli(capsys, ["demo", "--config", str(cfg), "--rounds", "1"])
+    assert_one_line(code, err, "demo", f"cannot serve on 127.0.0.1:{port}")
