@@ -48,6 +48,7 @@ def test_bench_tiers_smoke(tmp_path, capsys):
                  "--lookup-keys", "100", "--dir", str(tmp_path), "--json", str(out)]) == 0
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["disk backend read"]["value"] > 0 and rows["lookup over 100 keys"]["unit"] == "us/key"
+    assert "bench tiers: 5/5 sections (100%)" in capsys.readouterr().err  # progress while it runs
 
 
 def test_unknown_verb_exits_nonzero():

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..backends.base import Backend, Hit
-from ..cliargs import nonneg_int, positive_int, size
+from ..cliargs import nonneg_int, positive_int, progress_printer, size
 from ..keys import ChunkKey
 from ..store import open_tiered
 from .common import Report, gbps, median_time
@@ -119,6 +119,8 @@ def run(args) -> int:
     report = Report(f"tierstore bench tiers: {args.count} x {format_size(size)} chunks, median of {r}",
                     meta={"chunk_bytes": size, "count": args.count, "repeats": r, "cpus": os.cpu_count()})
 
+    steps = 5 if args.no_s3 else 6
+    progress = progress_printer("bench tiers", " sections")  # a bar on a terminal, lines otherwise
     # physical references: fresh-memory clone and memcpy into an existing buffer
     src = [v for _, v in items]
     clone = report.add("torch.clone (fresh memory)", gbps(total, median_time(
@@ -127,9 +129,11 @@ def run(args) -> int:
     memcpy = report.add("memcpy into existing buffers", gbps(total, median_time(
         lambda: [[d[n].copy_(t) for n, t in v.items()] for v, d in zip(src, dst, strict=True)], r)), "GB/s")
 
+    progress(1, steps)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         with HostBackend(capacity=2 * total + (64 << 20), pinned=False) as host:
             _tier_rows(report, "host backend", host, items, total, r, clone, clone, memcpy)
+        progress(2, steps)
 
         files = [os.path.join(tmp, f"plain{i}") for i in range(len(items))]
         payloads = [torch.cat([v["k"], v["v"]]).numpy().data.cast("B") for _, v in items]
@@ -159,13 +163,16 @@ def run(args) -> int:
         plain_write()
         pr = report.add("plain file readinto (page cache)", gbps(total, median_time(plain_read, r, setup=os.sync)),
                         "GB/s")
+        progress(3, steps)
         with FileBackend(path=os.path.join(tmp, "disk"), io_threads=args.io_threads) as disk:
             _tier_rows(report, "disk backend", disk, items, total, r, pw, pr)
-
+        progress(4, steps)
         if not args.no_s3:
             _s3_rows(report, items, payloads, total, r, args.shim_chunks, parse_size(args.shim_chunk),
                      args.shim_in_flight)
+            progress(5, steps)
         _store_rows(report, tmp, items, total, r, clone, args.lookup_keys)
+        progress(steps, steps)
 
     print(report.table())
     if args.json:
