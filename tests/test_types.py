@@ -25,6 +25,9 @@ with tierstore.open({"tiers": [{"kind": "host", "capacity": "1MiB"}]}) as store:
     reveal_type(got)
     reveal_type(store.put(ChunkKey.from_bytes(b"y"), {"k": got[0]["k"]} if got[0] else {}))
     store.get_many("not a list of keys", device=3)
+    kv = tierstore.KVCacheStore(store, tierstore.KVNamespace(model="m", dtype="float32", layout="mha"))
+    reveal_type(kv.lookup([1, 2, 3]))
+    reveal_type(tierstore.weights.load("model.safetensors", store=store))
 """
 
 
@@ -58,15 +61,22 @@ def test_mypy_on_a_user_script_sees_the_real_types(installed, tmp_path):
     # the wrong call is caught: a str is not a sequence of ChunkKey, 3 is not a device
     assert 'Argument 1 to "get_many" of "Store" has incompatible type "str"' in out, out
     assert 'Argument "device" to "get_many" of "Store" has incompatible type "int"' in out, out
+    assert out.count("error:") == 2, out  # the store from open() fits KVCacheStore and the weights loader
+    assert 'Revealed type is "builtins.int"' in out or 'Revealed type is "int"' in out, out
 
 
-def test_both_stores_implement_the_protocol():
+def test_both_stores_implement_the_protocol(tmp_path):
     from tierstore.api import Store
-    from tierstore.serve.client import ServerStore
 
     names = [n for n in Store.__dict__ if not n.startswith("_") or n in ("__enter__", "__exit__")]
-    for cls in (tierstore.TieredStore, ServerStore):
-        assert all(callable(getattr(cls, n, None)) for n in names), cls
+    socket = f"unix://{tmp_path}/none.sock"  # a client may open before its server: every call a miss
+    with tierstore.open({"tiers": [{"kind": "host", "capacity": "1MiB"}]}) as embedded, \
+            tierstore.open({"server": socket}) as client:
+        for store in (embedded, client):
+            missing = [n for n in names if not hasattr(store, n)]
+            assert not missing, (type(store).__name__, missing)
+            assert all(isinstance(t.name, str) and isinstance(t.kind, str) for t in store.tiers)
+        assert client.get(ChunkKey.from_bytes(b"k")) is None
     assert tierstore.Store is Store
 
 

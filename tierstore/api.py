@@ -19,14 +19,29 @@ from .keys import ChunkKey
 if TYPE_CHECKING:
     from .serve.client import ServerStore
     from .store import Readiness, TieredStore
+    from .telemetry import Counters
     from .writeback import FlushReport
 
 TensorDict = dict[str, torch.Tensor]
 Item = tuple[ChunkKey, Mapping[str, torch.Tensor]]
 
 
+class Tier(Protocol):
+    """What a store says of each of its tiers (``store.tiers``, fastest first)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+
+
 class Store(Protocol):
     """The store API (DESIGN §3): see :class:`~tierstore.TieredStore` for each method's contract."""
+
+    @property
+    def tiers(self) -> Sequence[Tier]: ...
+    @property
+    def counters(self) -> Counters: ...  # what the layers above count in this store (KV tokens, weight bytes)
 
     def put(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool: ...
     def put_many(self, items: Iterable[Item]) -> list[bool]: ...

@@ -48,7 +48,7 @@ from .sources import Source
 from .staging import StagingRing, alloc_host, get_ring, put_ring
 
 if TYPE_CHECKING:
-    from ..store import TieredStore
+    from ..api import Store
 
 #: ``(dst, dst_offset, lo, hi)``: bytes ``[lo, hi)`` of a piece go to ``dst[dst_offset:]``
 Segment = tuple[torch.Tensor, int, int, int]
@@ -271,7 +271,7 @@ class _Pipeline:
         return out
 
 
-def _open(uri: str | os.PathLike[str], store: TieredStore | None, storage_options: dict[str, Any] | None,
+def _open(uri: str | os.PathLike[str], store: Store | None, storage_options: dict[str, Any] | None,
           o: Options) -> tuple[Checkpoint, RangeCache | None, int]:
     if not isinstance(uri, (str, bytes)) and not hasattr(uri, "__fspath__"):
         raise InvalidTypeError(f"uri must be a path or URL, got {type(uri).__name__}")
@@ -289,7 +289,7 @@ def _shard_tensors(ckpt: Checkpoint) -> list[tuple[TensorInfo, ...]]:
     return [s.header.tensors for s in ckpt.shards]
 
 
-def iter_tensors(uri: str | os.PathLike[str], device: str | torch.device = "cpu", store: TieredStore | None = None,
+def iter_tensors(uri: str | os.PathLike[str], device: str | torch.device = "cpu", store: Store | None = None,
                  storage_options: dict[str, Any] | None = None, **opts: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream ``(name, tensor)`` pairs of a safetensors checkpoint, each as soon as its bytes land.
 
@@ -360,7 +360,7 @@ def iter_tensors(uri: str | os.PathLike[str], device: str | torch.device = "cpu"
     return pipe.run(groups, prepare)
 
 
-def load(uri: str | os.PathLike[str], device: str | torch.device = "cpu", store: TieredStore | None = None,
+def load(uri: str | os.PathLike[str], device: str | torch.device = "cpu", store: Store | None = None,
          storage_options: dict[str, Any] | None = None, **opts: Any) -> dict[str, torch.Tensor]:
     """Load a whole safetensors checkpoint (or the ``names`` subset) into a dict on ``device``.
 
@@ -370,7 +370,7 @@ def load(uri: str | os.PathLike[str], device: str | torch.device = "cpu", store:
     return dict(iter_tensors(uri, device, store, storage_options, **opts))
 
 
-def load_into(params: Mapping[str, torch.Tensor], uri: str | os.PathLike[str], store: TieredStore | None = None,
+def load_into(params: Mapping[str, torch.Tensor], uri: str | os.PathLike[str], store: Store | None = None,
               storage_options: dict[str, Any] | None = None, *, strict: bool = True, **opts: Any) -> list[str]:
     """Fill the existing tensors ``params`` (e.g. ``model.state_dict()``) in place from a checkpoint.
 
