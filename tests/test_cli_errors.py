@@ -176,3 +176,22 @@ def test_a_metrics_port_in_use(tmp_path, capsys):
         cfg.write_text(json.dumps({"tiers": [{"kind": "host", "capacity": "64MiB"}], "metrics": {"port": port}}))
         code, err = run_cli(capsys, ["demo", "--config", str(cfg), "--rounds", "1"])
     assert_one_line(code, err, "demo", f"cannot serve on 127.0.0.1:{port}")
+
+
+def test_ctrl_c_ends_a_watching_gc_in_one_line(tmp_path):
+    import signal
+    import time
+
+    cfg = tmp_path / "store.json"
+    cfg.write_text(json.dumps({"tiers": [{"kind": "remote", "url": (tmp_path / "shared").as_uri()}]}))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "tierstore", "gc", "--config", str(cfg), "--watch", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert "remote:" in proc.stdout.readline()  # the first pass is done
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and err.strip() == "tierstore gc: interrupted", err

@@ -124,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"tierstore {verb}: {one_line(exc)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C ends a verb (gc --watch, a bench) without a traceback
+        if verbose:
+            raise
+        print(f"tierstore {verb}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
