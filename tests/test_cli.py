@@ -48,6 +48,7 @@ def test_bench_tiers_smoke(tmp_path, capsys):
                  "--lookup-keys", "100", "--dir", str(tmp_path), "--json", str(out)]) == 0
     rows = {r["name"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["disk backend read"]["value"] > 0 and rows["lookup over 100 keys"]["unit"] == "us/key"
+    assert "bench tiers: 5/5 sections (100%)" in capsys.readouterr().err  # progress while it runs
 
 
 def test_unknown_verb_exits_nonzero():
@@ -134,8 +135,8 @@ def test_stats_and_verify_beside_a_live_engine_gc_refuses(config_file, tmp_path,
         assert "6 objects, 5 ok, 1 corrupt" in capsys.readouterr().out
         for verb in (["gc"], ["verify", "--repair"]):
             assert main([*verb, "--config", str(config_file)]) == 2
-            out = capsys.readouterr().out
-            assert "refused, nothing removed" in out and f"pid {engine.pid}" in out
+            err = capsys.readouterr().err
+            assert "refused, nothing removed" in err and f"pid {engine.pid}" in err
         assert victim.exists()  # nothing was removed beside the engine
     finally:
         engine.kill()

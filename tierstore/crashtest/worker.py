@@ -29,7 +29,7 @@ from ..config import WritePolicy
 from ..keys import ChunkKey
 from ..residency import Room
 from ..store import TieredStore
-from ..store import open as open_store
+from ..store import open_tiered as open_store
 from ..tensors import TensorDict, byte_alias
 from .journal import JournalWriter, Observed
 

@@ -31,7 +31,7 @@ from .rows import PagedTransfer, Piece
 from .transfer import LayerwiseLoad, Task, per_store, run_load, run_save, task_bytes, windows
 
 if TYPE_CHECKING:
-    from ..store import TieredStore
+    from ..api import Store
     from ..telemetry import Counters
     from ..tensors import TensorDict
     from .namespace import TokenIds
@@ -90,7 +90,7 @@ class KVCacheStore:
         The model's layer count (required with ``layers_per_object``; checked against what is saved).
     """
 
-    def __init__(self, store: TieredStore, namespace: KVNamespace, chunk_tokens: int | None = None, *,
+    def __init__(self, store: Store, namespace: KVNamespace, chunk_tokens: int | None = None, *,
                  partial_chunks: bool = False, layers_per_object: int | None = None,
                  num_layers: int | None = None) -> None:
         if not isinstance(namespace, KVNamespace):
