@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import socket
 import threading
 import time
@@ -196,16 +197,23 @@ class ServerStore:
         url: ``unix:///run/tierstore/tierstore.sock`` (or the socket's absolute path).
         timeout: seconds one request may take before the server counts as gone.
         connections: sockets kept open (calls in flight at once from this process).
+        server_uid: the account (uid or user name) the server runs as, when it is not this process's own
+            user or root: a server run by any other account is never sent a byte.
     """
 
     def __init__(self, url: str, timeout: float = TIMEOUT, connections: int = CONNECTIONS,
-                 server_uid: int | None = None):
+                 server_uid: int | str | None = None):
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ConfigError(f"timeout: expected positive seconds, got {timeout!r}")
         if type(connections) is not int or connections < 1:
             raise ConfigError(f"connections: expected a positive int, got {connections!r}")
+        if isinstance(server_uid, str):
+            try:
+                server_uid = pwd.getpwnam(server_uid).pw_uid
+            except KeyError:
+                raise ConfigError(f"server_uid: no user named {server_uid!r}") from None
         if server_uid is not None and (type(server_uid) is not int or server_uid < 0):
-            raise ConfigError(f"server_uid: expected a user id, got {server_uid!r}")
+            raise ConfigError(f"server_uid: expected a user id or name, got {server_uid!r}")
         self._pid = os.getpid()
         self._trusted = access.trusted_uids(server_uid)
         self.path = socket_path_of(url)
