@@ -16,39 +16,15 @@ import time
 
 import pytest
 import torch
+from test_serve import ask, node_config, raw_client
 
 import tierstore
 from tierstore import errors
 from tierstore.serve import client as client_module
-from tierstore.serve import protocol
 from tierstore.serve.server import NodeServer
 from tierstore.testing.data import assert_same, chunk, key_of
 
 SIZE = 16_000
-
-
-def node_config(tmp_path, host="8MiB", **serve):
-    return {"tiers": [{"kind": "host", "capacity": host, "pinned": False},
-                      {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "256MiB"}],
-            "on_pressure": "keep", "serve": {"socket": str(tmp_path / "run" / "ts.sock"), **serve}}
-
-
-def raw_client(path, hello=True):
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(10)
-    sock.connect(path)
-    if hello:
-        sock.sendall(protocol.encode({"op": "hello", "version": protocol.VERSION}))
-        data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 2)
-        for fd in fds:
-            os.close(fd)
-        assert protocol.Reader(sock, data).frame()["ok"]
-    return sock
-
-
-def ask(sock, msg):
-    sock.sendall(protocol.encode(msg) if isinstance(msg, dict) else msg)
-    return protocol.Reader(sock).frame()
 
 
 def start_server_process(config_path, limit_files=None):
@@ -134,7 +110,7 @@ def test_running_out_of_descriptors_pauses_accepting_and_service_resumes(tmp_pat
 
 def test_connections_that_never_say_hello_give_their_slot_back(tmp_path):
     with NodeServer(node_config(tmp_path, max_clients=2, hello_timeout=0.5)).start() as server:
-        silent = [raw_client(server.config.socket, hello=False) for _ in range(2)]
+        silent = [raw_client(server, hello=False) for _ in range(2)]
         time.sleep(1.5)
         with tierstore.open({"server": f"unix://{server.config.socket}"}) as store:
             assert store.put(key_of(1), chunk(1, SIZE))
@@ -153,7 +129,7 @@ def test_a_pin_is_released_only_by_the_client_that_made_it(tmp_path):
         pid = os.fork()
         if pid == 0:
             try:
-                sock = raw_client(server.config.socket)
+                sock = raw_client(server)
                 for pin_id in [*ids, *range(1, 100)]:
                     ask(sock, {"op": "unpin", "pin": pin_id})
             finally:
@@ -192,7 +168,7 @@ def test_a_leased_copy_whose_memory_was_reused_meanwhile_is_a_miss(tmp_path, mon
 
 def test_a_frame_nested_too_deep_gets_an_error_reply_and_the_connection_goes_on(tmp_path):
     with NodeServer(node_config(tmp_path)).start() as server:
-        sock = raw_client(server.config.socket)
+        sock = raw_client(server)
         body = b"[" * 200_000 + b"]" * 200_000
         reply = ask(sock, len(body).to_bytes(4, "little") + body)
         assert not reply["ok"] and reply["error"] == "ProtocolError"

@@ -701,7 +701,7 @@ def open(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Ti
 
     ``{"server": "unix:///run/tierstore/tierstore.sock"}`` opens a node's ``tierstore serve`` instead: a
     :class:`~tierstore.serve.client.ServerStore`, with the same methods (optional keys: ``timeout``,
-    ``connections``).
+    ``connections``, ``server_uid``).
 
     The whole configuration is validated first; a bad key raises :class:`~tierstore.ConfigError`
     naming it before any tier touches storage.
