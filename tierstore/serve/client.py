@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import pwd
-import socket
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -38,23 +37,20 @@ import torch
 
 from .. import errors
 from ..errors import ClosedError, ConfigError, ForkedError, ServerUnavailableError, WriteBackError
-from ..keys import DIGEST_SIZE, ChunkKey, check_key
+from ..keys import ChunkKey, check_key
 from ..objformat import validate_chunk
 from ..store import Item, Readiness, check_items, check_keys
 from ..telemetry import Counters
 from ..tensors import TensorDict, byte_alias, check_outs, copy_tensors, dtype_name, wait_for_copies
 from . import access, shm
+from .link import Link, TierInfo
 from .places import OutSpec, Places, copy_out
 from .protocol import (
     MAX_KEYS,
-    VERSION,
     ProtocolError,
-    Reader,
-    encode,
     hexes,
     parse_spec,
     place,
-    set_timeouts,
     spec,
     views,
 )
@@ -72,16 +68,6 @@ RELEASE_AFTER = 0.02
 #: a flush's heartbeat: the server says it is still flushing this often (a fraction of the request timeout)
 BEAT = 0.4
 
-@dataclass(frozen=True)
-class TierInfo:
-    """A tier of the server's store, as clients see it."""
-
-    index: int
-    name: str
-    kind: str
-    shared: bool
-
-
 @dataclass
 class ServerPin:
     """What :meth:`ServerStore.pin` holds on the server (given back by :meth:`ServerStore.release`, or when
@@ -94,100 +80,6 @@ class ServerPin:
 
 class _Unavailable(Exception):
     """The server cannot be reached now (the call becomes a miss)."""
-
-
-_ERRORS: dict[str, type[errors.TierstoreError]] = {
-    cls.__name__: cls for cls in (errors.InvalidInputError, errors.InvalidTypeError, errors.ConfigError,
-                                  errors.TierTimeoutError, errors.MissingKeyError, errors.CapacityError)}
-
-
-class _Connection:
-    """One socket to the server with its mappings of the pool (read-only) and of its staging area."""
-
-    def __init__(self, path: str, timeout: float, pools: dict[str, torch.Tensor], trusted: frozenset[int]):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.timeout = timeout
-        fds: list[int] = []
-        try:
-            self.sock.settimeout(timeout)
-            access.check_directory(path, trusted)
-            self.sock.connect(path)
-            access.check_server(self.sock, trusted)  # before a byte of ours reaches it
-            self.sock.sendall(encode({"op": "hello", "version": VERSION, "pid": os.getpid()}))
-            data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 2)
-            if not data:
-                raise ConnectionError("server closed the connection")
-            #: leases whose chunks were copied out, to give back with the next request (or by the idle pass)
-            self.done: list[int] = []
-            #: chunks read straight from the pool (their hex digests back to back), reported with the next
-            #: request (or by the idle pass)
-            self.touched = ""
-            self.idle_since = 0.0
-            self.reader = Reader(self.sock, data)
-            hello = self.reader.frame()
-            if not hello.get("ok"):
-                raise ProtocolError(f"server refused the connection: {hello.get('message')}")
-            if len(fds) != 2:
-                raise ProtocolError("server sent no shared memory")
-            shm.check_sealed(fds[0], int(hello["pool"]), shm.POOL_SEALS)  # no SIGBUS, and nobody writes it
-            shm.check_sealed(fds[1], int(hello["staging"]))
-            self.server: str = hello["server"]
-            self.tiers = tuple(TierInfo(i, t["name"], t["kind"], bool(t["shared"]))
-                               for i, t in enumerate(hello["tiers"]))
-            pool = pools.get(self.server)  # one mapping of a server's pool per process
-            if pool is None:
-                pool = pools[self.server] = shm.map_bytes(fds[0], int(hello["pool"]), writable=False)
-                shm.register_for_dma(pool, read_only=True)  # copies to a GPU are then DMA
-            self.pool: torch.Tensor = pool
-            self.words = pool.view(torch.int64)  # the chunks' stamp words (tierstore.serve.places)
-            self.staging = shm.map_bytes(fds[1], int(hello["staging"]))
-            set_timeouts(self.sock, send=timeout, receive=timeout)
-        except BaseException:
-            self.sock.close()
-            raise
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-    def call(self, msg: Mapping[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        if self.done or self.touched:  # ride along (one message fewer per get)
-            msg = {**msg, **self.settled()}
-        if timeout is not None:  # a call of its own length (prefetch): back to the usual after it
-            set_timeouts(self.sock, send=self.timeout, receive=timeout)
-        try:
-            self.sock.sendall(encode(msg))
-            reply = self.reader.frame()
-            while reply.get("beat") is True:  # a long call (flush) the server is still working on
-                reply = self.reader.frame()
-        finally:
-            if timeout is not None:
-                set_timeouts(self.sock, send=self.timeout, receive=self.timeout)
-        if not reply.get("ok"):
-            name, text = reply.get("error"), str(reply.get("message"))
-            if name == "ClosedError":
-                raise ConnectionError(f"server is closing: {text}")
-            raise _ERRORS.get(str(name), errors.TierstoreError)(text)
-        return reply
-
-    def settled(self) -> dict[str, Any]:
-        """What to tell the server with the next message: leases done with, chunks read straight from the pool."""
-        msg: dict[str, Any] = {}
-        if self.done:
-            msg["release"], self.done = self.done, []
-        if self.touched:
-            msg["touch"], self.touched = self.touched, ""
-        return msg
-
-    def touch(self, keys: Sequence[ChunkKey]) -> None:
-        """Note ``keys`` as read straight from the pool; only the last :data:`MAX_KEYS` are kept (what one
-        message may carry), so a client that never pauses does not grow the note without end."""
-        self.touched = (self.touched + hexes(keys))[-MAX_KEYS * 2 * DIGEST_SIZE:]
-
-    def send(self, msg: Mapping[str, Any]) -> None:
-        self.sock.sendall(encode(msg))
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 class ServerStore:
@@ -222,7 +114,7 @@ class ServerStore:
         self.counters = Counters()
         self.tiers: tuple[TierInfo, ...] = ()
         self._lock = threading.Lock()
-        self._idle: list[_Connection] = []
+        self._idle: list[Link] = []
         self._pools: dict[str, torch.Tensor] = {}
         self._slots = threading.BoundedSemaphore(connections)
         self._down_until = 0.0
@@ -252,11 +144,11 @@ class ServerStore:
                    raw.get("server_uid"))
 
     # ------------------------------------------------------------------ connections
-    def _connect(self) -> _Connection:
+    def _connect(self) -> Link:
         if time.monotonic() < self._down_until:
             raise _Unavailable
         try:
-            conn = _Connection(self.path, self.timeout, self._pools, self._trusted)
+            conn = Link(self.path, self.timeout, self._pools, self._trusted)
         except (OSError, ProtocolError, KeyError, TypeError, ValueError) as exc:
             untrusted = isinstance(exc, (access.UntrustedServer, errors.InvalidInputError))
             with self._lock:
@@ -273,7 +165,7 @@ class ServerStore:
                 shm.unregister_for_dma(self._pools.pop(gone))
         return conn
 
-    def _take(self) -> _Connection:
+    def _take(self) -> Link:
         self._check_open()
         self._slots.acquire()
         with self._lock:
@@ -285,7 +177,7 @@ class ServerStore:
             self._slots.release()
             raise
 
-    def _give_back(self, conn: _Connection) -> None:
+    def _give_back(self, conn: Link) -> None:
         with self._lock:
             if self._closed:
                 conn.close()
@@ -320,7 +212,7 @@ class ServerStore:
                     continue
                 self._give_back(c)
 
-    def _broken(self, conn: _Connection, exc: BaseException) -> None:
+    def _broken(self, conn: Link, exc: BaseException) -> None:
         """``conn`` failed: it and every idle connection (to the same server, likely gone too) are dropped."""
         log.debug("tierstore server %s: %s: %s", self.path, type(exc).__name__, exc)
         conn.close()
@@ -331,7 +223,7 @@ class ServerStore:
             c.close()
 
     @contextmanager
-    def _connection(self) -> Iterator[_Connection]:
+    def _connection(self) -> Iterator[Link]:
         """A pooled connection for the ``with`` body: given back after it (an error reply leaves its stream in
         step), closed if the body broke off otherwise; one whose exchange failed was dropped by :meth:`_call`."""
         conn = self._take()
@@ -350,7 +242,7 @@ class ServerStore:
         finally:
             self._slots.release()
 
-    def _call(self, conn: _Connection, msg: Mapping[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    def _call(self, conn: Link, msg: Mapping[str, Any], timeout: float | None = None) -> dict[str, Any]:
         """One request/reply on ``conn``; :class:`_Unavailable` (``conn`` dropped) if the server cannot answer."""
         try:
             return conn.call(msg, timeout)
@@ -416,7 +308,7 @@ class ServerStore:
                     results[i] = None
             return again
 
-    def _ask_for(self, conn: _Connection, keys: list[ChunkKey], out: list[Mapping[str, torch.Tensor]] | None,
+    def _ask_for(self, conn: Link, keys: list[ChunkKey], out: list[Mapping[str, torch.Tensor]] | None,
                  outs: list[OutSpec], device: str | torch.device, todo: list[int],
                  results: list[TensorDict | None], leased: list[tuple[int, OutSpec, list[Any]]]) -> list[int]:
         """One get request on ``conn`` for ``todo`` (``outs``: their ``out`` shapes); copies what it lends (the
