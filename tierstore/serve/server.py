@@ -162,7 +162,11 @@ class NodeServer:
                 pause = min(2 * pause, _MAX_PAUSE)
                 continue
             pause = _PAUSE
-            self._admit(conn)
+            try:
+                self._admit(conn)
+            except OSError as exc:  # a client gone before it was admitted: never the end of accepting
+                log.warning("could not admit a client: %s", exc)
+                conn.close()
 
     def close(self) -> None:
         if self._closing.is_set():
