@@ -382,7 +382,8 @@ def measure(url: str, model: str, w: Workload, qps: Sequence[float], metrics_url
 def cross_instance(first: str, second: str, model: str, w: Workload, probes: int = 3, settle_s: float = 5.0,
                    timeout: float = 600.0) -> list[float]:
     """TTFT on ``second`` of prompts whose long prefix (a system prompt and a history of the workload's
-    sizes — a prefix's, for prefix repetition — fresh words each time) only ``first`` computed, ``settle_s`` after it did (write-back time)."""
+    sizes — a prefix's, for prefix repetition — fresh words each time) only ``first`` computed, ``settle_s``
+    after it did (write-back time)."""
     out = []
     for i in range(probes):
         prefix = f"Cross {i}: " + w._words(w.system_words + (0 if w.prefixes else w.history_words), "cross", i)
