@@ -213,19 +213,23 @@ def stream_completion(url: str, model: str, prompt: str, max_tokens: int, timeou
     return ttft, time.perf_counter() - start, "".join(parts), usage
 
 
+def ask(url: str, model: str, prompt: str, max_tokens: int, timeout: float, rec: Record) -> Record:
+    """One streamed request, its outcome filled into ``rec`` (a failed request is a record, not a failed bench)."""
+    try:
+        rec.ttft_s, rec.latency_s, rec.text, usage = stream_completion(url, model, prompt, max_tokens, timeout)
+        rec.prompt_tokens, rec.output_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    except Exception as exc:  # noqa: BLE001 - recorded
+        rec.error = f"{type(exc).__name__}: {exc}"
+    return rec
+
+
 def run_prefix_step(url: str, model: str, w: Workload, qps: float, sweep: int, timeout: float) -> list[Record]:
     """The prefix-repetition requests at ``qps`` (each released on time, whatever is still running)."""
     records: list[Record] = []
     lock = threading.Lock()
 
     def one(prefix: int, nth: int, prompt: str) -> None:
-        rec = Record(qps, prefix, nth, time.time())
-        try:
-            rec.ttft_s, rec.latency_s, rec.text, usage = stream_completion(url, model, prompt, w.answer_tokens,
-                                                                           timeout)
-            rec.prompt_tokens, rec.output_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        except Exception as exc:  # a failed request is a record, not a failed bench
-            rec.error = f"{type(exc).__name__}: {exc}"
+        rec = ask(url, model, prompt, w.answer_tokens, timeout, Record(qps, prefix, nth, time.time()))
         with lock:
             records.append(rec)
 
@@ -256,13 +260,7 @@ def run_step(url: str, model: str, w: Workload, qps: float, sweep: int, timeout:
 
     def one(user: int, round_: int) -> None:
         prompt = history[user] + w.question(sweep, user, round_)
-        rec = Record(qps, user, round_, time.time())
-        try:
-            rec.ttft_s, rec.latency_s, rec.text, usage = stream_completion(url, model, prompt, w.answer_tokens,
-                                                                           timeout)
-            rec.prompt_tokens, rec.output_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        except Exception as exc:  # a failed request is a record, not a failed bench
-            rec.error = f"{type(exc).__name__}: {exc}"
+        rec = ask(url, model, prompt, w.answer_tokens, timeout, Record(qps, user, round_, time.time()))
         with cond:
             history[user] = prompt + rec.text
             records.append(rec)
