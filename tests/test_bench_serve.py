@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from tierstore.bench.serve import Record, Workload, hit_rates, percentile, summarize
+from tierstore.bench.serve import Record, Workload, hit_rates, percentile, run_step, summarize
 
 
 def test_the_workload_is_deterministic_and_shares_only_the_system_prompt():
@@ -105,3 +107,51 @@ def test_the_report_shows_a_saved_deployment_run_and_its_targets(tmp_path):
     assert "| other instance's prefix (tierstore-serve) ≤ 0.5× recompute | 1000 ms vs 4000 ms | 2.00× | ≥ 1× | met |" \
         in text
     assert "| answers equal to the first configuration's (temperature 0) | 0 of 4 differ | 1.00× | ≥ 1× | met |" in text
+
+
+def test_prefix_repetition_requests_share_only_their_prefix_and_count_its_uses():
+    w = Workload(users=4, rounds=3, system_words=50, question_words=5, seed=2, prefixes=3)
+    reqs = w.prefix_requests(0)
+    assert reqs == Workload(users=4, rounds=3, system_words=50, question_words=5, seed=2, prefixes=3).prefix_requests(0)
+    assert len(reqs) == 12 and {p for p, _, _ in reqs} <= {0, 1, 2}
+    for p in {p for p, _, _ in reqs}:
+        mine = [(n, prompt) for q, n, prompt in reqs if q == p]
+        assert [n for n, _ in mine] == list(range(1, len(mine) + 1))  # 1 = the prefix's first use
+        heads = {prompt.split("\n\nRequest")[0] for _, prompt in mine}
+        assert len(heads) == 1 and len(next(iter(heads)).split()) == 50 + 2
+    assert len({prompt for _, _, prompt in reqs}) == 12  # every suffix fresh
+
+
+def test_a_prefix_repetition_step_against_an_openai_endpoint():
+    import http.server
+    import threading
+
+    prompts = []
+
+    class Fake(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the http.server hook
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            prompts.append(body["prompt"])
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for event in ({"choices": [{"text": " ok"}]}, {"choices": [], "usage": {"prompt_tokens": 7,
+                                                                                    "completion_tokens": 1}}):
+                self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Fake)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        w = Workload(users=3, rounds=2, system_words=20, question_words=3, answer_tokens=1, prefixes=2)
+        records = run_step(f"http://127.0.0.1:{server.server_port}", "m", w, qps=50, sweep=0, timeout=10)
+    finally:
+        server.shutdown()
+    assert len(records) == 6 and not any(r.error for r in records)
+    assert sorted(prompts) == sorted(prompt for _, _, prompt in w.prefix_requests(0))
+    rows = {r["round"]: r for r in summarize(records)}
+    assert rows["1"]["requests"] == len({r.user for r in records})  # one cold request per prefix used
+    assert rows["2+"]["requests"] == 6 - rows["1"]["requests"]

@@ -354,7 +354,7 @@ def test_the_engines_reach_the_node_server_through_the_same_host_path():
     kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
     assert kv["kv_connector"] == "TierstoreConnector" and kv["kv_connector_module_path"] == "tierstore_vllm"
     config = kv["kv_connector_extra_config"]["config"]
-    assert config == {"server": "unix://" + serve.socket}
+    assert config == {"server": "unix://" + serve.socket, "server_uid": ds_pod["securityContext"]["runAsUser"]}
     # the node's socket directory (not the socket file: a restarted server makes a new one) where the URL points
     assert _mounted(pod, engine, socket_dir)["hostPath"]["path"] == host_dir
     assert pod["securityContext"]["runAsGroup"] in serve.allow_gids  # what SO_PEERCRED reports to the server

@@ -236,3 +236,28 @@ def test_the_dashboard_parses_and_names_only_exported_metrics(tmp_path):
     exported |= {name for name, _ in scrape(text)}  # histograms: _bucket, _count, _sum
     used = {m for e in exprs for m in re.findall(r"tierstore_[a-z_]+", e)}
     assert used <= exported, used - exported
+
+
+def test_idle_connections_to_the_endpoint_cost_no_thread_and_scrapes_go_on(tmp_path):
+    """Reliability probe 5.9: 600 idle connections made 600 threads in the store's process."""
+    import socket
+    import threading
+
+    with tierstore.open(config(tmp_path, metrics={"port": 0})) as store:
+        assert store.metrics.host == "127.0.0.1"  # loopback unless host says otherwise
+        before = threading.active_count()
+        idle = [socket.create_connection(("127.0.0.1", store.metrics.port)) for _ in range(200)]
+        time.sleep(0.5)
+        assert threading.active_count() <= before + 4
+        for s in idle:
+            s.close()
+        deadline = time.monotonic() + 10
+        while True:  # the idle ones that took a worker give it back within the request timeout
+            try:
+                assert "tierstore_put_keys_total" in fetch(store.metrics.port)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        assert threading.active_count() <= before + 4

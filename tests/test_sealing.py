@@ -378,3 +378,22 @@ def test_encrypt_must_be_a_boolean(keys_file):
     with pytest.raises(tierstore.ConfigError, match="encrypt"):
         tierstore.open({"tiers": [{"kind": "remote", "url": "memory://x",
                                    "auth": {"keys_file": keys_file, "encrypt": "yes"}}]})
+
+
+def test_a_keys_file_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    """Reliability probe 2.11: a FIFO nobody writes blocked tierstore.open in open()."""
+    import threading
+
+    from tierstore.keyring import read_keys_file
+
+    fifo = tmp_path / "keys"
+    os.mkfifo(fifo, 0o600)
+    raised: list = []
+    t = threading.Thread(daemon=True, target=lambda: raised.append(
+        pytest.raises(tierstore.ConfigError, read_keys_file, str(fifo), "auth")))
+    t.start()
+    t.join(5)
+    if t.is_alive():  # unblock the open so the thread ends
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("reading a FIFO keys_file blocked")
+    assert raised and "not a regular file" in str(raised[0].value)

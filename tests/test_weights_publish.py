@@ -237,3 +237,27 @@ def test_publishing_again_repairs_an_object_changed_in_place_and_removes_stale_t
     assert again["objects_written"] == 1 and again["objects_reused"] == first["objects"] - 1
     assert again["stale_temp_removed"] == 1 and not stale.exists() and fresh.exists()
     assert same(tw.load(str(tmp_path / "dst")), t)
+
+
+FORK_AFTER_HASHING = r"""
+import os, sys
+from tierstore.weights.digest import DigestCheck, object_name
+data = os.urandom(64 << 20)  # large enough for BLAKE3 to hash on its thread pool
+name = object_name([data])
+pid = os.fork()
+if pid == 0:
+    again = object_name([data])  # the pool's threads are not in the child
+    check = DigestCheck("x", "blake3:" + name[7:71], len(data), b"")
+    check.feed(0, [memoryview(data)])
+    check.final()
+    os._exit(0 if again == name else 1)
+print("child", os.waitpid(pid, 0)[1], flush=True)
+"""
+
+
+def test_hashing_works_in_a_child_forked_after_the_parent_hashed():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", FORK_AFTER_HASHING], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["child", "0"], proc.stderr[-2000:]

@@ -85,7 +85,8 @@ def parse_entries(text: str, where: str) -> dict[str, bytes]:
 def read_keys_file(path: str, where: str) -> dict[str, bytes]:
     """The entries of a key file, refused if other users may read or write it."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        # O_NONBLOCK: a FIFO (or a device) opens at once and is refused below, instead of blocking the open
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise ConfigError(f"{where}: cannot open {path!r}: {exc.strerror}") from None
     try:

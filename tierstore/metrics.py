@@ -4,7 +4,9 @@ Every value comes from the same counters ``stats()`` returns, so the two never d
 with ``tierstore_``; per-tier families carry a ``tier`` label. :data:`TIER_FAMILIES` is the one table of
 per-tier families; the vLLM connector builds its metrics (on vLLM's own ``/metrics``) from it too.
 
-* embedded: config ``metrics: {port: 9400, host: 127.0.0.1}`` serves ``/metrics`` (:class:`MetricsServer`);
+* embedded: config ``metrics: {port: 9400, host: 127.0.0.1}`` serves ``/metrics`` (:class:`MetricsServer`) on
+  loopback unless ``host`` names another address, with at most :data:`WORKERS` requests at once, each given
+  :data:`REQUEST_TIMEOUT` s (connections past that are closed at once: idle ones cost no thread);
 * ``tierstore stats --prometheus [FILE]``: the text format, for a node exporter's textfile collector.
 """
 
@@ -12,13 +14,18 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from http.server import HTTPServer
+from socketserver import ThreadingMixIn
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -28,6 +35,8 @@ from .telemetry import Latency
 log = logging.getLogger("tierstore")
 
 PREFIX = "tierstore_"
+#: requests the embedded endpoint serves at once, and seconds each may take (a slow or idle client included)
+WORKERS, REQUEST_TIMEOUT = 4, 5.0
 
 
 @dataclass(frozen=True)
@@ -224,10 +233,13 @@ class MetricsServer:
     def __init__(self, store: Any, port: int, host: str = "127.0.0.1") -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(StoreCollector.of(store))
+        handler = type("Handler", (MetricsHandler.factory(self.registry),), {"timeout": REQUEST_TIMEOUT})
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+            self._server = _BoundedServer((host, port), handler)
         except OSError as exc:
             raise ConfigError(f"metrics: cannot serve on {host}:{port}: {exc}") from None
+        self._thread = threading.Thread(target=self._server.serve_forever, name="tierstore-metrics", daemon=True)
+        self._thread.start()
         self.host, self.port = host, self._server.server_port
         log.info("tierstore: metrics on http://%s:%d/metrics", host, self.port)
 
@@ -235,3 +247,32 @@ class MetricsServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(5.0)
+
+
+class _BoundedServer(ThreadingMixIn, HTTPServer):
+    """An HTTP server with at most :data:`WORKERS` request threads; a connection past them is closed at once."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: Any) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self._slots = threading.BoundedSemaphore(WORKERS)
+        self.refused = 0
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()

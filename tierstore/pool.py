@@ -40,8 +40,7 @@ class SlotPool:
         if shared:
             from .serve import shm
 
-            self.memfd = shm.create("tierstore-host-pool", self.nslots * slot_size)
-            self.buffer = shm.map_bytes(self.memfd, self.nslots * slot_size)
+            self.memfd, self.buffer = shm.create_pool("tierstore-host-pool", self.nslots * slot_size)
             self.pinned = self.pinned and shm.register_for_dma(self.buffer, read_only=False)
         else:
             self.buffer = torch.empty(self.nslots * slot_size, dtype=torch.uint8, pin_memory=self.pinned)

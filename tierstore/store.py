@@ -711,8 +711,8 @@ def open(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> St
 
     ``{"server": "unix:///run/tierstore/tierstore.sock"}`` opens a node's ``tierstore serve`` instead: a
     :class:`~tierstore.serve.client.ServerStore`, with the same methods (optional keys: ``timeout``,
-    ``connections``). Both are a :class:`tierstore.Store`; ``isinstance(store, tierstore.TieredStore)``
-    reaches what only the embedded store has (``tier()``, ``lend()``).
+    ``connections``, ``server_uid``). Both are a :class:`tierstore.Store`; ``isinstance(store,
+    tierstore.TieredStore)`` reaches what only the embedded store has (``tier()``, ``lend()``).
 
     The whole configuration is validated first; a bad key raises :class:`~tierstore.ConfigError`
     naming it before any tier touches storage.

@@ -30,6 +30,12 @@ cache stays on except in ``recompute``):
 * ``lmcache-mp``: LMCache's multiprocess server instead (its ``LMCacheMPConnector``, host memory and a disk
   tier for the node; ``make lmcache-peer`` installs it).
 
+With ``--prefixes N`` the workload is vLLM's ``prefix_repetition`` dataset instead: ``N`` shared prefixes of
+``--system-words`` words, and ``--users`` × ``--rounds`` independent requests released at ``qps``, each one of
+the prefixes (seeded, the same order in every configuration) and a fresh ``--question-words`` suffix. A
+request's "round" is then how many times its prefix was asked so far: round 1 is a prefix's first (cold)
+request, ``2+`` its repeats — what a KV cache behind the engines is for.
+
 Without ``--model`` a random-weight Llama is built (``--layers``, ``--hidden``) so that prefill costs what
 a real model's does per token on this CPU; ``--kv-space`` (``VLLM_CPU_KVCACHE_SPACE``, GiB) sizes the
 engines' own KV cache below the working set, where offload starts to matter.
@@ -85,6 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-space", default="1", help="with --launch: VLLM_CPU_KVCACHE_SPACE in GiB (default 1)")
     p.add_argument("--engine-args", default="--max-model-len 8192 --max-num-batched-tokens 8192",
                    help="with --launch: more arguments for every engine")
+    p.add_argument("--prefixes", type=int, default=0,
+                   help="prefix repetition (vLLM's prefix_repetition dataset) over this many shared prefixes of "
+                        "--system-words words: --users x --rounds independent requests, each a prefix and a fresh "
+                        "--question-words suffix (default 0: multi-round QA)")
     p.add_argument("--users", type=int, default=4, help="conversations (default 4)")
     p.add_argument("--rounds", type=int, default=4, help="rounds per conversation (default 4)")
     p.add_argument("--system-words", type=int, default=1000, help="shared system prompt, in words (default 1000)")
@@ -109,12 +119,14 @@ class Workload:
     question_words: int = 50
     answer_tokens: int = 32
     seed: int = 0
+    #: > 0: prefix repetition (module docstring) over this many shared prefixes of ``system_words`` words
+    prefixes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("users", "rounds", "answer_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        for name in ("system_words", "history_words", "question_words"):
+        for name in ("system_words", "history_words", "question_words", "prefixes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
 
@@ -133,6 +145,20 @@ class Workload:
     def question(self, sweep: int, user: int, round_: int) -> str:
         return f"\n\nQuestion {round_}: " + self._words(self.question_words, "question", sweep, user, round_) + \
             "\nAnswer:"
+
+
+    def prefix_requests(self, sweep: int) -> list[tuple[int, int, str]]:
+        """Prefix repetition: ``(prefix, its occurrence so far (1 = first), prompt)`` per request, in order."""
+        rng = random.Random(repr((self.seed, "order", sweep)))
+        seen: dict[int, int] = defaultdict(int)
+        out = []
+        for j in range(self.users * self.rounds):
+            p = rng.randrange(self.prefixes)
+            seen[p] += 1
+            prompt = (f"Prefix {sweep}.{p}: " + self._words(self.system_words, "prefix", sweep, p)
+                      + f"\n\nRequest {j}: " + self._words(self.question_words, "suffix", sweep, j) + "\nAnswer:")
+            out.append((p, seen[p], prompt))
+        return out
 
 
 @dataclass
@@ -187,11 +213,45 @@ def stream_completion(url: str, model: str, prompt: str, max_tokens: int, timeou
     return ttft, time.perf_counter() - start, "".join(parts), usage
 
 
+def ask(url: str, model: str, prompt: str, max_tokens: int, timeout: float, rec: Record) -> Record:
+    """One streamed request, its outcome filled into ``rec`` (a failed request is a record, not a failed bench)."""
+    try:
+        rec.ttft_s, rec.latency_s, rec.text, usage = stream_completion(url, model, prompt, max_tokens, timeout)
+        rec.prompt_tokens, rec.output_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    except Exception as exc:  # noqa: BLE001 - recorded
+        rec.error = f"{type(exc).__name__}: {exc}"
+    return rec
+
+
+def run_prefix_step(url: str, model: str, w: Workload, qps: float, sweep: int, timeout: float) -> list[Record]:
+    """The prefix-repetition requests at ``qps`` (each released on time, whatever is still running)."""
+    records: list[Record] = []
+    lock = threading.Lock()
+
+    def one(prefix: int, nth: int, prompt: str) -> None:
+        rec = ask(url, model, prompt, w.answer_tokens, timeout, Record(qps, prefix, nth, time.time()))
+        with lock:
+            records.append(rec)
+
+    threads = []
+    t0 = time.perf_counter()
+    for j, request in enumerate(w.prefix_requests(sweep)):
+        time.sleep(max(0.0, t0 + j / qps - time.perf_counter()))
+        th = threading.Thread(target=one, args=request, daemon=True)
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    return records
+
+
 def run_step(url: str, model: str, w: Workload, qps: float, sweep: int, timeout: float) -> list[Record]:
     """Every user's rounds at ``qps``: a round is released when its user's previous one has ended and the
-    rate allows; returns the records in completion order."""
+    rate allows; returns the records in completion order. (With ``w.prefixes``: :func:`run_prefix_step`.)"""
     if qps <= 0:
         raise ValueError("qps must be positive")
+    if w.prefixes:
+        return run_prefix_step(url, model, w, qps, sweep, timeout)
     history = {u: w.system(sweep) + w.opening(sweep, u) for u in range(w.users)}
     next_round = dict.fromkeys(range(w.users), 1)
     ready = list(range(w.users))
@@ -200,13 +260,7 @@ def run_step(url: str, model: str, w: Workload, qps: float, sweep: int, timeout:
 
     def one(user: int, round_: int) -> None:
         prompt = history[user] + w.question(sweep, user, round_)
-        rec = Record(qps, user, round_, time.time())
-        try:
-            rec.ttft_s, rec.latency_s, rec.text, usage = stream_completion(url, model, prompt, w.answer_tokens,
-                                                                           timeout)
-            rec.prompt_tokens, rec.output_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        except Exception as exc:  # a failed request is a record, not a failed bench
-            rec.error = f"{type(exc).__name__}: {exc}"
+        rec = ask(url, model, prompt, w.answer_tokens, timeout, Record(qps, user, round_, time.time()))
         with cond:
             history[user] = prompt + rec.text
             records.append(rec)
@@ -326,10 +380,11 @@ def measure(url: str, model: str, w: Workload, qps: Sequence[float], metrics_url
 def cross_instance(first: str, second: str, model: str, w: Workload, probes: int = 3, settle_s: float = 5.0,
                    timeout: float = 600.0) -> list[float]:
     """TTFT on ``second`` of prompts whose long prefix (a system prompt and a history of the workload's
-    sizes, fresh words each time) only ``first`` computed, ``settle_s`` after it did (write-back time)."""
+    sizes — a prefix's, for prefix repetition — fresh words each time) only ``first`` computed, ``settle_s``
+    after it did (write-back time)."""
     out = []
     for i in range(probes):
-        prefix = f"Cross {i}: " + w._words(w.system_words + w.history_words, "cross", i)
+        prefix = f"Cross {i}: " + w._words(w.system_words + (0 if w.prefixes else w.history_words), "cross", i)
         stream_completion(first, model, prefix + "\n\nQuestion A:", w.answer_tokens, timeout)
         time.sleep(settle_s)
         ttft, _, _, _ = stream_completion(second, model, prefix + "\n\nQuestion B:", w.answer_tokens, timeout)
@@ -491,7 +546,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--qps: give one or more positive rates")
     try:
         w = Workload(args.users, args.rounds, args.system_words, args.history_words, args.question_words,
-                     args.answer_tokens, args.seed)
+                     args.answer_tokens, args.seed, args.prefixes)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     if args.launch:

@@ -119,3 +119,36 @@ def _clear_stale(path: str) -> None:
     finally:
         probe.close()
     raise ConfigError(f"a server already listens at {path!r}")
+
+
+# ---------------------------------------------------------------------- the client's side
+class UntrustedServer(PermissionError):
+    """The socket's directory or the process listening on it belongs to an account the client does not trust."""
+
+
+def trusted_uids(server_uid: int | None) -> frozenset[int]:
+    """Who a client trusts to serve it: its own user, root (who could read its memory anyway), and
+    ``server_uid`` (the account a shared server runs as)."""
+    return frozenset({os.getuid(), 0} | ({server_uid} if server_uid is not None else set()))
+
+
+def check_directory(path: str, uids: Collection[int]) -> None:
+    """Refuse a socket whose directory another account made or may write (it could have put its own server
+    there). Raises :class:`UntrustedServer`."""
+    directory = os.path.dirname(path)
+    st = os.stat(directory)
+    if st.st_uid not in uids:
+        raise UntrustedServer(f"socket directory {directory!r} belongs to uid {st.st_uid}, which this client "
+                              f"does not trust (server_uid names the server's account)")
+    if stat.S_IMODE(st.st_mode) & 0o022:
+        raise UntrustedServer(f"socket directory {directory!r} has mode {stat.S_IMODE(st.st_mode):o}: other "
+                              "accounts may create sockets in it; serve from a directory only the server's "
+                              "account may write (e.g. /run/tierstore)")
+
+
+def check_server(sock: socket.socket, uids: Collection[int]) -> None:
+    """Refuse a connected socket whose listening process runs as an account outside ``uids``."""
+    peer = peer_of(sock)
+    if peer.uid not in uids:
+        raise UntrustedServer(f"the socket is served by uid {peer.uid} (pid {peer.pid}), which this client does "
+                              "not trust (server_uid names the server's account)")

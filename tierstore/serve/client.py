@@ -9,14 +9,22 @@ the staging area and the server commits it. Connections are pooled (one request 
 The server going away is never an exception on the data path: while it cannot be reached, gets are misses,
 puts are not acknowledged, ``contains``/``lookup`` say no — each call returns at once (a dead server's socket
 fails immediately) — and the next call after it is back reconnects by itself. Only ``flush`` raises
-(:class:`~tierstore.ServerUnavailableError`): it promises something an absent server cannot keep.
+(:class:`~tierstore.ServerUnavailableError`): it promises something an absent server cannot keep, and a
+server that restarted (a new server id in its hello) cannot keep it for the puts its predecessor acknowledged.
+
+Before it sends anything a client checks whom it talks to: the socket's directory must belong to a trusted
+account and be writable by no other, the process listening must run as a trusted account (``SO_PEERCRED``:
+the client's own user, root, or ``server_uid``), and both regions it is handed must be sealed memfds (the pool
+sealed against writes). Anything else is a server that cannot be reached (calls are misses, with a warning).
+A client used in a process forked after it opened raises :class:`~tierstore.ForkedError` on every call (the
+child opens its own).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
+import pwd
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -28,25 +36,22 @@ from typing import Any
 import torch
 
 from .. import errors
-from ..errors import ClosedError, ConfigError, ServerUnavailableError, WriteBackError
-from ..keys import DIGEST_SIZE, ChunkKey, check_key
+from ..errors import ClosedError, ConfigError, ForkedError, ServerUnavailableError, WriteBackError
+from ..keys import ChunkKey, check_key
 from ..objformat import validate_chunk
 from ..sizes import parse_seconds
 from ..store import Item, Readiness, check_items, check_keys
 from ..telemetry import Counters
 from ..tensors import TensorDict, byte_alias, check_device, check_outs, copy_tensors, dtype_name, wait_for_copies
-from . import shm
+from . import access, shm
+from .link import Link, TierInfo
 from .places import OutSpec, Places, copy_out
 from .protocol import (
     MAX_KEYS,
-    VERSION,
     ProtocolError,
-    Reader,
-    encode,
     hexes,
     parse_spec,
     place,
-    set_timeouts,
     spec,
     views,
 )
@@ -61,16 +66,8 @@ RETRY_INTERVAL = 0.5
 CONNECTIONS = 4
 #: seconds an idle connection keeps the leases of its last get before a background pass gives them back
 RELEASE_AFTER = 0.02
-
-@dataclass(frozen=True)
-class TierInfo:
-    """A tier of the server's store, as clients see it."""
-
-    index: int
-    name: str
-    kind: str
-    shared: bool
-
+#: a flush's heartbeat: the server says it is still flushing this often (a fraction of the request timeout)
+BEAT = 0.4
 
 @dataclass
 class ServerPin:
@@ -86,94 +83,6 @@ class _Unavailable(Exception):
     """The server cannot be reached now (the call becomes a miss)."""
 
 
-_ERRORS: dict[str, type[errors.TierstoreError]] = {
-    cls.__name__: cls for cls in (errors.InvalidInputError, errors.InvalidTypeError, errors.ConfigError,
-                                  errors.TierTimeoutError, errors.MissingKeyError, errors.CapacityError)}
-
-
-class _Connection:
-    """One socket to the server with its mappings of the pool (read-only) and of its staging area."""
-
-    def __init__(self, path: str, timeout: float, pools: dict[str, torch.Tensor]):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.timeout = timeout
-        fds: list[int] = []
-        try:
-            self.sock.settimeout(timeout)
-            self.sock.connect(path)
-            self.sock.sendall(encode({"op": "hello", "version": VERSION, "pid": os.getpid()}))
-            data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 2)
-            if not data:
-                raise ConnectionError("server closed the connection")
-            #: leases whose chunks were copied out, to give back with the next request (or by the idle pass)
-            self.done: list[int] = []
-            #: chunks read straight from the pool (their hex digests back to back), reported with the next
-            #: request (or by the idle pass)
-            self.touched = ""
-            self.idle_since = 0.0
-            self.reader = Reader(self.sock, data)
-            hello = self.reader.frame()
-            if not hello.get("ok"):
-                raise ProtocolError(f"server refused the connection: {hello.get('message')}")
-            if len(fds) != 2:
-                raise ProtocolError("server sent no shared memory")
-            self.server: str = hello["server"]
-            self.tiers = tuple(TierInfo(i, t["name"], t["kind"], bool(t["shared"]))
-                               for i, t in enumerate(hello["tiers"]))
-            pool = pools.get(self.server)  # one mapping of a server's pool per process
-            if pool is None:
-                pool = pools[self.server] = shm.map_bytes(fds[0], int(hello["pool"]), writable=False)
-                shm.register_for_dma(pool, read_only=True)  # copies to a GPU are then DMA
-            self.pool: torch.Tensor = pool
-            self.words = pool.view(torch.int64)  # the chunks' stamp words (tierstore.serve.places)
-            self.staging = shm.map_bytes(fds[1], int(hello["staging"]))
-            set_timeouts(self.sock, send=timeout, receive=timeout)
-        except BaseException:
-            self.sock.close()
-            raise
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-    def call(self, msg: Mapping[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        if self.done or self.touched:  # ride along (one message fewer per get)
-            msg = {**msg, **self.settled()}
-        if timeout is not None:  # a call of its own length (flush, prefetch): back to the usual after it
-            set_timeouts(self.sock, send=self.timeout, receive=timeout)
-        try:
-            self.sock.sendall(encode(msg))
-            reply = self.reader.frame()
-        finally:
-            if timeout is not None:
-                set_timeouts(self.sock, send=self.timeout, receive=self.timeout)
-        if not reply.get("ok"):
-            name, text = reply.get("error"), str(reply.get("message"))
-            if name == "ClosedError":
-                raise ConnectionError(f"server is closing: {text}")
-            raise _ERRORS.get(str(name), errors.TierstoreError)(text)
-        return reply
-
-    def settled(self) -> dict[str, Any]:
-        """What to tell the server with the next message: leases done with, chunks read straight from the pool."""
-        msg: dict[str, Any] = {}
-        if self.done:
-            msg["release"], self.done = self.done, []
-        if self.touched:
-            msg["touch"], self.touched = self.touched, ""
-        return msg
-
-    def touch(self, keys: Sequence[ChunkKey]) -> None:
-        """Note ``keys`` as read straight from the pool; only the last :data:`MAX_KEYS` are kept (what one
-        message may carry), so a client that never pauses does not grow the note without end."""
-        self.touched = (self.touched + hexes(keys))[-MAX_KEYS * 2 * DIGEST_SIZE:]
-
-    def send(self, msg: Mapping[str, Any]) -> None:
-        self.sock.sendall(encode(msg))
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 class ServerStore:
     """A node server's store, used through its socket (see the module docstring).
 
@@ -181,24 +90,38 @@ class ServerStore:
         url: ``unix:///run/tierstore/tierstore.sock`` (or the socket's absolute path).
         timeout: seconds one request may take before the server counts as gone.
         connections: sockets kept open (calls in flight at once from this process).
+        server_uid: the account (uid or user name) the server runs as, when it is not this process's own
+            user or root: a server run by any other account is never sent a byte.
     """
 
-    def __init__(self, url: str, timeout: float = TIMEOUT, connections: int = CONNECTIONS):
+    def __init__(self, url: str, timeout: float = TIMEOUT, connections: int = CONNECTIONS,
+                 server_uid: int | str | None = None):
         timeout = parse_seconds(timeout, key="timeout")
         if type(connections) is not int or connections < 1:
             raise ConfigError(f"connections: expected a positive int, got {connections!r}")
+        if isinstance(server_uid, str):
+            try:
+                server_uid = pwd.getpwnam(server_uid).pw_uid
+            except KeyError:
+                raise ConfigError(f"server_uid: no user named {server_uid!r}") from None
+        if server_uid is not None and (type(server_uid) is not int or server_uid < 0):
+            raise ConfigError(f"server_uid: expected a user id or name, got {server_uid!r}")
+        self._pid = os.getpid()
+        self._trusted = access.trusted_uids(server_uid)
         self.path = socket_path_of(url)
         self.url = url
         self.timeout = float(timeout)
         self.counters = Counters()
         self.tiers: tuple[TierInfo, ...] = ()
         self._lock = threading.Lock()
-        self._idle: list[_Connection] = []
+        self._idle: list[Link] = []
         self._pools: dict[str, torch.Tensor] = {}
         self._slots = threading.BoundedSemaphore(connections)
         self._down_until = 0.0
         self._closed = False
-        self._counts = {"unavailable": 0, "reconnects": 0}
+        self._counts = {"unavailable": 0, "reconnects": 0, "untrusted": 0}
+        #: per server id, puts it acknowledged that no flush has confirmed yet
+        self._unflushed: dict[str, int] = {}
         self._places = Places()
         self._async = ThreadPoolExecutor(connections, thread_name_prefix="tierstore-client")
         self._stopping, self._release_soon = threading.Event(), threading.Event()
@@ -211,25 +134,28 @@ class ServerStore:
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any]) -> ServerStore:
-        unknown = set(raw) - {"server", "timeout", "connections"}
+        unknown = set(raw) - {"server", "timeout", "connections", "server_uid"}
         if unknown:
-            raise ConfigError(f"a server config takes server, timeout and connections; not {', '.join(sorted(unknown))}"
-                              " (the server's own config names the tiers)")
+            raise ConfigError(f"a server config takes server, timeout, connections and server_uid; not "
+                              f"{', '.join(sorted(unknown))} (the server's own config names the tiers)")
         if not isinstance(raw["server"], str):
             raise ConfigError("server: expected unix:///path/to/socket")
-        return cls(raw["server"], raw.get("timeout", TIMEOUT), raw.get("connections", CONNECTIONS))
+        return cls(raw["server"], raw.get("timeout", TIMEOUT), raw.get("connections", CONNECTIONS),
+                   raw.get("server_uid"))
 
     # ------------------------------------------------------------------ connections
-    def _connect(self) -> _Connection:
+    def _connect(self) -> Link:
         if time.monotonic() < self._down_until:
             raise _Unavailable
         try:
-            conn = _Connection(self.path, self.timeout, self._pools)
+            conn = Link(self.path, self.timeout, self._pools, self._trusted)
         except (OSError, ProtocolError, KeyError, TypeError, ValueError) as exc:
+            untrusted = isinstance(exc, (access.UntrustedServer, errors.InvalidInputError))
             with self._lock:
                 self._down_until = time.monotonic() + RETRY_INTERVAL
-                self._counts["unavailable"] += 1
-            log.debug("tierstore server %s unreachable: %s", self.path, exc)
+                self._counts["untrusted" if untrusted else "unavailable"] += 1
+            log.log(logging.WARNING if untrusted else logging.DEBUG, "tierstore server %s %s: %s", self.path,
+                    "not trusted" if untrusted else "unreachable", exc)
             raise _Unavailable from None
         with self._lock:
             self.tiers = conn.tiers
@@ -239,9 +165,8 @@ class ServerStore:
                 shm.unregister_for_dma(self._pools.pop(gone))
         return conn
 
-    def _take(self) -> _Connection:
-        if self._closed:
-            raise ClosedError("store is closed")
+    def _take(self) -> Link:
+        self._check_open()
         self._slots.acquire()
         with self._lock:
             if self._idle:
@@ -252,7 +177,7 @@ class ServerStore:
             self._slots.release()
             raise
 
-    def _give_back(self, conn: _Connection) -> None:
+    def _give_back(self, conn: Link) -> None:
         with self._lock:
             if self._closed:
                 conn.close()
@@ -287,7 +212,7 @@ class ServerStore:
                     continue
                 self._give_back(c)
 
-    def _broken(self, conn: _Connection, exc: BaseException) -> None:
+    def _broken(self, conn: Link, exc: BaseException) -> None:
         """``conn`` failed: it and every idle connection (to the same server, likely gone too) are dropped."""
         log.debug("tierstore server %s: %s: %s", self.path, type(exc).__name__, exc)
         conn.close()
@@ -298,7 +223,7 @@ class ServerStore:
             c.close()
 
     @contextmanager
-    def _connection(self) -> Iterator[_Connection]:
+    def _connection(self) -> Iterator[Link]:
         """A pooled connection for the ``with`` body: given back after it (an error reply leaves its stream in
         step), closed if the body broke off otherwise; one whose exchange failed was dropped by :meth:`_call`."""
         conn = self._take()
@@ -317,7 +242,7 @@ class ServerStore:
         finally:
             self._slots.release()
 
-    def _call(self, conn: _Connection, msg: Mapping[str, Any], timeout: float | None = None) -> dict[str, Any]:
+    def _call(self, conn: Link, msg: Mapping[str, Any], timeout: float | None = None) -> dict[str, Any]:
         """One request/reply on ``conn``; :class:`_Unavailable` (``conn`` dropped) if the server cannot answer."""
         try:
             return conn.call(msg, timeout)
@@ -333,6 +258,7 @@ class ServerStore:
     def get_many(self, keys: Sequence[ChunkKey], *, out: Sequence[Mapping[str, torch.Tensor]] | None = None,
                  device: str | torch.device = "cpu") -> list[TensorDict | None]:
         """As :meth:`TieredStore.get_many`; misses while the server cannot be reached."""
+        self._check_open()
         keys = check_keys(keys)
         device = check_device(device)
         if out is not None:
@@ -370,16 +296,25 @@ class ServerStore:
                     read = set(direct)
                     outs = [o for i, o in zip(todo, outs, strict=True) if i not in read]
                     todo = [i for i in todo if i not in read]
+            leased: list[tuple[int, OutSpec, list[Any]]] = []
             if todo:
-                again = self._ask_for(conn, keys, out, outs, device, todo, results)
+                again = self._ask_for(conn, keys, out, outs, device, todo, results, leased)
             if out is not None and any(o.device.type == "cuda" for i in asked for o in out[i].values()):
                 wait_for_copies(*(o for i in asked for o in out[i].values()))
+            for i, spec_, item in leased:  # copied out of the pool under a lease: was it still that chunk?
+                if _stamp_holds(conn.words, item):
+                    self._places.learn(conn.server, keys[i], spec_, item)
+                else:  # the lease outlived lease_ttl and the memory went to another chunk meanwhile
+                    log.warning("get %s: its pool memory was reused while being copied; a miss", keys[i].hex()[:16])
+                    results[i] = None
             return again
 
-    def _ask_for(self, conn: _Connection, keys: list[ChunkKey], out: list[Mapping[str, torch.Tensor]] | None,
+    def _ask_for(self, conn: Link, keys: list[ChunkKey], out: list[Mapping[str, torch.Tensor]] | None,
                  outs: list[OutSpec], device: str | torch.device, todo: list[int],
-                 results: list[TensorDict | None]) -> list[int]:
-        """One get request on ``conn`` for ``todo`` (``outs``: their ``out`` shapes); copies what it lends."""
+                 results: list[TensorDict | None], leased: list[tuple[int, OutSpec, list[Any]]]) -> list[int]:
+        """One get request on ``conn`` for ``todo`` (``outs``: their ``out`` shapes); copies what it lends (the
+        chunks copied out of the pool listed in ``leased``, for their stamps to be checked once the copies are
+        done)."""
         msg: dict[str, Any] = {"op": "get", "keys": hexes([keys[i] for i in todo])}
         if out is not None:  # what each out expects, each distinct list once (a KV batch has one)
             distinct: dict[OutSpec, int] = {}
@@ -400,7 +335,7 @@ class ServerStore:
                 assert out is not None
                 results[i] = copy_out(conn.pool if item[0] == 0 else conn.staging, item[3:], out[i])
                 if item[0] == 0:
-                    self._places.learn(conn.server, keys[i], outs[j], item)
+                    leased.append((i, outs[j], item))
             else:
                 region = conn.pool if "p" in item else conn.staging
                 src = views(region, parse_spec(item["p"] if "p" in item else item["s"], region.numel()))
@@ -415,6 +350,7 @@ class ServerStore:
     def put_many(self, items: Iterable[Item]) -> list[bool]:
         """As :meth:`TieredStore.put_many`; not acknowledged (``False``) while the server cannot be reached or
         for a chunk larger than the connection's staging area."""
+        self._check_open()
         items, valid = check_items(items)
         acks = [False] * len(items)
         while valid:
@@ -449,8 +385,13 @@ class ServerStore:
             if not sent:
                 return []
             reply = self._call(conn, {"op": "put", "items": wire})
+            server = conn.server
+        n = 0
         for i, ok in zip(sent, reply["acks"], strict=True):
             acks[i] = bool(ok)
+            n += acks[i]
+        with self._lock:
+            self._unflushed[server] = self._unflushed.get(server, 0) + n
         return later
 
     def put(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -532,15 +473,37 @@ class ServerStore:
         return int(self._ask({"op": "evict", "keys": keys, "tier": str(tier)}, "n", 0))
 
     def flush(self, timeout: float | None = None) -> Any:
-        """As :meth:`TieredStore.flush` on the server's store. Raises :class:`ServerUnavailableError` if the
-        server cannot be reached (what was put may not be written)."""
+        """As :meth:`TieredStore.flush` on the server's store: waits (``timeout=None``: as long as the server
+        is alive and says it is still flushing) until what was put reached every tier.
+
+        Raises:
+            ServerUnavailableError: the server cannot be reached, or puts this client made were acknowledged
+                by a server that has since gone (a restart): nothing can confirm them (they are then forgotten:
+                put them again). The message says how many.
+        """
         from ..writeback import FlushReport
 
         wait = None if timeout is None else float(timeout)
+        with self._lock:
+            before = dict(self._unflushed)
         try:
-            reply = self._request({"op": "flush", "timeout": wait}, None if wait is None else wait + self.timeout)
+            with self._connection() as conn:
+                reply = self._call(conn, {"op": "flush", "timeout": wait, "beat": min(BEAT * self.timeout, 5.0)})
+                server = conn.server
         except _Unavailable:
             raise ServerUnavailableError(f"tierstore server at {self.path} cannot be reached") from None
+        with self._lock:  # puts acknowledged before the flush began are settled now, one way or the other
+            for sid, n in before.items():
+                left = self._unflushed.get(sid, 0) - n
+                if left > 0:
+                    self._unflushed[sid] = left
+                else:
+                    self._unflushed.pop(sid, None)
+        lost = sum(n for sid, n in before.items() if sid != server)
+        if lost:
+            raise ServerUnavailableError(f"{lost} puts were acknowledged by a tierstore server at {self.path} that "
+                                         f"has since restarted (now server {server}): this flush cannot confirm "
+                                         "them; put them again")
         failed, dropped = _keyed(reply["failed"]), _keyed(reply["dropped"])
         if failed:
             raise WriteBackError(failed, dropped)
@@ -574,11 +537,17 @@ class ServerStore:
 
     # ------------------------------------------------------------------ lifecycle
     def _check_open(self) -> None:
+        if os.getpid() != self._pid:  # its sockets are the parent's too: a reply could reach the wrong process
+            raise ForkedError(f"this client was opened in process {self._pid} before it forked: open one in the "
+                              "child (tierstore.open) after the fork")
         if self._closed:
             raise ClosedError("store is closed")
 
     def close(self, timeout: float | None = None) -> None:
-        """Wait for this client's calls in flight, then close its connections (the server keeps the data)."""
+        """Wait for this client's calls in flight, then close its connections (the server keeps the data). In a
+        child forked after open, returns at once (the parent's connections and threads are the parent's)."""
+        if os.getpid() != self._pid:
+            return
         with self._lock:
             if self._closed:
                 return
@@ -603,6 +572,15 @@ class ServerStore:
 
     def __repr__(self) -> str:
         return f"<ServerStore {self.url}>"
+
+
+def _stamp_holds(words: torch.Tensor, item: Sequence[Any]) -> bool:
+    """Whether the stamp a get reply gave a pool chunk (``[0, stamp, word, ...]``) is still at its word (no stamp:
+    nothing to check)."""
+    stamp, word = item[1], item[2]
+    if not stamp:
+        return True
+    return type(word) is int and 0 <= word < 8 * words.numel() and not word % 8 and int(words[word // 8]) == stamp
 
 
 def _keyed(named: Mapping[str, Sequence[str]]) -> dict[ChunkKey, tuple[str, ...]]:

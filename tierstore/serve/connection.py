@@ -56,12 +56,13 @@ class Connection:
 
     def __init__(self, server: NodeServer, sock: socket.socket, peer: access.Peer):
         self.server, self.sock, self.peer = server, sock, peer
-        set_timeouts(sock, send=server.config.send_timeout)
+        set_timeouts(sock, send=server.config.send_timeout, receive=server.config.hello_timeout)
         self.reader = Reader(sock)
         self.store = server.store
         self.thread = threading.Thread(target=self._run, name=f"tierstore-serve-{peer.pid}", daemon=True)
         self._lock = threading.Lock()
         self._leases: dict[int, _Lease] = {}
+        self._lease_ids = 0
         self._staging_fd = -1
         self.staging = shm.map_bytes(-1, 0)
         self._handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
@@ -99,7 +100,8 @@ class Connection:
             self._drop()
 
     def _hello(self) -> bool:
-        msg = self.reader.request()
+        msg = self.reader.request()  # within hello_timeout, then no receive timeout: a client may idle
+        set_timeouts(self.sock, send=self.server.config.send_timeout, receive=0)
         version = msg.get("version")
         if msg["op"] != "hello" or version != VERSION:
             self._count("protocol_errors")
@@ -242,8 +244,9 @@ class Connection:
             self._stage(keys, wants, rest, items)
         reply: dict[str, Any] = {"items": items}
         if lent:
-            lid = self.server.new_id()
             with self._lock:
+                self._lease_ids += 1
+                lid = self._lease_ids
                 self._leases[lid] = _Lease(loan, lent, time.monotonic())
             reply["lease"] = lid
         else:
@@ -333,7 +336,7 @@ class Connection:
         return {"pin": self.server.pin(self, pin), "ready": pin.ready}
 
     def _unpin(self, msg: dict[str, Any]) -> dict[str, Any]:
-        self.server.unpin(get_field(msg, "pin", int))
+        self.server.unpin(self, get_field(msg, "pin", int))
         return {}
 
     def _delete(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -343,7 +346,32 @@ class Connection:
         return {"n": self.store.evict(keys_field(msg), tier=get_field(msg, "tier", str))}
 
     def _flush(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The store's flush; with ``beat`` (seconds), ``{"ok": true, "beat": true}`` frames that often while it
+        runs, so that a client waits for a long flush as long as the server is alive (and no longer)."""
         timeout = get_field(msg, "timeout", (int, float, type(None)), None)
+        beat = get_field(msg, "beat", (int, float), None)
+        if beat is None:
+            return self._flush_now(timeout)
+        result: list[dict[str, Any]] = []
+        failure: list[BaseException] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                result.append(self._flush_now(timeout))
+            except BaseException as exc:  # noqa: BLE001 - raised again on the connection's thread
+                failure.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"tierstore-serve-flush-{self.peer.pid}", daemon=True).start()
+        while not done.wait(max(float(beat), 0.05)):
+            self._answer_with({"ok": True, "beat": True})
+        if failure:
+            raise failure[0]
+        return result[0]
+
+    def _flush_now(self, timeout: float | None) -> dict[str, Any]:
         try:
             report = self.store.flush(timeout)
         except errors.WriteBackError as exc:

@@ -54,6 +54,8 @@ def decode(body: bytes) -> dict[str, Any]:
         msg = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError(f"frame is not JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("frame nests too deep") from None
     if not isinstance(msg, dict):
         raise ProtocolError("a message is a JSON object")
     return msg

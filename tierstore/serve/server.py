@@ -9,12 +9,14 @@ memory, pins — is given back when its socket closes (a client SIGKILLed mid-tr
 leases older than ``lease_ttl`` are reclaimed in case a client stops answering but keeps its socket.
 
 One thread per connection (:mod:`.connection`): a client that sends garbage, never reads, or stalls costs only
-its own thread (and is dropped after ``send_timeout``), never another client's calls.
+its own thread (and is dropped after ``send_timeout``; one that never says hello, after ``hello_timeout``),
+never another client's calls. Running out of descriptors (``EMFILE``/``ENFILE``) pauses accepting, with a
+warning and a count, until some are free again; it never ends the service.
 """
 
 from __future__ import annotations
 
-import itertools
+import errno
 import logging
 import os
 import secrets
@@ -37,6 +39,9 @@ from .protocol import encode, error_reply
 log = logging.getLogger(__name__)
 
 DEFAULT_SOCKET = "/run/tierstore/tierstore.sock"
+#: accept errors that pass once descriptors or memory free up (the first pause and the longest, in seconds)
+_TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EINTR})
+_PAUSE, _MAX_PAUSE = 0.05, 1.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,8 @@ class ServeConfig:
     max_clients: int = 64
     #: seconds a reply may wait for a client that does not read before the client is dropped
     send_timeout: float = 5.0
+    #: seconds a new connection has to say hello before its slot is given back
+    hello_timeout: float = 5.0
 
 
 def parse_serve(value: Any) -> ServeConfig:
@@ -123,8 +130,8 @@ class NodeServer:
         self._lock = threading.Lock()
         self._clients: set[Connection] = set()
         self._pins: dict[int, tuple[Connection, Pin]] = {}
-        self._ids = itertools.count(1)
-        self.counts = {"connections": 0, "refused": 0, "protocol_errors": 0, "expired_leases": 0, "dropped": 0}
+        self.counts = {"connections": 0, "refused": 0, "protocol_errors": 0, "expired_leases": 0, "dropped": 0,
+                       "accept_errors": 0}
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -137,14 +144,27 @@ class NodeServer:
         return self
 
     def serve_forever(self) -> None:
+        pause = _PAUSE
         while not self._closing.is_set():
             try:
                 conn, _ = self.listener.accept()
-            except OSError:
+            except OSError as exc:
                 if self._closing.is_set():
                     return
-                raise
-            self._admit(conn)
+                if exc.errno not in _TRANSIENT:
+                    raise
+                with self._lock:
+                    self.counts["accept_errors"] += 1
+                log.warning("accept failed (%s): waiting %.2f s before accepting again", exc, pause)
+                self._closing.wait(pause)  # the connection stays queued; descriptors free up as clients leave
+                pause = min(2 * pause, _MAX_PAUSE)
+                continue
+            pause = _PAUSE
+            try:
+                self._admit(conn)
+            except OSError as exc:  # a client gone before it was admitted: never the end of accepting
+                log.warning("could not admit a client: %s", exc)
+                conn.close()
 
     def close(self) -> None:
         if self._closing.is_set():
@@ -228,17 +248,19 @@ class NodeServer:
         return {"id": self.id, "clients": len(clients), "pins": pins, "leases": sum(n for n, _ in leases),
                 "leased_bytes": sum(b for _, b in leases), **counts}
 
-    def new_id(self) -> int:
-        return next(self._ids)
-
     def pin(self, conn: Connection, pin: Pin) -> int:
-        pid = self.new_id()
+        """Hold ``pin`` for ``conn``; its id (random: another client cannot guess it)."""
         with self._lock:
+            while (pid := secrets.randbits(53) + 1) in self._pins:
+                pass
             self._pins[pid] = (conn, pin)
         return pid
 
-    def unpin(self, pid: int) -> None:
+    def unpin(self, conn: Connection, pid: int) -> None:
+        """Give back pin ``pid`` if a connection of ``conn``'s client process made it (else a no-op)."""
         with self._lock:
-            held = self._pins.pop(pid, None)
-        if held is not None:
-            self.store.release(held[1])
+            held = self._pins.get(pid)
+            if held is None or held[0].peer != conn.peer:
+                return
+            del self._pins[pid]
+        self.store.release(held[1])

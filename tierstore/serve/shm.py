@@ -2,8 +2,12 @@
 
 The server makes each region (its host pool, one staging area per connection) and seals it against
 shrinking and growing before any client sees it, so no client can truncate memory the server reads or
-writes (a truncated mapping would kill the server with SIGBUS). The pool goes to clients through a
-read-only descriptor: a client can read chunks out of it but never write into another client's data.
+writes (a truncated mapping would kill the server with SIGBUS). The pool is also sealed against writes
+(``F_SEAL_FUTURE_WRITE``, Linux 5.1+) once the server has mapped it: the server writes through that one
+mapping, and no descriptor of the pool — the read-only one clients get, one reopened through
+``/proc/self/fd`` with ``O_RDWR`` (its inode is also mode 0400), root's — can be written, mapped writable
+(``mprotect`` included), punched or truncated. A client can read chunks out of it but never write into anyone's
+data. Clients check these seals (:func:`check_sealed`) before they map a region.
 """
 
 from __future__ import annotations
@@ -19,26 +23,50 @@ import torch
 
 from ..errors import InvalidInputError
 
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: refuses ``write``/``mmap(PROT_WRITE)``/hole punching on every descriptor; mappings made before it stay writable
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
+#: a staging area's seals (its connection writes puts into it)
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+#: the pool's seals
+POOL_SEALS = SEALS | F_SEAL_FUTURE_WRITE
 
 
 def create(name: str, size: int) -> int:
-    """A new sealed memfd of ``size`` bytes (zero-filled, close-on-exec)."""
+    """A new sealed memfd of ``size`` bytes (zero-filled, close-on-exec), writable by whoever holds it."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
     except BaseException:
         os.close(fd)
         raise
     return fd
 
 
-def check_sealed(fd: int, size: int) -> None:
-    """Refuse a region that could shrink under us or is smaller than ``size``."""
-    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    if seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL) != fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL:
-        raise InvalidInputError("shared region is not sealed against shrinking")
+def create_pool(name: str, size: int) -> tuple[int, torch.Tensor]:
+    """A new memfd of ``size`` bytes and the one writable mapping of it there will ever be (the caller's);
+    sealed with :data:`POOL_SEALS` after that mapping is made."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        buffer = map_bytes(fd, size)
+        os.fchmod(fd, 0o400)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, POOL_SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, buffer
+
+
+def check_sealed(fd: int, size: int, seals: int = SEALS) -> None:
+    """Refuse a region that lacks ``seals`` (one that could shrink under us, or a pool another process could
+    write) or is smaller than ``size``."""
+    try:
+        have = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise InvalidInputError("shared region is not a sealable memfd") from None
+    if have & seals != seals:
+        raise InvalidInputError(f"shared region is sealed {have:#x}, not {seals:#x}")
     if os.fstat(fd).st_size < size:
         raise InvalidInputError(f"shared region holds {os.fstat(fd).st_size} bytes, expected {size}")
 

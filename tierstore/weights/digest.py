@@ -10,11 +10,15 @@ out a wrong tensor.
 A piece's thread waits for the pieces before it. That cannot deadlock: pieces of a shard are submitted in
 file order to one FIFO pool, so every earlier piece is already running (or done) and never waits on a
 later one; :meth:`DigestCheck.abort` releases the waiters when a load fails or is abandoned.
+
+BLAKE3 hashes a large buffer on a pool of threads that does not survive ``fork()``: a child forked after
+this process hashed that way would wait on it forever, so such a child hashes on one thread.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import threading
 from collections.abc import Iterable
@@ -27,9 +31,21 @@ from .header import CheckpointError
 _CAS_NAME = re.compile(r"(?:(blake3)-)?([0-9a-f]{64})\.safetensors")
 
 
+#: threads BLAKE3 may use here: its own pool, or one thread in a child forked after that pool started
+_threads = blake3.blake3.AUTO
+
+
+def _single_threaded_after_fork() -> None:
+    global _threads
+    _threads = 1
+
+
+os.register_at_fork(after_in_child=_single_threaded_after_fork)
+
+
 def _hasher(algorithm: str, data: bytes = b"") -> Any:
     if algorithm == "blake3":
-        return blake3.blake3(data, max_threads=blake3.blake3.AUTO)
+        return blake3.blake3(data, max_threads=_threads)
     return hashlib.blake2b(data, digest_size=32)
 
 
