@@ -79,7 +79,8 @@ def code_tables() -> dict[str, dict[str, Any]]:
         **{f"`{kind}` tier": _tier(kind) for kind in TIER_OPTIONS},
         "`auth` (remote tier)": {k: keyring.get(k, UNKNOWN) for k in _auth_keys()},
         "`metrics`": _fields(MetricsConfig),
-        "Server client": {"server": REQUIRED, "timeout": client["timeout"], "connections": client["connections"]},
+        "Server client": {"server": REQUIRED, "timeout": client["timeout"], "connections": client["connections"],
+                          "server_uid": client["server_uid"]},
         "`serve:` (node server)": _fields(ServeConfig),
     }
 
