@@ -61,6 +61,9 @@ REMOVING = -1
 LOSSES_KEPT = 1 << 16
 
 
+_NOT_ASIDE = (0.0, 0.0)
+
+
 def _pack(gen: int, size: int) -> int:
     """One int for a copy's generation and size (``size`` itself, no new int, for a copy found in storage)."""
     return gen << _SIZE_BITS | size if gen else size
@@ -158,8 +161,8 @@ class _Key:
 
 
 class _Level:
-    __slots__ = ("copies", "counts", "evicting", "evicting_bytes", "failing", "pins", "ready", "reserved",
-                 "retry_at", "retry_heap", "space", "spec", "used")
+    __slots__ = ("aside", "copies", "counts", "evicting", "evicting_bytes", "failing", "pins", "ready",
+                 "reserved", "retry_at", "retry_heap", "space", "spec", "used")
 
     def __init__(self, spec: LevelSpec) -> None:
         self.spec = spec
@@ -173,7 +176,11 @@ class _Level:
         self.retry_at: dict[ChunkKey, float] = {}
         self.retry_heap: list[tuple[float, int, ChunkKey]] = []
         self.space = _SpaceLimit()
-        self.counts = {"evictions": 0, "writeback_done": 0, "writeback_failed": 0, "writeback_dropped": 0}
+        #: victims that could not be evicted (their copy unreadable or unremovable): key -> (until, back-off s);
+        #: no eviction names them again before ``until``
+        self.aside: dict[ChunkKey, tuple[float, float]] = {}
+        self.counts = {"evictions": 0, "eviction_failures": 0, "writeback_done": 0, "writeback_failed": 0,
+                       "writeback_dropped": 0}
         self.failing = False  # a write into it kept failing, and none has succeeded since
 
 
@@ -201,6 +208,9 @@ class Residency:
     #: seconds after ENOSPC before free space is probed again (doubling while the storage stays full)
     enospc_recheck = 1.0
     max_enospc_recheck = 60.0
+    #: seconds a victim that could not be evicted is set aside (doubling while it keeps failing)
+    aside_delay = 1.0
+    max_aside_delay = 60.0
 
     def __init__(self, levels: Sequence[LevelSpec], pressure: Pressure = Pressure.DROP,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -316,6 +326,7 @@ class Residency:
         if old is None:
             return False
         lv.used -= old & _SIZE_MASK
+        lv.aside.pop(key, None)
         return True
 
     def found(self, level: int, key: ChunkKey, size: int, deletes: int) -> int | None:
@@ -604,10 +615,11 @@ class Residency:
         victims: list[Victim] = []
         freed = 0
         may_drop = True
+        aside, now = lv.aside, self.clock()
         for key, packed in lv.copies.items():
             if freed >= deficit:
                 break
-            if key == exclude or key in lv.evicting:
+            if key == exclude or key in lv.evicting or (aside and aside.get(key, _NOT_ASIDE)[0] > now):
                 continue
             rec = self._keys.get(key)
             if rec is not None and any(j > level for j in rec.busy):  # being written below (its source pinned)
@@ -713,6 +725,19 @@ class Residency:
     def keep(self, victim: Victim) -> None:
         """``victim`` stays (it could not be saved, or a reader pinned it)."""
         with self._lock:
+            self._end_eviction(victim)
+
+    def set_aside(self, victim: Victim) -> None:
+        """``victim`` could not be evicted (its copy could not be read to save it, or its storage would not
+        remove it): it stays, and no eviction names it again for a while (a back-off that doubles while it
+        keeps failing), so a write that needs room takes another victim or skips the level. Counted."""
+        with self._lock:
+            lv = self.levels[victim.level]
+            if victim.key in lv.copies:
+                _, delay = lv.aside.get(victim.key, (0.0, self.aside_delay / 2))
+                delay = min(2 * delay, self.max_aside_delay)
+                lv.aside[victim.key] = (self.clock() + delay, delay)
+            lv.counts["eviction_failures"] += 1
             self._end_eviction(victim)
 
     def evicted(self, victim: Victim) -> None:
@@ -998,6 +1023,7 @@ class Residency:
                     oldest = min(oldest, rec.since)
             return {"used_bytes": lv.used, "capacity_bytes": lv.spec.capacity, "objects": len(lv.copies),
                     "reserved_bytes": lv.reserved, "pinned": len(lv.pins), "space_limit_bytes": lv.space.bytes,
+                    "set_aside": sum(1 for until, _ in lv.aside.values() if until > now),
                     "writeback_pending": pending, "writeback_lag_s": now - oldest, **lv.counts}
 
     def dirty(self) -> int:

@@ -49,6 +49,7 @@ from .errors import ClosedError, ConfigError, InvalidInputError, InvalidTypeErro
 from .keys import ChunkKey, check_key
 from .lifecycle import Lifecycle, track, untrack
 from .objformat import Encoded, validate_chunk
+from .outcomes import Eviction
 from .promotion import Promoter
 from .residency import Hold, LevelSpec, Pressure, Residency
 from .telemetry import Counters, Latency
@@ -270,7 +271,7 @@ class TieredStore:
             for k in dict.fromkeys(keys):
                 victim = self.residency.choose(k, level)
                 if victim is not None:
-                    n += self._transfers.evict(victim, deadline)
+                    n += self._transfers.evict(victim, deadline) is Eviction.REMOVED
             return n
 
     def flush(self, timeout: float | None = None) -> FlushReport:

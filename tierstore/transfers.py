@@ -48,6 +48,7 @@ from .errors import (
     UnsupportedObjectError,
 )
 from .keys import ChunkKey
+from .outcomes import Copied, Eviction
 from .residency import Hold, Residency, Slot, Victim
 from .telemetry import Failures, Latency
 from .tensors import TensorDict
@@ -341,8 +342,11 @@ class Transfers:
                 return None
             if room.reserved is not None:
                 return room.reserved
-            for victim in room.victims:
-                self.evict(victim, deadline)
+            # a victim that fails is set aside (the next reserve names another, or none); the deadline bounds
+            # the rounds even so
+            gone = [self.evict(victim, deadline) for victim in room.victims]
+            if Eviction.REMOVED not in gone and time.monotonic() >= deadline:
+                return None
 
     def _after_enospc(self, lv: Level) -> None:
         """The storage is full below the level's budget: hold at most what it holds now."""
@@ -366,13 +370,20 @@ class Transfers:
         self.res.removed(level, key)
 
     # ------------------------------------------------------------------ eviction
-    def evict(self, victim: Victim, deadline: float) -> bool:
+    def evict(self, victim: Victim, deadline: float) -> Eviction:
         """Carry out one eviction: write a dirty victim below first (trying each level the residency names),
-        then remove it unless it must stay. Whether it went."""
+        then remove it unless it must stay. A victim that cannot be read to save it, or cannot be removed, is
+        set aside (:meth:`~tierstore.residency.Residency.set_aside`): never removed unsaved, never named again
+        at once."""
         down, tried = victim.down, []
         try:
             while isinstance(down, int) and down is not False:
-                if self.jobs.run("write-down", self.levels[down].name, 1, partial(self._write_down, victim, down)):
+                copied = self.jobs.run("write-down", self.levels[down].name, 1,
+                                       partial(self._write_down, victim, down))
+                if copied is Copied.FAILED:  # its own copy could not be read: it stays, set aside
+                    self.res.set_aside(victim)
+                    return Eviction.FAILED
+                if copied is not Copied.REFUSED:
                     break
                 tried.append(down)
                 down = self.res.written_down_failed(victim, tried)
@@ -381,34 +392,48 @@ class Transfers:
             raise
         if down is False:
             self.res.keep(victim)
-            return False
+            return Eviction.KEPT
         if not self.res.may_evict(victim):
-            return False
+            return Eviction.KEPT
         lv = self.levels[victim.level]
         (err,) = lv.backend.delete_many([victim.key])
-        if err is not None:
-            lv.failures.report("drop", "could not remove %s: %s", victim.key.hex(), err)
-            self.res.keep(victim)
-            return False
+        if err is not None and not isinstance(err, FileNotFoundError):
+            lv.failures.report("drop", "could not remove %s (set aside): %s", victim.key.hex(), err)
+            self.res.set_aside(victim)
+            return Eviction.FAILED
         self.res.evicted(victim)
-        return True
+        return Eviction.REMOVED
 
-    def _write_down(self, victim: Victim, down: int) -> bool:
-        """Copy a dirty victim into level ``down``; whether it no longer needs saving there."""
+    def _write_down(self, victim: Victim, down: int) -> Copied:
+        """Copy a dirty victim into level ``down`` (see :class:`~tierstore.outcomes.Copied`)."""
         slot = self.res.begin_write(victim.key, down, victim.gen)
         if slot is not Slot.OK:
-            return slot is Slot.SUPERSEDED  # a newer value is below: this copy is not the one to save
+            # a newer value is below: this copy is not the one to save; busy: try the next level
+            return Copied.SAVED if slot is Slot.SUPERSEDED else Copied.REFUSED
         with ExitStack() as stack:
-            try:
-                data = self.read_for_copy(stack, victim.level, victim.key, down)
-            except Exception as exc:  # noqa: BLE001 - unreadable: nothing left to save
-                log.debug("write-down of %s: its copy cannot be read (%s)", victim.key.hex(), exc)
-                data = None
-            if data is None:
-                self.res.abort_write(victim.key, down, victim.gen)
-                return True  # it vanished or is damaged: nothing left to save (pending levels are given up)
-            (ok,) = self.land_many(down, [(victim.key, victim.gen, data)], slots_held=True, kind="write-down")
-        return ok is not False
+            data = self.read_copy(stack, victim.level, victim.key, down)
+            if not isinstance(data, Copied):
+                (ok,) = self.land_many(down, [(victim.key, victim.gen, data)], slots_held=True, kind="write-down")
+                return Copied.REFUSED if ok is False else Copied.SAVED
+        self.res.abort_write(victim.key, down, victim.gen)
+        return data  # GONE: it vanished or is damaged, nothing left to save (pending levels are given up)
+
+    def read_copy(self, stack: ExitStack, source: int, key: ChunkKey, target: int) -> Chunk | Copied:
+        """:meth:`read_for_copy` with its outcome made explicit: the chunk, ``Copied.GONE`` (missing or
+        damaged: nothing to save) or ``Copied.FAILED`` (an I/O error, no memory, a closed tier: it is there but
+        could not be read now; logged and counted)."""
+        lv = self.levels[source]
+        try:
+            data = self.read_for_copy(stack, source, key, target)
+        except (FileNotFoundError, CorruptObjectError, UnsupportedObjectError) as exc:
+            log.debug("copy of %s in tier %s is unusable (%s)", key.hex(), lv.name, exc)
+            return Copied.GONE
+        except Exception as exc:  # noqa: BLE001 - a read error: the copy stays
+            lv.count(errors=1)
+            lv.failures.report("read", "reading %s to copy it failed (%s: %s); it stays", key.hex(),
+                               type(exc).__name__, exc)
+            return Copied.FAILED
+        return Copied.GONE if data is None else data
 
     def read_for_copy(self, stack: ExitStack, source: int, key: ChunkKey, target: int) -> Chunk | None:
         """``key``'s chunk in ``source``, to be written into ``target``: its object as it is when both hold
