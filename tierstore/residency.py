@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
+from .flushes import FlushState, FlushTracker
 from .keys import ChunkKey
 
 T = TypeVar("T")
@@ -57,8 +58,6 @@ _SIZE_MASK = (1 << _SIZE_BITS) - 1
 UNKNOWN = 0
 #: ``busy`` marker of a removal in flight (writes record the generation they write)
 REMOVING = -1
-#: keys whose losses (levels given up, chunks dropped) a flush keeps naming; older ones are only counted
-LOSSES_KEPT = 1 << 16
 
 
 _NOT_ASIDE = (0.0, 0.0)
@@ -140,17 +139,10 @@ class Write:
     source_size: int
 
 
-@dataclass
-class FlushState:
-    """What a flush waits for: ``(key, level, generation)`` pending when it began."""
-
-    watched: list[tuple[ChunkKey, int, int]]
-
-
 class _Key:
     """Per-key state while anything is going on (see the module docstring)."""
 
-    __slots__ = ("busy", "deleting", "gen", "pending", "since")
+    __slots__ = ("busy", "deleting", "epoch", "gen", "pending", "since")
 
     def __init__(self, gen: int) -> None:
         self.gen = gen
@@ -158,6 +150,7 @@ class _Key:
         self.busy: dict[int, int] = {}  # level -> generation being written there, or REMOVING
         self.deleting = 0  # generation of a delete in progress (0: none)
         self.since = 0.0  # when the current pending levels became pending (write-back lag)
+        self.epoch = 0  # the flush epoch its pending writes are counted under (see tierstore.flushes)
 
 
 class _Level:
@@ -228,8 +221,7 @@ class Residency:
         self._gens = itertools.count(1)
         self._seq = itertools.count()
         self.deletes = 0  #: deletes finished so far (a probe indexes what it found only if none ended meanwhile)
-        self._given_up: OrderedDict[ChunkKey, set[int]] = OrderedDict()
-        self._dropped: OrderedDict[ChunkKey, set[int]] = OrderedDict()
+        self._flushes = FlushTracker()
         self._writable = [i for i, lv in enumerate(self.levels) if lv.spec.writable]
 
     # ------------------------------------------------------------------ waiting (for the data plane)
@@ -546,18 +538,19 @@ class Residency:
             stale_above: list[int] = []
             if gen > rec.gen and put:
                 rec.gen = gen
-                now = self.clock()
-                rec.pending = {j: 0 for j in self._writable if j > level}
-                rec.since = now
-                for j in rec.pending:
-                    self._clear_retry(self.levels[j], key)
-                    if queue:
-                        self.levels[j].ready[key] = None
-                self._given_up.pop(key, None)
-                self._dropped.pop(key, None)
+                for j in list(rec.pending):
+                    self._unpend(key, rec, j)
+                rec.since = self.clock()
+                for j in self._writable:
+                    if j > level:
+                        self._pend(rec, j)
+                        self._clear_retry(self.levels[j], key)
+                        if queue:
+                            self.levels[j].ready[key] = None
+                self._flushes.forget(key)
                 stale_above = [j for j in range(level) if key in self.levels[j].copies and self.levels[j].spec.writable]
             elif gen == rec.gen and level in rec.pending:
-                del rec.pending[level]
+                self._unpend(key, rec, level)
                 self._clear_retry(lv, key)
                 lv.counts["writeback_done"] += 1
             self._tidy(key)
@@ -581,10 +574,27 @@ class Residency:
                     delay = min(self.retry_delay * 2 ** (attempts - 1), self.max_retry_delay)
                     self._retry_later(lv, key, self.clock() + delay, replace=True)
                     first_failing = attempts == self.fast_retries and not lv.failing
+                    if attempts == self.fast_retries:
+                        self._flushes.settled(rec.epoch)
+                        self._flushes.fail(key, level)
                     lv.failing = lv.failing or attempts >= self.fast_retries
                 self._tidy(key)
             self._changed()
         return first_failing
+
+    def _pend(self, rec: _Key, level: int) -> None:
+        """``level`` is to receive the key's current value (a write a flush waits for)."""
+        if not rec.pending:
+            rec.epoch = self._flushes.epoch
+        rec.pending[level] = 0
+        self._flushes.opened(rec.epoch)
+
+    def _unpend(self, key: ChunkKey, rec: _Key, level: int) -> None:
+        """``level`` no longer waits for the key's value (written, superseded, given up, dropped, deleted)."""
+        if rec.pending.pop(level) >= self.fast_retries:
+            self._flushes.unfail(key, level)
+        else:
+            self._flushes.settled(rec.epoch)
 
     def _retry_later(self, lv: _Level, key: ChunkKey, at: float, replace: bool = False) -> None:
         if replace or lv.retry_at.get(key, float("inf")) > at:
@@ -676,11 +686,12 @@ class Residency:
     def _drop(self, key: ChunkKey, levels: Iterable[int]) -> None:
         rec = self._keys[key]
         for j in levels:
-            rec.pending.pop(j, None)
+            if j in rec.pending:
+                self._unpend(key, rec, j)
             lv = self.levels[j]
             self._clear_retry(lv, key)
             lv.counts["writeback_dropped"] += 1
-            _remember(self._dropped, key, j)
+            self._flushes.drop(key, j)
 
     def choose(self, key: ChunkKey, level: int) -> Victim | None:
         """``level``'s copy of ``key`` as a victim (an eviction asked for by name), under the rules any victim
@@ -827,7 +838,7 @@ class Residency:
                     continue
                 packed = lv.copies.get(key)
                 if packed is not None and packed >> _SIZE_BITS == rec.gen:
-                    del rec.pending[level]  # it holds the value already (a promotion, another writer)
+                    self._unpend(key, rec, level)  # it holds the value already (a promotion, another writer)
                     lv.counts["writeback_done"] += 1
                     self._tidy(key)
                     continue
@@ -881,11 +892,11 @@ class Residency:
         return next((i for i in held if i not in rec.busy), held[0] if held else None)
 
     def _give_up(self, key: ChunkKey, rec: _Key, level: int) -> None:
-        del rec.pending[level]
+        self._unpend(key, rec, level)
         lv = self.levels[level]
         self._clear_retry(lv, key)
         lv.counts["writeback_failed"] += 1
-        _remember(self._given_up, key, level)
+        self._flushes.give_up(key, level)
         self._tidy(key)
 
     def fill(self, key: ChunkKey, gen: int, levels: Iterable[int]) -> None:
@@ -904,7 +915,7 @@ class Residency:
                     continue
                 if not rec.pending:
                     rec.since = now
-                rec.pending[j] = 0
+                self._pend(rec, j)
                 lv.ready[key] = None
             self._tidy(key)
             self._changed()
@@ -963,10 +974,10 @@ class Residency:
                     held += 1
                 self._clear_retry(lv, key)
             rec.gen, rec.deleting = rec.deleting, 0
-            rec.pending.clear()
+            for j in list(rec.pending):
+                self._unpend(key, rec, j)
             rec.busy.clear()
-            self._given_up.pop(key, None)
-            self._dropped.pop(key, None)
+            self._flushes.forget(key)
             self.deletes += 1
             self._tidy(key)
             self._changed()
@@ -974,42 +985,36 @@ class Residency:
 
     # ------------------------------------------------------------------ flush
     def flush_begin(self) -> FlushState:
-        """What a flush that begins now waits for; failing levels get a fresh round of retries."""
+        """What a flush that begins now waits for (see :mod:`tierstore.flushes`); failing levels get a fresh
+        round of retries."""
         with self._lock:
-            watched = []
-            for key, rec in self._keys.items():
-                for j, attempts in rec.pending.items():
-                    watched.append((key, j, rec.gen))
-                    if attempts >= self.fast_retries:
-                        rec.pending[j] = 0
-                        lv = self.levels[j]
-                        lv.retry_at.pop(key, None)
-                        lv.ready[key] = None
+            state = self._flushes.begin()
+            for key, levels in self._flushes.take_failing().items():
+                rec = self._keys[key]
+                for j in levels:
+                    rec.pending[j] = 0
+                    self._flushes.opened(rec.epoch)
+                    lv = self.levels[j]
+                    lv.retry_at.pop(key, None)
+                    lv.ready[key] = None
             self._changed()
-            return FlushState(watched)
+            return state
+
+    def flush_waits_for(self, state: FlushState) -> int:
+        """How many writes ``state``'s flush still waits for (none: every one written, superseded, given up,
+        dropped or failing)."""
+        with self._lock:
+            return self._flushes.outstanding(state)
 
     def flush_settled(self, state: FlushState) -> bool:
-        """Whether everything ``state`` watches is written, superseded, given up, dropped or failing."""
-        with self._lock:
-            keep = []
-            for key, level, gen in state.watched:
-                rec = self._keys.get(key)
-                if rec is None or rec.gen != gen or rec.pending.get(level, self.fast_retries) >= self.fast_retries:
-                    continue
-                keep.append((key, level, gen))
-            state.watched = keep
-            return not keep
+        """Whether everything ``state`` waits for is written, superseded, given up, dropped or failing."""
+        return self.flush_waits_for(state) == 0
 
     def losses(self) -> tuple[dict[ChunkKey, set[int]], dict[ChunkKey, set[int]]]:
         """``(failed, dropped)``: per key the levels it could not reach (given up, or failing now) and those
         the pressure policy dropped."""
         with self._lock:
-            failed = {k: set(v) for k, v in self._given_up.items()}
-            for key, rec in self._keys.items():
-                failing = {j for j, a in rec.pending.items() if a >= self.fast_retries}
-                if failing:
-                    failed.setdefault(key, set()).update(failing)
-            return failed, {k: set(v) for k, v in self._dropped.items()}
+            return self._flushes.losses()
 
     # ------------------------------------------------------------------ stats
     def level_stats(self, level: int) -> dict[str, float | int | None]:
@@ -1039,13 +1044,6 @@ class Residency:
     def __len__(self) -> int:
         with self._lock:
             return len(self._keys)
-
-
-def _remember(losses: OrderedDict[ChunkKey, set[int]], key: ChunkKey, level: int) -> None:
-    losses.setdefault(key, set()).add(level)
-    losses.move_to_end(key)
-    while len(losses) > LOSSES_KEPT:
-        losses.popitem(last=False)
 
 
 __all__ = ["REMOVING", "UNKNOWN", "FlushState", "Hold", "LevelSpec", "Pressure", "Residency", "Room", "Slot",

@@ -127,7 +127,7 @@ class WriteBack:
         state = res.flush_begin()
         deadline = None if timeout is None else time.monotonic() + timeout
         if res.wait_until(lambda: True if res.flush_settled(state) else None, deadline) is None:
-            raise TierTimeoutError(f"flush: {len(state.watched)} write-backs still pending after {timeout}s")
+            raise TierTimeoutError(f"flush: {res.flush_waits_for(state)} write-backs still pending after {timeout}s")
         failed, dropped = res.losses()
         report = FlushReport(self._named(dropped))
         if failed:
