@@ -142,7 +142,7 @@ class Write:
 class _Key:
     """Per-key state while anything is going on (see the module docstring)."""
 
-    __slots__ = ("busy", "deleting", "epoch", "gen", "pending", "since")
+    __slots__ = ("busy", "deleting", "epoch", "gen", "pending", "since", "tomb")
 
     def __init__(self, gen: int) -> None:
         self.gen = gen
@@ -151,6 +151,9 @@ class _Key:
         self.deleting = 0  # generation of a delete in progress (0: none)
         self.since = 0.0  # when the current pending levels became pending (write-back lag)
         self.epoch = 0  # the flush epoch its pending writes are counted under (see tierstore.flushes)
+        #: its value was dropped before reaching a shared level, which may hold an older value this store
+        #: never indexed: the record stays (no probe, nothing found indexed) until the key is put or deleted
+        self.tomb = False
 
 
 class _Level:
@@ -290,7 +293,7 @@ class Residency:
     def _tidy(self, key: ChunkKey) -> None:
         """Forget the key's record once nothing is going on and every copy holds its current value."""
         rec = self._keys.get(key)
-        if rec is None or rec.pending or rec.busy or rec.deleting:
+        if rec is None or rec.pending or rec.busy or rec.deleting or rec.tomb:
             return
         for lv in self.levels:
             packed = lv.copies.get(key)
@@ -537,7 +540,7 @@ class Residency:
             self._put_copy(lv, key, _pack(gen, size))
             stale_above: list[int] = []
             if gen > rec.gen and put:
-                rec.gen = gen
+                rec.gen, rec.tomb = gen, False
                 for j in list(rec.pending):
                     self._unpend(key, rec, j)
                 rec.since = self.clock()
@@ -692,6 +695,7 @@ class Residency:
             self._clear_retry(lv, key)
             lv.counts["writeback_dropped"] += 1
             self._flushes.drop(key, j)
+            rec.tomb = rec.tomb or lv.spec.shared
 
     def choose(self, key: ChunkKey, level: int) -> Victim | None:
         """``level``'s copy of ``key`` as a victim (an eviction asked for by name), under the rules any victim
@@ -973,7 +977,7 @@ class Residency:
                 if lv.spec.writable and self._drop_copy(lv, key):
                     held += 1
                 self._clear_retry(lv, key)
-            rec.gen, rec.deleting = rec.deleting, 0
+            rec.gen, rec.deleting, rec.tomb = rec.deleting, 0, False
             for j in list(rec.pending):
                 self._unpend(key, rec, j)
             rec.busy.clear()
