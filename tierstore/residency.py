@@ -517,6 +517,23 @@ class Residency:
                     return Room(victims=tuple(victims))
             return Room(wait=bool(lv.evicting_bytes or lv.reserved or lv.pins or blocked[0]))
 
+    def could_take(self, level: int, size: int, look: int = 64) -> bool:
+        """Whether a write of ``size`` bytes into ``level`` could go on now rather than only wait: the room is
+        free, or one of the ``look`` least recently used copies is neither pinned nor being mutated (a victim
+        to name). A cheap admission check, not a reservation."""
+        with self._lock:
+            lv = self.levels[level]
+            limit = self._limit(lv)
+            if limit is None or lv.used + lv.reserved + size <= limit:
+                return True
+            if size > limit:
+                return False
+            for key in itertools.islice(lv.copies, look):
+                rec = self._keys.get(key)
+                if key not in lv.pins and key not in lv.evicting and (rec is None or not rec.busy):
+                    return True
+            return False
+
     def release(self, level: int, reserved: int) -> None:
         """Give back bytes reserved for a write that stored nothing (its slot stays with the caller)."""
         with self._lock:

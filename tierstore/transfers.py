@@ -418,10 +418,11 @@ class Transfers:
         self.res.abort_write(victim.key, down, victim.gen)
         return data  # GONE: it vanished or is damaged, nothing left to save (pending levels are given up)
 
-    def read_copy(self, stack: ExitStack, source: int, key: ChunkKey, target: int) -> Chunk | Copied:
+    def read_copy(self, stack: ExitStack, source: int, key: ChunkKey, target: int, *,
+                  raise_failed: bool = False) -> Chunk | Copied:
         """:meth:`read_for_copy` with its outcome made explicit: the chunk, ``Copied.GONE`` (missing or
         damaged: nothing to save) or ``Copied.FAILED`` (an I/O error, no memory, a closed tier: it is there but
-        could not be read now; logged and counted)."""
+        could not be read now; logged and counted, and raised with ``raise_failed``)."""
         lv = self.levels[source]
         try:
             data = self.read_for_copy(stack, source, key, target)
@@ -432,6 +433,8 @@ class Transfers:
             lv.count(errors=1)
             lv.failures.report("read", "reading %s to copy it failed (%s: %s); it stays", key.hex(),
                                type(exc).__name__, exc)
+            if raise_failed:
+                raise
             return Copied.FAILED
         return Copied.GONE if data is None else data
 
