@@ -43,7 +43,7 @@ import itertools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
@@ -985,16 +985,26 @@ class Residency:
                 rec.busy[i] = REMOVING
             return levels
 
-    def end_delete(self, key: ChunkKey) -> int:
-        """The delete's storage work is done: every copy is forgotten. Returns how many levels held one."""
+    def end_delete(self, key: ChunkKey, kept: Collection[int] = ()) -> int:
+        """The delete's storage work is done: every copy is forgotten, but in ``kept``, the levels whose storage
+        could not remove it. A kept copy of the current value stays indexed as the current value (the delete
+        did not happen there); a kept copy of an older value is forgotten and the key's record stays as a
+        tombstone (no probe finds it) until it is put or deleted again. Returns how many levels held one."""
         with self._lock:
             rec = self._keys[key]
             held = 0
-            for lv in self.levels:
-                if lv.spec.writable and self._drop_copy(lv, key):
+            for i, lv in enumerate(self.levels):
+                packed = lv.copies.get(key)
+                if lv.spec.writable and packed is not None:
                     held += 1
+                    if i in kept and packed >> _SIZE_BITS == rec.gen:
+                        self._put_copy(lv, key, _pack(rec.deleting, packed & _SIZE_MASK))
+                    else:
+                        self._drop_copy(lv, key)
+                        rec.tomb = rec.tomb or i in kept
                 self._clear_retry(lv, key)
-            rec.gen, rec.deleting, rec.tomb = rec.deleting, 0, False
+            tomb = rec.tomb and bool(kept)
+            rec.gen, rec.deleting, rec.tomb = rec.deleting, 0, tomb
             for j in list(rec.pending):
                 self._unpend(key, rec, j)
             rec.busy.clear()
