@@ -187,3 +187,33 @@ def test_repair_leaves_a_read_only_disk_alone(config_file, tmp_path, capsys):
     assert main(["gc", "--config", str(config_file)]) == 0
     assert main(["verify", "--repair", "--config", str(config_file)]) == 1
     assert "1 corrupt (0 removed)" in capsys.readouterr().out and victim.exists()
+
+
+def test_gc_of_the_remote_tier_runs_beside_a_live_engine(tmp_path, capsys):  # review turn 4 #9
+    """The ops recipe: ``gc --tier remote`` with the engine's own config (which has a disk tier the engine
+    holds) opens only the remote tier, needs no disk lock, and keeps the prefix within budget."""
+    root = tmp_path / "shared"
+    cfg = {"tiers": [{"kind": "host", "capacity": "1MiB", "pinned": False},
+                     {"kind": "disk", "path": str(tmp_path / "disk")},
+                     {"kind": "remote", "url": root.as_uri()}]}
+    path = tmp_path / "store.json"
+    path.write_text(json.dumps(cfg))
+    with tierstore.open(str(path)) as store:
+        for i in range(8):
+            store.put(key_of(i), chunk(i))
+    engine = _owner(path)
+    try:
+        assert engine.stdout.readline().strip() == "ready", engine.stderr.read()
+        capsys.readouterr()
+        assert main(["gc", "--config", str(path), "--max-size", "0", "--grace", "0"]) == 2  # the whole config
+        assert "refused, nothing removed" in capsys.readouterr().out
+        assert main(["gc", "--config", str(path), "--tier", "remote", "--max-size", "0", "--grace", "0",
+                     "--json", str(tmp_path / "gc.json")]) == 0
+        assert json.loads((tmp_path / "gc.json").read_text())["remote"]["removed_objects"] == 9
+        assert not [p for p in root.rglob("*") if p.is_file()]
+        assert (tmp_path / "disk" / object_relpath(key_of(1))).exists()  # the engine's disk: never opened
+        with pytest.raises(tierstore.ConfigError, match="nope"):
+            main(["gc", "--config", str(path), "--tier", "nope"])
+    finally:
+        engine.kill()
+        engine.wait()

@@ -16,7 +16,7 @@ VERBS = {
     "demo": ("tierstore.demo", "multi-round chat with a small transformer, KV served from the store"),
     "stats": ("tierstore.admin", "print what each disk and remote tier holds (read-only; fine beside an engine)"),
     "verify": ("tierstore.admin", "re-check every stored object's checksum (read-only unless --repair)"),
-    "gc": ("tierstore.admin", "remove stale temp files and corrupt objects (refused while a process owns a disk)"),
+    "gc": ("tierstore.admin", "remove stale temp files and corrupt objects; --tier remote runs beside a live engine"),
     "crashtest": ("tierstore.crashtest", "SIGKILL a writer at random moments and check every acknowledged chunk"),
     "serve": ("tierstore.serve.command", "one store per node, shared by its engine processes over a Unix socket"),
     "keygen": ("tierstore.keyring", "make a key for sealed shared tiers, or derive a tenant's keys (auth: keys_file)"),
