@@ -217,3 +217,12 @@ def test_gc_of_the_remote_tier_runs_beside_a_live_engine(tmp_path, capsys):  # r
     finally:
         engine.kill()
         engine.wait()
+
+
+def test_bench_writeback_smoke(tmp_path, capsys):
+    out = tmp_path / "wb.json"
+    assert main(["bench", "writeback", "--count", "16", "--size", "4096", "--latency", "0.01", "--repeats", "1",
+                 "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["reference"]["s"] > 0 and r["writeback"]["s"] > 0 and r["writeback_before"]["s"] > 0
+    assert "write-back / reference" in capsys.readouterr().out

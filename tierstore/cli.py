@@ -1,5 +1,5 @@
-"""``tierstore`` command line: demo, serve, bench {tiers,kv,weights,peers,control,promotion,metrics,server,trust,
-serve,gc,fleet,gpu,all,vllm}, stats, verify, gc, crashtest, keygen.
+"""``tierstore`` command line: demo, serve, bench {tiers,kv,weights,peers,control,promotion,writeback,metrics,
+server,trust,serve,gc,fleet,gpu,all,vllm}, stats, verify, gc, crashtest, keygen.
 
 Each verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
 only wires them up, importing a verb's module when it runs.
@@ -28,6 +28,7 @@ BENCHES = {
     "peers": ("tierstore.bench.peers", "LMCache's bench l2 (fs_native, fs) next to the disk tier"),
     "control": ("tierstore.bench.control", "lookup cost and index memory per key from 10k to 1M keys"),
     "promotion": ("tierstore.bench.promotion", "what promotion and write-back cost a reader (S3 shim)"),
+    "writeback": ("tierstore.bench.writeback", "remote write-back throughput vs plain PUTs at the same concurrency"),
     "metrics": ("tierstore.bench.metrics", "the put/get path with Prometheus metrics on vs off"),
     "serve": ("tierstore.bench.serve", "multi-round QA TTFT per round and QPS against an OpenAI-compatible endpoint"),
     "server": ("tierstore.bench.server", "a get through a node server (tierstore serve) vs the same get in process"),

@@ -442,8 +442,8 @@ class Transfers:
         """``key``'s chunk in ``source``, to be written into ``target``: its object as it is when both hold
         objects with one codec (no decode, no re-encode), else its tensors (a memory backend lends its own for
         the life of ``stack``). ``None`` if it is gone; raises if it cannot be read."""
-        src, dst = self.levels[source], self.levels[target]
-        if src.caps.objects and dst.caps.objects and src.caps.codec == dst.caps.codec:
+        src = self.levels[source]
+        if self.moves_objects(source, target):
             (got,) = src.backend.read_objects([key])
         elif src.caps.zero_copy:
             tensors = stack.enter_context(src.backend.borrow(key))
@@ -457,6 +457,30 @@ class Transfers:
         if got.size:
             src.count(bytes_out=got.size)
         return got.value  # type: ignore[no-any-return]
+
+    def moves_objects(self, source: int, target: int) -> bool:
+        """Whether a copy from ``source`` into ``target`` moves the object as it is (both hold objects of one
+        codec: no decode, no re-encode)."""
+        src, dst = self.levels[source].caps, self.levels[target].caps
+        return src.objects and dst.objects and src.codec == dst.codec
+
+    def read_objects_for_copy(self, source: int, keys: Sequence[ChunkKey]) -> list[Chunk | BaseException | None]:
+        """:meth:`read_for_copy` of many keys as one batched read of ``source``'s objects (where
+        :meth:`moves_objects`): per key its object, ``None`` if gone, or the error reading it."""
+        src = self.levels[source]
+        try:
+            got = src.backend.read_objects(keys)
+        except Exception as exc:  # noqa: BLE001 - the batch failed (a closed tier too): each item's error
+            return [exc] * len(keys)
+        out: list[Chunk | BaseException | None] = []
+        for r in got:
+            if isinstance(r, Hit):
+                if r.size:
+                    src.count(bytes_out=r.size)
+                out.append(r.value)
+            else:
+                out.append(r)
+        return out
 
     # ------------------------------------------------------------------ reads
     def read(self, keys: Sequence[ChunkKey], outs: Sequence[Mapping[str, torch.Tensor]] | None,
