@@ -171,7 +171,7 @@ class Promoter:
         name = self.t.levels[self.t.top].name if self.t.top is not None else ""
         for k in keys:
             self.t.jobs.submit(self._pool, "prefetch", name, 1, partial(self.promote_current, k)
-                               ).future.add_done_callback(finished)
+                               ).add_done_callback(finished)
         return done
 
     def promote_shared(self, keys: Sequence[ChunkKey], lookup: Callable[[Sequence[ChunkKey]], int]) -> None:
@@ -221,7 +221,7 @@ class Promoter:
     def wait(self, deadline: float | None) -> None:
         """Wait (until ``deadline``, ``time.monotonic``) for the promotion jobs running or queued now."""
         for job in self.t.jobs.running():
-            if job.kind in ("promote", "prefetch"):
+            if job.kind in ("promote", "prefetch") and job.future is not None:
                 try:
                     job.future.exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
                 except Exception:  # noqa: BLE001 - a timeout: the flush's own deadline decides

@@ -31,7 +31,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from functools import partial
 from time import perf_counter
 from typing import Any, TypeVar, cast
@@ -106,16 +105,19 @@ class Level:
 
 
 # ---------------------------------------------------------------------- jobs
-@dataclass
 class Job:
-    """One transfer: what it does, where, and its future (done when the transfer is)."""
+    """One transfer: what it does, where, and — when it runs on a pool, where someone may wait for it — its
+    future (done when the transfer is). A transfer run on the caller's thread has none: nobody else waits."""
 
-    id: int
-    kind: str  # "read" | "put" | "write-back" | "write-down" | "promote" | "prefetch" | "probe"
-    level: str
-    keys: int
-    future: Future[Any] = field(default_factory=Future)
-    started: float = field(default_factory=time.monotonic)
+    __slots__ = ("future", "id", "keys", "kind", "level", "started")
+
+    def __init__(self, id: int, kind: str, level: str, keys: int, future: Future[Any] | None = None) -> None:  # noqa: A002
+        self.id = id
+        self.kind = kind  # "read" | "put" | "write-back" | "write-down" | "promote" | "prefetch" | "probe"
+        self.level = level
+        self.keys = keys
+        self.future = future
+        self.started = time.monotonic()
 
 
 class Jobs:
@@ -128,18 +130,22 @@ class Jobs:
         self.done = 0
 
     def run(self, kind: str, level: str, keys: int, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on this thread as a job."""
-        job = self._start(kind, level, keys)
+        """Run ``fn`` on this thread as a job (listed while it runs; no future: the caller has the result)."""
+        job = Job(next(self._ids), kind, level, keys)
+        running = self._running
+        with self._lock:
+            running[job.id] = job
         try:
-            result = fn()
-        except BaseException as exc:
-            self._finish(job, exc=exc)
-            raise
-        self._finish(job, result=result)
-        return result
+            return fn()
+        finally:
+            with self._lock:
+                del running[job.id]
+                self.done += 1
 
-    def submit(self, executor: ThreadPoolExecutor, kind: str, level: str, keys: int, fn: Callable[[], Any]) -> Job:
-        """Run ``fn`` on ``executor`` as a job; raises :class:`ClosedError` if the executor was shut down."""
+    def submit(self, executor: ThreadPoolExecutor, kind: str, level: str, keys: int, fn: Callable[[], Any]
+               ) -> Future[Any]:
+        """Run ``fn`` on ``executor`` as a job; its future. Raises :class:`ClosedError` if the executor was shut
+        down."""
         job = self._start(kind, level, keys)
 
         def body() -> None:
@@ -156,7 +162,8 @@ class Jobs:
             self._finish(job, exc=ClosedError("store is closed"))
             raise ClosedError("store is closed") from None
         queued.add_done_callback(partial(self._cancelled, job))
-        return job
+        assert job.future is not None
+        return job.future
 
     def _cancelled(self, job: Job, queued: Future[None]) -> None:
         """A job that close() took off its executor's queue before it ran ends with :class:`ClosedError`."""
@@ -164,7 +171,7 @@ class Jobs:
             self._finish(job, exc=ClosedError("store is closed"))
 
     def _start(self, kind: str, level: str, keys: int) -> Job:
-        job = Job(next(self._ids), kind, level, keys)
+        job = Job(next(self._ids), kind, level, keys, Future())
         with self._lock:
             self._running[job.id] = job
         return job
@@ -173,6 +180,7 @@ class Jobs:
         with self._lock:
             self._running.pop(job.id, None)
             self.done += 1
+        assert job.future is not None
         if exc is not None:
             job.future.set_exception(exc)
         else:

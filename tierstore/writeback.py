@@ -175,7 +175,7 @@ class WriteBack:
         for writer in self._writers.values():
             writer.shutdown(wait=False, cancel_futures=True)
         for job in self.t.jobs.running():
-            if job.kind == "write-back":
+            if job.kind == "write-back" and job.future is not None:
                 try:
                     job.future.exception(max(0.0, deadline - time.monotonic()))
                 except Exception:  # noqa: BLE001 - a timeout here: close goes on
