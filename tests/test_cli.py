@@ -226,3 +226,10 @@ def test_bench_writeback_smoke(tmp_path, capsys):
     r = json.loads(out.read_text())
     assert r["reference"]["s"] > 0 and r["writeback"]["s"] > 0 and r["writeback_before"]["s"] > 0
     assert "write-back / reference" in capsys.readouterr().out
+
+
+def test_bench_hit_smoke(tmp_path, capsys):
+    out = tmp_path / "hit.json"
+    assert main(["bench", "hit", "--calls", "50", "--blocks", "2", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["now"]["median_us"] > 0 and r["with_future"]["median_us"] > 0

@@ -1,4 +1,4 @@
-"""``tierstore`` command line: demo, serve, bench {tiers,kv,weights,peers,control,promotion,writeback,metrics,
+"""``tierstore`` command line: demo, serve, bench {tiers,kv,weights,peers,control,promotion,writeback,hit,metrics,
 server,trust,serve,gc,fleet,gpu,all,vllm}, stats, verify, gc, crashtest, keygen.
 
 Each verb lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``; this file
@@ -29,6 +29,7 @@ BENCHES = {
     "control": ("tierstore.bench.control", "lookup cost and index memory per key from 10k to 1M keys"),
     "promotion": ("tierstore.bench.promotion", "what promotion and write-back cost a reader (S3 shim)"),
     "writeback": ("tierstore.bench.writeback", "remote write-back throughput vs plain PUTs at the same concurrency"),
+    "hit": ("tierstore.bench.hit", "one host-tier hit, with the per-read job bookkeeping as it is and as it was"),
     "metrics": ("tierstore.bench.metrics", "the put/get path with Prometheus metrics on vs off"),
     "serve": ("tierstore.bench.serve", "multi-round QA TTFT per round and QPS against an OpenAI-compatible endpoint"),
     "server": ("tierstore.bench.server", "a get through a node server (tierstore serve) vs the same get in process"),
