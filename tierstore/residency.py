@@ -386,6 +386,20 @@ class Residency:
             self._tidy(key)
             self._changed()
 
+    def removal_failed(self, level: int, key: ChunkKey) -> None:
+        """A removal :meth:`lost` or :meth:`claim_stale` granted failed: the copy stays indexed (it is still
+        in storage). An older value left there is reported by every flush as a level the key could not reach
+        (a restart would find that value), until the key is put or deleted again."""
+        with self._lock:
+            rec = self._keys.get(key)
+            if rec is not None:
+                rec.busy.pop(level, None)
+                packed = self.levels[level].copies.get(key)
+                if packed is not None and packed >> _SIZE_BITS != rec.gen:
+                    self._flushes.give_up(key, level)
+            self._tidy(key)
+            self._changed()
+
     # ------------------------------------------------------------------ reads, pins
     def locate(self, keys: Sequence[ChunkKey], levels: Iterable[int] | None = None) -> list[int | None]:
         """Per key, the first of ``levels`` (default: all) holding its current value, from the index alone."""

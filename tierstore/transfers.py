@@ -373,8 +373,10 @@ class Transfers:
         """Remove ``key`` from ``level``'s storage (the caller holds the slot for it), then from the index."""
         lv = self.levels[level]
         (err,) = lv.backend.delete_many([key])
-        if err is not None:
-            lv.failures.report("drop", "could not remove %s: %s", key.hex(), err)
+        if err is not None and not isinstance(err, FileNotFoundError):
+            lv.failures.report("drop", "could not remove %s (kept, reported): %s", key.hex(), err)
+            self.res.removal_failed(level, key)
+            return
         self.res.removed(level, key)
 
     # ------------------------------------------------------------------ eviction
