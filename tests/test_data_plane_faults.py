@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_writeback import writer_paused
 
 import tierstore
 from tierstore.testing.data import assert_same, chunk, key_of
@@ -60,18 +61,6 @@ def failing(backend: Any, method: str, make_error: Any, when: Any = lambda keys:
         yield calls
     finally:
         delattr(backend, method)
-
-
-@contextmanager
-def writeback_paused(store: tierstore.TieredStore) -> Iterator[threading.Event]:
-    """Write-back takes up nothing until released (dirty chunks stay dirty)."""
-    release, original = threading.Event(), store._writeback._due  # noqa: SLF001
-    store._writeback._due = lambda: original() if release.is_set() else None  # noqa: SLF001
-    try:
-        yield release
-    finally:
-        release.set()
-        store.residency.notify()
 
 
 def erofs() -> OSError:
@@ -138,7 +127,7 @@ def test_a_read_error_while_writing_a_victim_down_never_removes_the_only_copy(tm
     with remote_store(tmp_path, pressure) as s:
         s._transfers.pin_wait = 0.5  # noqa: SLF001
         d = s.tier("disk")
-        with writeback_paused(s) as release:
+        with writer_paused(s) as release:
             assert s.put(key_of(0), chunk(0, CHUNK))  # dirty: its only copy is on the disk
             assert s.put(key_of(1), chunk(1, CHUNK))
             with failing(d.backend, "read_objects", eio, when=lambda keys: key_of(0) in keys) as calls:

@@ -4,13 +4,13 @@ what it waits for as writes commit, never rescans), and close() must write them 
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from test_writeback import writer_paused
 
 import tierstore
 from tierstore.testing.data import chunk, key_of
@@ -29,16 +29,11 @@ def open_store(path: Path) -> tierstore.TieredStore:
 def backlog(s: tierstore.TieredStore, n: int, offset: int = 0) -> Iterator[None]:
     """``n`` chunks put while write-back takes up nothing (a slow or briefly absent tier does the same); the
     body runs with the backlog built and write-back released."""
-    release, original = threading.Event(), s._writeback._due  # noqa: SLF001
-    s._writeback._due = lambda: original() if release.is_set() else None  # noqa: SLF001
-    try:
+    with writer_paused(s):
         for start in range(0, n, 1000):
             items = [(key_of(offset + i), chunk(i % 97, SMALL)) for i in range(start, min(n, start + 1000))]
             assert all(s.put_many(items))
         assert s.residency.dirty() == n
-    finally:
-        release.set()
-        s.residency.notify()
     yield
 
 
