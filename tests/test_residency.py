@@ -380,6 +380,7 @@ class ResidencyMachine(RuleBasedStateMachine):
         fast = self.res.fast_retries
         outstanding = sum(1 for rec in self.res._keys.values() for a in rec.pending.values() if a < fast)
         failing = {(k, j) for k, rec in self.res._keys.items() for j, a in rec.pending.items() if a >= fast}
+        assert self.res.dirty() == sum(1 for rec in self.res._keys.values() if rec.pending)
         tracker = self.res._flushes
         assert tracker.outstanding(FlushState(tracker.epoch)) == outstanding
         assert {(k, j) for k, js in tracker.failing.items() for j in js} == failing

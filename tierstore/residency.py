@@ -225,6 +225,7 @@ class Residency:
         self._seq = itertools.count()
         self.deletes = 0  #: deletes finished so far (a probe indexes what it found only if none ended meanwhile)
         self._flushes = FlushTracker()
+        self._dirty = 0  # keys with pending levels (counted as they change)
         self._writable = [i for i, lv in enumerate(self.levels) if lv.spec.writable]
 
     # ------------------------------------------------------------------ waiting (for the data plane)
@@ -620,6 +621,7 @@ class Residency:
         """``level`` is to receive the key's current value (a write a flush waits for)."""
         if not rec.pending:
             rec.epoch = self._flushes.epoch
+            self._dirty += 1
         rec.pending[level] = 0
         self._flushes.opened(rec.epoch)
 
@@ -629,6 +631,8 @@ class Residency:
             self._flushes.unfail(key, level)
         else:
             self._flushes.settled(rec.epoch)
+        if not rec.pending:
+            self._dirty -= 1
 
     def _retry_later(self, lv: _Level, key: ChunkKey, at: float, replace: bool = False) -> None:
         if replace or lv.retry_at.get(key, float("inf")) > at:
@@ -1079,7 +1083,7 @@ class Residency:
     def dirty(self) -> int:
         """Keys with a value not yet written to every level it must reach."""
         with self._lock:
-            return sum(1 for rec in self._keys.values() if rec.pending)
+            return self._dirty
 
     def keys(self, level: int) -> list[ChunkKey]:
         """The keys ``level`` holds, least recently used first."""
