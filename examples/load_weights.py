@@ -4,6 +4,8 @@ Run: python examples/load_weights.py        (no network: writes a small checkpoi
                                              only if moto is installed)
 """
 
+import atexit
+import shutil
 import tempfile
 import time
 
@@ -14,6 +16,7 @@ import tierstore.weights as tw
 from tierstore.weights.synth import write_llm_checkpoint
 
 work = tempfile.mkdtemp(prefix="tierstore-example-")
+atexit.register(shutil.rmtree, work, True)  # the checkpoint and the cache are removed when the script ends
 ckpt = f"{work}/model"
 write_llm_checkpoint(ckpt, 64 << 20, shard_size=24 << 20)  # a small Llama-like model in 3 shards + index
 

@@ -153,3 +153,61 @@ def test_disk_capacity_above_free_space_is_allowed(tmp_path):
     # the tier adopts what the filesystem really holds on ENOSPC (documented), so this is not an error
     with tierstore.open({"tiers": [{"kind": "disk", "path": str(tmp_path / "d"), "capacity": 1 << 62}]}) as store:
         assert store.tier("disk").capacity == 1 << 62
+
+
+# ------------------------------------------------------------------ issue 38: edges that were accepted silently
+@pytest.mark.parametrize("tier", [{"kind": "host", "capacity": 0}, {"kind": "host", "capacity": "0MiB"},
+                                  {"kind": "device", "device": "cpu", "capacity": 0}])
+def test_capacity_zero_is_a_config_error(tier):
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.capacity: a capacity of 0 holds nothing"):
+        parse_config({"tiers": [tier]})
+
+
+def test_disk_capacity_zero_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.capacity"):
+        parse_config({"tiers": [{"kind": "disk", "path": str(tmp_path), "capacity": 0}]})
+
+
+def test_an_inverted_tier_order_is_a_config_error(tmp_path):
+    disk = {"kind": "disk", "path": str(tmp_path / "d")}
+    with pytest.raises(ConfigError, match=r"tiers\[1\]: a host tier below the disk tier tiers\[0\]"):
+        parse_config({"tiers": [disk, {"kind": "host", "capacity": "1MiB"}]})
+    with pytest.raises(ConfigError, match=r"tiers\[1\]: a disk tier below the remote tier"):
+        parse_config({"tiers": [{"kind": "remote", "url": "memory://x"}, disk]})
+    # a device tier on the CPU is host memory: it may sit beside host tiers (tests use it as a second one)
+    parse_config({"tiers": [{"kind": "host", "capacity": "1MiB"}, {"kind": "device", "device": "cpu"}, disk]})
+
+
+@pytest.mark.parametrize("device", ["bogus", "cuda:99", 7])
+def test_a_device_that_does_not_exist_is_a_config_error(device):
+    if device == "cuda:99" and not __import__("torch").cuda.is_available():
+        device = "cuda"  # without CUDA any cuda device is unavailable
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.device"):
+        parse_config({"tiers": [{"kind": "device", "device": device}]})
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"endpoint_ur": "http://127.0.0.1:9000"}, r"storage_options\.endpoint_ur: not an option of s3:// "
+                                               r"\(S3FileSystem\) \(did you mean 'endpoint_url'\?\)"),
+    ({"endpoint_url": "..."}, r"storage_options\.endpoint_url: expected http\(s\)://host"),
+    ({"anno": True}, r"storage_options\.anno"),
+])
+def test_a_misspelt_or_placeholder_storage_option_is_a_config_error(options, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config({"tiers": [{"kind": "remote", "url": "s3://bucket/kv", "storage_options": options}]})
+
+
+def test_storage_options_the_filesystem_takes_are_accepted():
+    for url, options in [("s3://bucket/kv", {"endpoint_url": "http://127.0.0.1:9000", "key": "k", "secret": "s",
+                                             "anon": False, "profile": "p", "config_kwargs": {},
+                                             "use_listings_cache": False}),
+                         ("memory://kv", {"skip_instance_cache": True}), ("file:///tmp/kv", {"auto_mkdir": True})]:
+        parse_config({"tiers": [{"kind": "remote", "url": url, "storage_options": options}]})
+    with pytest.raises(ConfigError, match=r"storage_options\.endpoint_url: not an option of memory://"):
+        parse_config({"tiers": [{"kind": "remote", "url": "memory://kv",
+                                 "storage_options": {"endpoint_url": "http://x"}}]})
+
+
+def test_host_ram_check_speaks_in_human_units():
+    with pytest.raises(ConfigError, match=r"capacity: 1024\.0 TiB is more than this host's [\d.]+ GiB of RAM"):
+        parse_config({"tiers": [{"kind": "host", "capacity": 1 << 50}]})

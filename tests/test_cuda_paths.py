@@ -27,7 +27,7 @@ from test_serve import node_config, url_of
 import tierstore
 from tierstore.backends import Hit
 from tierstore.backends.memory import DeviceBackend, HostBackend
-from tierstore.kv import KVCacheStore, KVNamespace, PagedLayout, gather_layers, transfer
+from tierstore.kv import KVCacheStore, KVNamespace, PagedLayout, gather_layers, scatter_layers, transfer
 from tierstore.pool import SlotPool
 from tierstore.serve import places
 from tierstore.serve.server import NodeServer
@@ -357,6 +357,90 @@ def test_cuda_kv_a_chunk_vanishing_mid_load_writes_what_the_cpu_load_writes(kv_s
     loaded = gather_layers([c.cpu() for c in gpu], layout, table, 0, n)
     assert torch.equal(loaded[2][:, :3 * C], want[2][:, :3 * C]) and not loaded[2][:, 3 * C:].any()
     assert all(torch.equal(loaded[i], want[i]) for i in (0, 1))
+
+
+@pytest.mark.parametrize("layout", [PagedLayout.VLLM, PagedLayout.VLLM_CPU, PagedLayout.SGLANG_PAGE_FIRST],
+                         ids=lambda layout: layout.value)
+def test_cuda_kv_one_copy_each_way_between_cuda_blocks_and_the_pinned_pool(kv_store, monkeypatch, layout):
+    """``save_from`` a CUDA cache gathers into pinned pool memory reserved for the chunks (no staging: one
+    non-blocking D2H copy per piece, synchronized before the commit); ``load_into`` a CUDA cache scatters from
+    the pool memory the host tier lends (no read into staging), whole and layer-wise, and gives every loan
+    back. The CUDA cache ends up as the same load into a CPU cache leaves it."""
+    pool = kv_store.tiers[0].backend.pool
+    assert pool is not None and pool.pinned == CUDA
+    staged, reads = [], []
+    acquire, get_many_async = transfer.Staging.acquire, type(kv_store).get_many_async
+    monkeypatch.setattr(transfer.Staging, "acquire", lambda self, *a: staged.append(a) or acquire(self, *a))
+    monkeypatch.setattr(type(kv_store), "get_many_async",
+                        lambda self, keys, **kw: reads.append(keys) or get_many_async(self, keys, **kw))
+    kv = kv_for(kv_store, layout)
+    n, blocks = 4 * C, 40
+    table = torch.randperm(blocks, generator=torch.Generator().manual_seed(4))[:-(-n // BS)].tolist()
+    src = make_caches(layout, blocks)
+    tokens = list(range(300, 300 + n))
+    assert kv.save_from(tokens, on_device(src), layout, table, **kw(layout)) == n
+    assert staged == [] and kv.where(tokens) == ["host"] * 4
+    expected = gather_layers(src, layout, table, 0, n, **kw(layout))
+    assert all(torch.equal(a, b) for a, b in zip(kv.load(tokens), expected, strict=True))
+    for layerwise in (False, True):
+        want = make_caches(layout, blocks, fill=torch.zeros)
+        assert load(kv, tokens, want, layout, table, 0, None, layerwise=False) == n
+        gpu = on_device(make_caches(layout, blocks, fill=torch.zeros))
+        assert load(kv, tokens, gpu, layout, table, 0, None, layerwise) == n
+        sync()
+        assert same_caches(gpu, want)
+    assert staged == [] and reads == []
+    assert kv_store.tiers[0].backend._lent == {}  # every loan given back
+
+
+@pytest.mark.parametrize("layout", [PagedLayout.VLLM, PagedLayout.VLLM_CPU, PagedLayout.SGLANG_PAGE_FIRST],
+                         ids=lambda layout: layout.value)
+def test_cuda_kv_gather_and_scatter_never_wait_on_the_device(layout):
+    """Block-table checks and indexes are computed on the host (review_turn4 #14): gathering a request's KV out
+    of CUDA blocks and scattering it back, as the vLLM worker does per layer on the forward thread, makes no
+    synchronizing CUDA call (``torch.cuda.set_sync_debug_mode("error")`` raises on any)."""
+    blocks, n = 40, 4 * C + 3
+    table = torch.randperm(blocks, generator=torch.Generator().manual_seed(6))[:-(-n // BS)].tolist()
+    src = on_device(make_caches(layout, blocks))
+    dst = on_device(make_caches(layout, blocks, fill=torch.zeros))
+    sync()
+    guard = contextlib.nullcontext()
+    if CUDA:
+        @contextlib.contextmanager
+        def guard_syncs():
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        guard = guard_syncs()
+    with guard:
+        layers = gather_layers(src, layout, table, 3, n, **kw(layout))
+        scatter_layers(dst, layout, table, layers, 3, **kw(layout))
+    sync()
+    assert all(torch.equal(a, b) for a, b in zip(gather_layers(dst, layout, table, 3, n, **kw(layout)),
+                                                 gather_layers(src, layout, table, 3, n, **kw(layout)), strict=True))
+
+
+def test_cuda_kv_a_device_tier_lends_to_a_cpu_cache_and_takes_saves_by_put(tmp_path):
+    """A ``device`` tier on top lends CUDA tensors: a load into a CPU cache copies them to the host before the
+    CPU scatter reads them (never an asynchronous copy a CPU op would outrun); a save into it (no pool to
+    reserve) goes through a put. Both as exact as the host tier."""
+    layout = PagedLayout.VLLM
+    with tierstore.open({"tiers": [{"kind": "device", "device": str(DEVICE), "capacity": "64MiB"},
+                                   {"kind": "host", "capacity": "64MiB", "pinned": True}]}) as store:
+        kv = kv_for(store, layout)
+        n, blocks = 4 * C, 40
+        table = torch.randperm(blocks, generator=torch.Generator().manual_seed(7))[:-(-n // BS)].tolist()
+        src = make_caches(layout, blocks)
+        tokens = list(range(500, 500 + n))
+        assert kv.save_from(tokens, src, layout, table) == n
+        assert kv.where(tokens) == ["device"] * 4
+        for _ in range(3):
+            dst = make_caches(layout, blocks, fill=torch.zeros)
+            assert kv.load_into(tokens, dst, layout, table) == n
+            assert all(torch.equal(a, b) for a, b in zip(gather_layers(dst, layout, table, 0, n),
+                                                         gather_layers(src, layout, table, 0, n), strict=True))
 
 
 def test_cuda_kv_canonical_save_and_load_on_the_device(kv_store):

@@ -92,3 +92,13 @@ def test_keys_identical_across_processes_and_hash_seeds():
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("0", "12345")}
     assert outs == {f"{ChunkKey.from_tensors(sample()).hex()} {ChunkKey.chain(None, b'ns', b'p').hex()}"}
+
+
+def test_from_bytes_refuses_a_str_with_a_clear_error():
+    import pytest
+
+    from tierstore import ChunkKey, InvalidTypeError
+
+    with pytest.raises(InvalidTypeError, match="takes bytes, got str"):
+        ChunkKey.from_bytes("abc")  # type: ignore[arg-type]
+    assert ChunkKey.from_bytes(bytearray(b"abc")) == ChunkKey.from_bytes(b"abc")

@@ -12,7 +12,8 @@ import torch
 import tierstore
 from tierstore import InvalidInputError, InvalidTypeError, KVCacheStore, KVNamespace, MissingKeyError
 from tierstore.kv import PagedLayout, gather_layers
-from tierstore.kv.transfer import PagedTransfer
+from tierstore.kv.rows import PagedTransfer
+from tierstore.store import Loan
 
 H, D, LAYERS, C, BS = 2, 4, 3, 16, 5
 NS = KVNamespace(model="m", dtype="float32")
@@ -78,6 +79,7 @@ def test_a_failed_load_never_leaves_a_read_filling_staging_another_load_uses(tmp
             return scatter(self, layer, pieces, staged)
 
         monkeypatch.setattr(type(store), "get_many", reads)
+        monkeypatch.setattr(type(store), "lend", lambda self, keys: Loan([None] * len(keys)))  # staged reads
         monkeypatch.setattr(PagedTransfer, "scatter", fail_first_scatter)
         table = list(range(-(-n // BS)))
         with pytest.raises(RuntimeError, match="injected"):

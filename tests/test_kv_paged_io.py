@@ -9,7 +9,8 @@ import torch
 
 import tierstore
 from tierstore import InvalidInputError, InvalidTypeError, KVCacheStore, KVNamespace, MissingKeyError
-from tierstore.kv import PagedLayout, gather_layers, scatter_layers, transfer
+from tierstore.kv import PagedLayout, gather_layers, rows, scatter_layers, transfer
+from tierstore.store import Loan
 
 H, D, LAT, LAYERS, C, BS = 2, 4, 6, 3, 16, 5  # chunk size and block size deliberately unaligned
 
@@ -97,14 +98,14 @@ def test_save_and_load_into_interoperate_and_windows_split(store, monkeypatch, l
 def test_block_aligned_chunks_move_whole_blocks_exactly(store, layout, monkeypatch):
     bs, n = 8, 3 * C  # chunks of 16 tokens are two whole blocks each
     coarse = []
-    original = transfer._coarsen
+    original = rows._coarsen
 
     def spy(flat, index, run):
         got = original(flat, index, run)
         coarse.append(got[1] is not index)
         return got
 
-    monkeypatch.setattr(transfer, "_coarsen", spy)
+    monkeypatch.setattr(rows, "_coarsen", spy)
     kv = kv_for(store, layout, layers_per_object=2)
     table = torch.randperm(12, generator=torch.Generator().manual_seed(3))[:n // bs].tolist()
     src = make_caches(layout, 12, BS=bs)
@@ -147,6 +148,7 @@ def test_layerwise_layers_complete_in_order_before_later_layers_are_read(store, 
         return result
 
     monkeypatch.setattr(type(store), "get_many", slow_get_many)
+    monkeypatch.setattr(type(store), "lend", lambda self, keys: Loan([None] * len(keys)))  # read, not lent
     dst = [torch.zeros_like(c) for c in src]
     handle = kv.load_into(tokens, dst, layout, table, layerwise=True)
 
@@ -189,7 +191,15 @@ def saved_with_a_chunk_that_vanishes(store, monkeypatch, place=lambda caches: ca
         result = original(self, keys, out=out, device=device)
         return [None if k == victim else r for k, r in zip(keys, result, strict=True)]
 
+    lend = type(store).lend
+
+    def lossy_lend(self, keys):  # a chunk the host tier no longer lends either
+        loan = lend(self, keys)
+        loan.tensors = [None if k == victim else t for k, t in zip(keys, loan.tensors, strict=True)]
+        return loan
+
     monkeypatch.setattr(type(store), "get_many", lossy)
+    monkeypatch.setattr(type(store), "lend", lossy_lend)
     return kv, tokens, table, src
 
 

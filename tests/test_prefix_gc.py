@@ -369,7 +369,7 @@ def test_gc_watch_outlives_an_unreachable_prefix(s3_bucket, s3_server, shim, tmp
     prom = tmp_path / "gc.prom"
     env = {**os.environ, "PYTHONPATH": str(Path(tierstore.__file__).resolve().parents[1])}
     gc = subprocess.Popen([sys.executable, "-m", "tierstore.cli", "gc", "--config", str(cfg), "--max-size", "1MiB",
-                           "--grace", "0", "--watch", "0.2", "--prometheus", str(prom)], env=env,
+                           "--grace", "0", "--watch", "1", "--prometheus", str(prom)], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -393,3 +393,48 @@ def test_loads_beside_a_replacing_writer_give_one_version_or_an_error(tmp_path):
         # never a mix of two checkpoints, unless the files were that mix for the whole load
         assert len(versions) == 1 or (max(versions) - min(versions) == 1 and any(
             a <= start and end <= b for a, b in windows)), versions
+
+
+def test_a_same_size_replacement_on_memory_fs_during_a_load_raises(tmp_path):
+    """memory:// reports no ETag and no mtime: a same-size replacement mixed two versions (issue 38). Its
+    ``created`` time is the version now."""
+    import uuid
+
+    import fsspec
+    from safetensors.torch import save
+
+    fs = fsspec.filesystem("memory")
+    root = f"/ckpt-{uuid.uuid4().hex}"
+    for i in range(3):
+        fs.pipe_file(f"{root}/model-{i}.safetensors", save({f"w{i}": torch.full((64, 64), 1.0)}))
+    try:
+        it = tw.iter_tensors(f"memory://{root}", concurrency=1)
+        next(it)
+        time.sleep(0.002)  # a later "created" stamp (microseconds)
+        for i in range(3):
+            fs.pipe_file(f"{root}/model-{i}.safetensors", save({f"w{i}": torch.full((64, 64), 2.0)}))
+        with pytest.raises(CheckpointError, match="replaced while being loaded"):
+            list(it)
+    finally:
+        fs.rm(root, recursive=True)
+
+
+def test_a_filesystem_that_cannot_show_a_replacement_is_named(caplog):
+    from tierstore.weights.sources import FsspecSource
+
+    class Bare:  # what a filesystem without ETag or mtime answers
+        protocol = "bare"
+
+        def info(self, path):
+            return {"name": path, "size": 8, "type": "file"}
+
+    with caplog.at_level("WARNING", logger="tierstore.weights"):
+        FsspecSource(Bare(), "x.safetensors")
+    assert "a replacement of the same size during the load cannot be detected" in caplog.text
+
+
+def test_a_torch_save_file_is_named_as_not_safetensors(tmp_path):
+    path = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(4)}, path)
+    with pytest.raises(CheckpointError, match="not a safetensors file: it starts like a zip or pickle archive"):
+        tw.load(path)

@@ -32,6 +32,7 @@ from .keys import ChunkKey
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and IDEs
     from . import weights
+    from .api import Store
     from .kv import KVCacheStore, KVNamespace
     from .store import TieredStore, open
 
@@ -41,6 +42,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "open": "tierstore.store:open",
     "TieredStore": "tierstore.store:TieredStore",
+    "Store": "tierstore.api:Store",
     "KVNamespace": "tierstore.kv:KVNamespace",
     "KVCacheStore": "tierstore.kv:KVCacheStore",
     "weights": "tierstore.weights",
@@ -62,6 +64,6 @@ __all__ = [
     "ChunkKey", "TierstoreError", "ConfigError", "InvalidInputError", "InvalidTypeError",
     "CorruptObjectError", "UnsupportedObjectError", "ForgedObjectError", "MissingKeyError", "CapacityError",
     "LockedError", "ServerUnavailableError",
-    "TierTimeoutError", "ClosedError", "ForkedError", "WriteBackError", "open", "TieredStore", "KVNamespace",
+    "TierTimeoutError", "ClosedError", "ForkedError", "WriteBackError", "open", "Store", "TieredStore", "KVNamespace",
     "KVCacheStore", "weights",
 ]

@@ -25,20 +25,23 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .backends import prefix_gc
+from .cliargs import duration, one_line, progress_printer, size
 from .errors import ConfigError, CorruptObjectError, ForgedObjectError, LockedError, UnsupportedObjectError
-from .sizes import format_size, parse_duration, parse_size
+from .sizes import format_size
 
 if TYPE_CHECKING:
     from .backends.base import Backend
 
 #: objects read per batch while verifying
 _BATCH = 64
+#: the shortest ``gc --watch`` interval: each pass lists the whole prefix (on S3, LIST requests)
+WATCH_MIN_S = 1.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -54,39 +57,26 @@ def add_verify_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_gc_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
-    p.add_argument("--max-size", type=_size_arg, default=None, metavar="SIZE",
+    p.add_argument("--max-size", type=size(0), default=None, metavar="SIZE",
                    help="keep each remote prefix under SIZE (e.g. 500GiB): least recently used objects go "
                         "first; decided from listings only, no object is read")
-    p.add_argument("--older-than", type=_duration_arg, default=None, metavar="AGE",
+    p.add_argument("--older-than", type=duration(), default=None, metavar="AGE",
                    help="remove remote objects last used longer ago than AGE (seconds, or 30m, 12h, 7d)")
-    p.add_argument("--grace", type=_duration_arg, default=prefix_gc.GRACE_S, metavar="AGE",
+    p.add_argument("--grace", type=duration(), default=prefix_gc.GRACE_S, metavar="AGE",
                    help="never remove what was written or used more recently than this (default 600 s: a "
                         "writer may be finishing, a reader may hold a listing naming it)")
-    p.add_argument("--stale-after", type=_duration_arg, default=3600.0, metavar="AGE",
+    p.add_argument("--stale-after", type=duration(), default=3600.0, metavar="AGE",
                    help="remove remote temp files (crashed writers, killed publishes) older than this "
                         "(default 3600 s)")
     p.add_argument("--tier", action="append", default=None, metavar="NAME",
                    help="only this tier of the config (repeatable), e.g. --tier remote: a sidecar beside a live "
                         "engine opens only the shared tier, never the engine's locked disk directories")
-    p.add_argument("--watch", type=_duration_arg, default=None, metavar="INTERVAL",
-                   help="run again every INTERVAL until interrupted (a sidecar keeping the budget)")
+    p.add_argument("--watch", type=duration(WATCH_MIN_S), default=None, metavar="INTERVAL",
+                   help=f"run again every INTERVAL (at least {WATCH_MIN_S:g} s) until interrupted (a sidecar "
+                        "keeping the budget)")
     p.add_argument("--prometheus", default=None, metavar="FILE",
                    help="after each pass, write its figures per remote tier (tierstore_gc_*) atomically to FILE "
                         "for a node exporter's textfile collector")
-
-
-def _size_arg(value: str) -> int:
-    try:
-        return parse_size(value, key="--max-size")
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _duration_arg(value: str) -> float:
-    try:
-        return parse_duration(value)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_stats_arguments(p: argparse.ArgumentParser) -> None:
@@ -150,6 +140,9 @@ def open_persistent_tiers(config: Any, writable: bool, only: Sequence[str] | Non
 
 
 def _emit(args: argparse.Namespace, result: dict[str, Any], lines: list[str]) -> None:
+    if not result or result == {"tiers": {}}:
+        lines = ["no disk or remote tier in this config (a host or device tier is one process's memory: there "
+                 "is nothing to inspect from outside)"]
     print("\n".join(lines), flush=True)
     if args.json:
         with open(args.json, "w") as f:
@@ -157,8 +150,7 @@ def _emit(args: argparse.Namespace, result: dict[str, Any], lines: list[str]) ->
 
 
 def _refuse(exc: LockedError, verb: str) -> int:
-    print(f"tierstore {verb}: refused, nothing removed: {exc}. Stop that process first, or run "
-          "`tierstore verify` (read-only) beside it.")
+    print(f"tierstore {verb}: refused, nothing removed: {one_line(exc)}", file=sys.stderr)
     return 2
 
 
@@ -190,7 +182,8 @@ def run_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_objects(tier: Persistent, repair: bool) -> dict[str, int]:
+def check_objects(tier: Persistent, repair: bool,
+                  progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
     """Read every object of ``tier`` once: counts of ``ok``, ``corrupt``, ``unsupported`` (a newer format
     or a dtype this torch lacks: always kept, a newer reader needs it), ``forged`` (a tier with keys could
     not open it: always kept, it may belong to another trust domain), ``missing`` (vanished since
@@ -212,6 +205,8 @@ def check_objects(tier: Persistent, repair: bool) -> dict[str, int]:
                 corrupt.append(key)
         if repair and corrupt:
             counts["removed"] += sum(err is None for err in backend.delete_many(corrupt))
+        if progress is not None:
+            progress(i + len(batch), len(keys))
     return counts
 
 
@@ -237,7 +232,9 @@ def _outcome(got: Any) -> str:
 def run_verify(args: argparse.Namespace) -> int:
     try:
         with open_persistent_tiers(args.config, writable=args.repair) as tiers:
-            result = {t.name: check_objects(t, repair=args.repair) for t in tiers}
+            result = {t.name: check_objects(t, repair=args.repair,
+                                            progress=progress_printer(f"verify {t.name}", " objects"))
+                      for t in tiers}
     except LockedError as exc:
         return _refuse(exc, "verify --repair")
     lines = [f"{name}: {r['objects']} objects, {r['ok']} ok, {r['corrupt']} corrupt"
@@ -304,7 +301,8 @@ def _gc_pass(args: argparse.Namespace) -> tuple[int, dict[str, dict[str, Any]]]:
                                  f"{r['stale_temp_removed']} stale temp files; {format_size(r['bytes_after'])} "
                                  f"left{budget}")
                 else:
-                    r = result[tier.name] = check_objects(tier, repair=True)
+                    r = result[tier.name] = check_objects(
+                        tier, repair=True, progress=progress_printer(f"gc {tier.name}", " objects"))
                     lines.append(f"{tier.name}: kept {r['ok']}, removed {r['removed']} corrupt")
     except LockedError as exc:
         return _refuse(exc, "gc"), {}

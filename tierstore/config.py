@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import enum
 import json
-import math
 import os
 import shutil
 from collections.abc import Callable, Mapping
@@ -19,8 +18,8 @@ from typing import Any, TypeVar
 from .backends.layout import PERMISSIONS
 from .errors import ConfigError
 from .residency import Pressure
-from .sizes import parse_size
-from .urls import check_endpoint, check_url
+from .sizes import format_size, parse_seconds, parse_size
+from .urls import check_storage_options, check_url
 
 E = TypeVar("E", bound=enum.Enum)
 ENV_CONFIG = "TIERSTORE_CONFIG"
@@ -110,10 +109,12 @@ def default_config(root: str = DEFAULT_ROOT) -> dict[str, Any]:
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> dict[str, Any]:
     """Turn ``None`` (``$TIERSTORE_CONFIG`` or the default), a path or a mapping into a plain dict."""
+    origin = ""
     if config is None:
         config = os.environ.get(ENV_CONFIG) or None
         if config is None:
             return default_config()
+        origin = f" (from ${ENV_CONFIG})"
     if isinstance(config, Mapping):
         return dict(config)
     if isinstance(config, (str, os.PathLike)):
@@ -121,7 +122,7 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> di
         try:
             text = path.read_text()
         except OSError as exc:
-            raise ConfigError(f"config file {str(path)!r} cannot be read: {exc}") from None
+            raise ConfigError(f"config file {str(path)!r}{origin} cannot be read: {exc.strerror or exc}") from None
         try:
             if path.suffix.lower() == ".json":
                 data = json.loads(text)
@@ -129,11 +130,21 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> di
                 import yaml
                 data = yaml.safe_load(text)
         except Exception as exc:  # yaml and json raise different types; both mean a bad file
-            raise ConfigError(f"config file {str(path)!r} is not valid YAML/JSON: {exc}") from None
+            raise ConfigError(f"config file {str(path)!r}{origin} is not valid YAML/JSON: {_where_in(exc)}") from None
         if not isinstance(data, Mapping):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+            raise ConfigError(f"config file {str(path)!r}{origin} must hold a mapping at the top level")
         return dict(data)
     raise ConfigError(f"config must be a mapping, a file path or None, got {type(config).__name__}")
+
+
+def _where_in(exc: Exception) -> str:
+    """A YAML or JSON error as ``line L, column C: problem`` (yaml's own text names "<unicode string>")."""
+    mark = getattr(exc, "problem_mark", None)
+    if mark is not None:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {getattr(exc, 'problem', None) or exc}"
+    if isinstance(exc, json.JSONDecodeError):
+        return f"line {exc.lineno}, column {exc.colno}: {exc.msg}"
+    return " ".join(str(exc).split())
 
 
 def parse_config(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> StoreConfig:
@@ -145,12 +156,14 @@ def parse_config(config: Mapping[str, Any] | str | os.PathLike[str] | None = Non
     tiers_raw = raw.get("tiers")
     if not isinstance(tiers_raw, list) or not tiers_raw:
         raise ConfigError("tiers: expected a non-empty list of tier entries")
-    tiers, names = [], set()
+    tiers: list[TierConfig] = []
+    names: set[str] = set()
     for i, entry in enumerate(tiers_raw):
         tier = _parse_tier(entry, f"tiers[{i}]")
         if tier.name in names:
             raise ConfigError(f"tiers[{i}].name: duplicate tier name {tier.name!r} (give each a name:)")
         names.add(tier.name)
+        _check_order(tiers, tier, i)
         tiers.append(tier)
     return StoreConfig(
         tiers=tuple(tiers),
@@ -189,14 +202,31 @@ def _optional_bool(value: Any, key: str) -> bool | None:
 
 
 def _capacity(value: Any, key: str) -> int | None:
-    return None if value is None else parse_size(value, key=key)
+    if value is None:
+        return None
+    size = parse_size(value, key=key)
+    if size == 0:  # every put would be refused: a tier that can hold nothing is a mistake, not a mode
+        raise ConfigError(f"{key}: a capacity of 0 holds nothing; give a size such as '512MiB', or remove the tier")
+    return size
+
+
+def _device(value: Any, key: str) -> str:
+    from .errors import InvalidInputError
+    from .tensors import check_device
+
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a torch device such as 'cuda:0', got {value!r}")
+    try:
+        return str(check_device(value))
+    except InvalidInputError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
 
 
 def _host_capacity(value: Any, key: str) -> int | None:
     size = _capacity(value, key)
     ram = physical_memory()
     if size is not None and ram is not None and size > ram:
-        raise ConfigError(f"{key}: {size} bytes is more than this host's {ram} bytes of RAM")
+        raise ConfigError(f"{key}: {format_size(size)} is more than this host's {format_size(ram)} of RAM")
     return size
 
 
@@ -234,16 +264,11 @@ def _url(value: Any, key: str) -> str:
 
 
 def _storage_options(value: Any, key: str) -> Mapping[str, Any] | None:
-    options = _mapping(value, key)
-    if options is not None and options.get("endpoint_url") is not None:
-        check_endpoint(options["endpoint_url"], f"{key}.endpoint_url")
-    return options
+    return _mapping(value, key)  # its keys are checked against the url's filesystem in check_tier_options
 
 
 def _seconds(value: Any, key: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
-        raise ConfigError(f"{key}: expected a positive number of seconds, got {value!r}")
-    return float(value)
+    return parse_seconds(value, key=key)
 
 
 def _optional_seconds(value: Any, key: str) -> float | None:
@@ -262,10 +287,6 @@ def _no_capacity(value: Any, key: str) -> None:
         raise ConfigError(f"{key}: {REMOTE_CAPACITY_REFUSED}")
 
 
-def _any(value: Any, key: str) -> Any:
-    return value
-
-
 def _auth(value: Any, key: str) -> Mapping[str, Any] | None:
     if value is None:
         return None
@@ -278,11 +299,12 @@ def _auth(value: Any, key: str) -> Mapping[str, Any] | None:
 _PERMISSIONS = _one_of(*PERMISSIONS)
 #: every option of every tier kind, with the check that validates (and normalises) its value
 TIER_OPTIONS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
-    "device": {"device": _any, "capacity": _capacity},
+    "device": {"device": _device, "capacity": _capacity},
     "host": {"capacity": _host_capacity, "pinned": _bool, "pool": _optional_bool, "slot_size": _slot_size,
              "shared_memory": _bool},
     "disk": {"path": _path, "capacity": _capacity, "durable": _bool, "read_only": _bool,
-             "codec": _one_of("none", "zstd"), "io_threads": _positive_int, "permissions": _PERMISSIONS,
+             "compression": _one_of(None, "none", "zstd"), "codec": _one_of("none", "zstd"),
+             "io_threads": _positive_int, "permissions": _PERMISSIONS,
              "instances": _positive_int, "verify_reads": _one_of("always", "once")},
     "remote": {"url": _url, "storage_options": _storage_options, "compression": _one_of(None, "none", "zstd"),
                "capacity": _no_capacity, "max_in_flight": _positive_int, "list_on_open": _bool,
@@ -300,6 +322,12 @@ def check_tier_options(kind: str, options: Mapping[str, Any], where: str) -> dic
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) for a {kind} tier: {', '.join(sorted(unknown))}")
     out = {key: checks[key](value, f"{where}.{key}") for key, value in options.items()}
+    if kind == "disk" and "compression" in out:  # one name for both tiers; `codec` stays as an alias
+        if "codec" in out:
+            raise ConfigError(f"{where}: give compression (or its old name codec), not both")
+        out["codec"] = out.pop("compression") or "none"
+    if kind == "remote" and out.get("url") and out.get("storage_options") is not None:
+        check_storage_options(out["url"], dict(out["storage_options"]), f"{where}.storage_options")
     if kind == "disk":
         _check_writable(out["path"], f"{where}.path", read_only=out.get("read_only", False))
     return out
@@ -336,6 +364,28 @@ def _parse_tier(entry: Any, where: str) -> TierConfig:
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{where}.name: expected a non-empty string")
     return TierConfig(kind=kind, name=name, options=options)
+
+
+#: the built-in kinds, fastest first: a config lists its tiers in this order
+SPEED_ORDER = ("device", "host", "disk", "remote")
+
+
+def _speed_rank(tier: TierConfig) -> int:
+    if tier.kind == "device" and tier.options.get("device") == "cpu":
+        return SPEED_ORDER.index("host")  # a device tier on the CPU is host memory
+    return SPEED_ORDER.index(tier.kind)
+
+
+def _check_order(above: list[TierConfig], tier: TierConfig, i: int) -> None:
+    """Tiers are listed fastest first; a built-in kind below a slower one (disk above host) would promote
+    chunks downward. Third-party kinds and ``read_only`` tiers (never written: their place only orders
+    lookups) may sit anywhere."""
+    if tier.kind not in SPEED_ORDER or tier.options.get("read_only"):
+        return
+    for j, prev in enumerate(above):
+        if prev.kind in SPEED_ORDER and not prev.options.get("read_only") and _speed_rank(prev) > _speed_rank(tier):
+            raise ConfigError(f"tiers[{i}]: a {tier.kind} tier below the {prev.kind} tier tiers[{j}]; list tiers "
+                              f"fastest first ({' > '.join(SPEED_ORDER)})")
 
 
 def _existing_ancestor(path: Path) -> Path:

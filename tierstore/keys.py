@@ -66,6 +66,8 @@ class ChunkKey(bytes):
     def from_bytes(cls, data: bytes) -> ChunkKey:
         """Digest of arbitrary bytes (e.g. a file identity plus a byte range); never equal to a
         :meth:`chain` or :meth:`from_tensors` key."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise InvalidTypeError(f"ChunkKey.from_bytes takes bytes, got {type(data).__name__} (encode a str first)")
         return cls(hashlib.blake2b(bytes(data), digest_size=DIGEST_SIZE, person=_PERSON_BYTES).digest())
 
     @classmethod

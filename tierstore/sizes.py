@@ -56,3 +56,17 @@ def parse_duration(value: float | str, *, key: str = "duration") -> float:
         if m:
             return float(m.group(1)) * _DURATION_UNITS[m.group(2)]
     raise ConfigError(f"{key}: cannot parse duration {value!r} (use seconds or e.g. '30m', '12h', '7d')")
+
+
+def parse_seconds(value: float | str, *, key: str) -> float:
+    """A positive, finite duration in seconds, written as the other durations are (``5``, ``0.5``, ``"5s"``,
+    ``"30m"``); :class:`ConfigError` naming ``key`` otherwise. Every timeout and interval key takes this."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected positive seconds (e.g. 5, '5s', '2m'), got {value!r}")
+    try:
+        seconds = parse_duration(value, key=key)
+    except ConfigError:
+        raise ConfigError(f"{key}: expected positive seconds (e.g. 5, '5s', '2m'), got {value!r}") from None
+    if not 0 < seconds < float("inf"):
+        raise ConfigError(f"{key}: expected positive seconds (e.g. 5, '5s', '2m'), got {value!r}")
+    return seconds

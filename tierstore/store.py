@@ -53,12 +53,14 @@ from .outcomes import Eviction
 from .promotion import Promoter
 from .residency import Hold, LevelSpec, Pressure, Residency
 from .telemetry import Counters, Latency
-from .tensors import TensorDict, check_outs
+from .tensors import TensorDict, check_device, check_outs
 from .transfers import Level, Transfers
 from .writeback import FlushReport, WriteBack
 
 if TYPE_CHECKING:
+    from .api import Store
     from .metrics import MetricsServer
+    from .reservation import Reservation
 
 log = logging.getLogger("tierstore")
 
@@ -355,6 +357,7 @@ class TieredStore:
     def _read_checked(self, keys: Sequence[ChunkKey], out: Outs | None, device: str | torch.device
                       ) -> list[TensorDict | InvalidInputError | None]:
         keys = check_keys(keys)
+        device = check_device(device)  # a caller's mistake, not a tier's read failure
         if out is not None:
             if isinstance(out, Mapping) or not isinstance(out, Sequence):
                 raise InvalidTypeError("out must be a sequence with one Mapping[str, Tensor] per key")
@@ -554,6 +557,13 @@ class TieredStore:
                 self._count(gets=lent, hits=lent)
             return loan
 
+    def reserve(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]) -> Reservation:
+        """Pool memory of the top tier set aside for each ``(key, like)`` — a chunk shaped like ``like`` — to be
+        filled in place and committed: a put without the copy in (see :mod:`tierstore.reservation`)."""
+        from .reservation import reserve
+
+        return reserve(self, [(check_key(k), like) for k, like in items])
+
     # ------------------------------------------------------------------ async forms
     def get_many_async(self, keys: Sequence[ChunkKey], *, out: Outs | None = None,
                        device: str | torch.device = "cpu") -> Future[list[TensorDict | None]]:
@@ -720,12 +730,13 @@ def build_levels(config: StoreConfig) -> list[Level]:
     return levels
 
 
-def open(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> TieredStore:  # noqa: A001 - public name
+def open(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Store:  # noqa: A001 - public name
     """Open a store from a dict, a YAML/JSON file, ``$TIERSTORE_CONFIG`` or the embedded default.
 
     ``{"server": "unix:///run/tierstore/tierstore.sock"}`` opens a node's ``tierstore serve`` instead: a
     :class:`~tierstore.serve.client.ServerStore`, with the same methods (optional keys: ``timeout``,
-    ``connections``).
+    ``connections``). Both are a :class:`tierstore.Store`; ``isinstance(store, tierstore.TieredStore)``
+    reaches what only the embedded store has (``tier()``, ``lend()``).
 
     The whole configuration is validated first; a bad key raises :class:`~tierstore.ConfigError`
     naming it before any tier touches storage.
@@ -734,7 +745,16 @@ def open(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Ti
     if "server" in raw:  # a node's `tierstore serve`: the same API, through its socket
         from .serve.client import ServerStore
 
-        return ServerStore.from_config(raw)  # type: ignore[return-value]
+        return ServerStore.from_config(raw)
+    return open_tiered(raw)
+
+
+def open_tiered(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> TieredStore:
+    """:func:`open` for a config of tiers (never a node server's client): the embedded
+    :class:`TieredStore`, typed as such (``tier()``, ``lend()``). A ``server`` key is refused."""
+    raw = read_config(config)
+    if "server" in raw:
+        raise ConfigError("server: this needs an embedded store (tiers); tierstore.open() opens a server's client")
     cfg = parse_config(raw)
     levels = build_levels(cfg)
     try:

@@ -28,6 +28,26 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a :class:`torch.device` this process can use, or :class:`InvalidInputError`
+    (``"bogus"``, ``"cuda"`` on a build or machine without CUDA, ``"cuda:3"`` with two GPUs)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise InvalidInputError(f"device {device!r} is not a torch device ({exc})") from None
+    if dev.type == "cpu":
+        return dev
+    backend = getattr(torch, dev.type, None)
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        raise InvalidInputError(f"device {str(dev)!r} is not available here (torch {torch.__version__}, "
+                                f"{dev.type} not available)")
+    count = getattr(backend, "device_count", None)
+    if dev.index is not None and count is not None and dev.index >= count():
+        raise InvalidInputError(f"device {str(dev)!r} does not exist: this machine has {count()} {dev.type} device(s)")
+    return dev
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     try:
         return DTYPE_NAMES[dtype]

@@ -44,3 +44,63 @@ def check_endpoint(url: object, key: str, what: str = "endpoint URL") -> None:
         urllib.parse.urlsplit(url).port  # noqa: B018 - reading the port is what validates it
     except ValueError as exc:
         raise ConfigError(f"{key}: malformed {what} {url!r}: {exc}") from None
+
+
+def filesystem_options(protocol: str) -> set[str] | None:
+    """The keyword options fsspec's filesystem class for ``protocol`` takes: the named parameters of every
+    ``__init__`` in its class hierarchy, plus the listings-cache and instance-cache options every fsspec
+    filesystem takes. ``None`` when that cannot be known (no class, or one that takes ``**kwargs`` it does
+    not pass on to fsspec's base class)."""
+    import inspect
+
+    import fsspec
+    from fsspec.dircache import DirCache
+
+    try:
+        cls = fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError):
+        return None
+    names = {"skip_instance_cache"} | set(inspect.signature(DirCache.__init__).parameters) - {"self", "kwargs"}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None or klass is object:
+            continue
+        for p in inspect.signature(init).parameters.values():
+            if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD:
+                names.add(p.name)
+        if klass is fsspec.AbstractFileSystem:
+            if protocol in ("s3", "s3a"):  # s3fs hands the rest to its botocore session
+                from .backends.guarded import SESSION_OPTIONS
+
+                names |= SESSION_OPTIONS
+            return names - {"self"}
+    return None
+
+
+def check_storage_options(url: str, options: object, key: str) -> None:
+    """Raise :class:`ConfigError` naming ``key.<option>`` for a ``storage_options`` key the URL's fsspec
+    filesystem does not take (``endpoint_ur`` on ``s3://`` would otherwise be ignored, and the client would
+    talk to the default endpoint), and for an ``endpoint_url`` that is not an ``http(s)://host`` URL (a
+    placeholder such as ``"..."``). Chained URLs (``simplecache::s3://``) key their options by protocol and
+    are not checked here."""
+    import difflib
+
+    import fsspec
+
+    if not isinstance(options, dict) or "::" in url:
+        return
+    endpoint = options.get("endpoint_url")
+    if endpoint is not None:
+        check_endpoint(endpoint, f"{key}.endpoint_url")
+        parts = urllib.parse.urlsplit(endpoint)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"{key}.endpoint_url: expected http(s)://host[:port], got {endpoint!r}")
+    protocol = fsspec.core.split_protocol(url)[0] or "file"
+    known = filesystem_options(protocol)
+    if known is None:
+        return
+    for name in sorted(set(options) - known):
+        close = difflib.get_close_matches(name, sorted(known), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        fs = fsspec.get_filesystem_class(protocol).__name__
+        raise ConfigError(f"{key}.{name}: not an option of {protocol}:// ({fs}){hint}")

@@ -27,7 +27,7 @@ from vllm_fakes import (
 
 from tierstore.errors import ConfigError
 from tierstore.kv import PagedLayout, gather
-from tierstore.kv.transfer import PagedTransfer
+from tierstore.kv.rows import PagedTransfer
 
 PROMPT = list(range(100, 180))  # 80 tokens: two full 32-token chunks may hit (never the whole prompt)
 HIT = 64
@@ -407,9 +407,9 @@ def test_many_tenants_keep_bounded_state_and_still_hit(tmp_path):
         n = TENANTS_KEPT + 20
         for t in range(n):
             e.serve(Request(f"t{t}", PROMPT, cache_salt=f"tenant-{t}"), A_BLOCKS)
-        for w in e.workers:  # one cache object per recent tenant, all on one set of staging buffers
+        for w in e.workers:  # one cache object per recent tenant, all on one set of staging buffers and loaders
             assert len(w._kvs) == TENANTS_KEPT
-            assert len({id(kv._staging) for kv in w._kvs.values()}) == 1
+            assert len({id(kv._shared) for kv in w._kvs.values()}) == 1
         assert e.matched(Request("t0-again", PROMPT, cache_salt="tenant-0")) == HIT  # dropped, rebuilt, hits
         assert e.matched(Request("stranger", PROMPT, cache_salt="tenant-x")) == 0
     finally:

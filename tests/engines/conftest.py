@@ -24,3 +24,12 @@ def tiny_model(tmp_path_factory) -> str:
     return str(path)
 
 
+
+
+@pytest.fixture(scope="session")
+def hybrid_model(tmp_path_factory) -> str:
+    """A small random Gemma-3 (sliding-window and full-attention layers: two KV cache groups in vLLM)."""
+    path = tmp_path_factory.mktemp("tiny-gemma3")
+    subprocess.run([sys.executable, str(HERE / "tiny_model.py"), str(path), "gemma3"], check=True,
+                   capture_output=True, timeout=120)
+    return str(path)

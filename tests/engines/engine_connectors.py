@@ -1,4 +1,5 @@
-"""Test-only subclasses of ``TierstoreConnector`` that let the engine tests look inside a real engine.
+"""Test-only subclasses of ``TierstoreConnector`` and ``TierstoreTier`` that let the engine tests look inside a
+real engine.
 
 They record to the JSONL file named by ``$TIERSTORE_TEST_RECORD`` (each engine process appends).
 """
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 from tierstore_vllm.connector import TierstoreConnector
+from tierstore_vllm.tier import TierstoreTier
 
 from tierstore.kv import scatter
 
@@ -60,3 +62,24 @@ class VanishingConnector(TierstoreConnector):
         if failed:
             record(failed_blocks=sorted(failed))
         return failed
+
+
+class ZeroingTier(TierstoreTier):
+    """Zeroes the CPU-tier chunks each load filled before vLLM learns the load is done (so before it copies them
+    to the engine's KV cache): the output must change."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._loading: dict[int, list[int]] = {}
+
+    def submit_load(self, job_metadata) -> None:
+        self._loading[job_metadata.job_id] = [int(c) for c in job_metadata.chunk_ids]
+        super().submit_load(job_metadata)
+
+    def get_finished_jobs(self):
+        results = list(super().get_finished_jobs())
+        for result in results:
+            for chunk in self._loading.pop(result.job_id, ()):
+                self._chunk(chunk).zero_()
+                record(zeroed_chunk=chunk)
+        return results

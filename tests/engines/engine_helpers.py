@@ -24,6 +24,14 @@ def kv_config(tiers: list[dict], connector: str = "TierstoreConnector",
             "kv_connector_extra_config": {"config": {"tiers": tiers}, **extra}}
 
 
+def tier_kv_config(tier: dict, cpu_bytes: int = 64 << 20, **extra) -> dict:
+    """vLLM's OffloadingConnector with ``CPUTieringOffloadingSpec`` (vLLM's tiering spec with a CPU worker), a CPU
+    tier of ``cpu_bytes`` and the secondary tier ``tier`` (a ``secondary_tiers`` entry)."""
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"spec_name": "CPUTieringOffloadingSpec", "spec_module_path": "tierstore_vllm",
+                                          "cpu_bytes_to_use": cpu_bytes, "secondary_tiers": [tier], **extra}}
+
+
 def run_engine(spec: dict, record: Path | None = None, timeout: float = ENGINE_TIMEOUT_S) -> dict:
     """Run one engine in a fresh process (``engine_run.py``) and return its result dict."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(HERE))
@@ -52,12 +60,23 @@ def complete(url: str, model: str, ids: list[int], max_tokens: int = 4) -> dict:
         return json.load(r)
 
 
+def counter(base: str, family: str) -> dict[str, float]:
+    """``{labels: value}`` of one counter family on a server's /metrics."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {m.group(1) or "": float(m.group(2))
+            for m in re.finditer(rf"^{family}(\{{[^}}]*\}})? ([0-9.e+]+)$", text, re.M)}
+
+
 class ApiServer:
     """``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1 (vllm-cpu's ``vllm`` CLI does not start),
     with the engine settings of ``engine_run.py``; ``complete(ids)`` sends one greedy completion."""
 
     def __init__(self, model: str, port: int, kv: dict | None = None, log: Path | None = None,
-                 timeout: float = ENGINE_TIMEOUT_S):
+                 timeout: float = ENGINE_TIMEOUT_S, extra_args: list[str] | None = None):
         from tierstore.testing.s3 import wait_answering
 
         self.model, self.port = model, port
@@ -68,6 +87,7 @@ class ApiServer:
                 "--gpu-memory-utilization", "0.15"]
         if kv is not None:
             args += ["--kv-transfer-config", json.dumps(kv)]
+        args += extra_args or []
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH=str(HERE))
         self._log_path = log
         self._log = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - lives with the server

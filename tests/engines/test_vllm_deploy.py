@@ -6,15 +6,13 @@ equal a server's without the connector."""
 
 from __future__ import annotations
 
-import re
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from engine_helpers import ENGINE_TIMEOUT_S, ApiServer, complete, prompt
+from engine_helpers import ENGINE_TIMEOUT_S, ApiServer, complete, counter, prompt
 
 from tierstore.bench.deploy import CPU_ENGINE_ARGS, Deployment, router_binary
 from tierstore.testing.s3 import free_port
@@ -23,14 +21,6 @@ pytest.importorskip("vllm")
 
 ENGINE_ARGS = CPU_ENGINE_ARGS + " --max-model-len 1024 --max-num-batched-tokens 1024"
 PROMPT = prompt(7, 600)  # two 256-token chunks and a tail
-
-
-def counter(base: str, family: str) -> dict[str, float]:
-    """``{labels: value}`` of one counter family on a server's /metrics."""
-    with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    return {m.group(1) or "": float(m.group(2))
-            for m in re.finditer(rf"^{family}(\{{[^}}]*\}})? ([0-9.e+]+)$", text, re.M)}
 
 
 @pytest.fixture(params=["file", "s3"])

@@ -47,7 +47,8 @@ class Unavailable(OSError):
 
 
 #: the keyword arguments s3fs hands to the botocore session it creates (all it does not know itself)
-_SESSION_OPTIONS = {"profile", "session_vars", "event_hooks", "include_builtin_handlers"}
+#: s3fs options it passes to its botocore session (not the filesystem's own parameters)
+SESSION_OPTIONS = {"profile", "session_vars", "event_hooks", "include_builtin_handlers"}
 _sessions: dict[str | None, Any] = {}
 _sessions_lock = threading.Lock()
 
@@ -62,7 +63,7 @@ def with_client_defaults(url: str, options: Mapping[str, Any], connections: int 
         options["config_kwargs"] = {**S3_CLIENT_DEFAULTS, "max_pool_connections": connections,
                                     **(options.get("config_kwargs") or {})}
         profile = options.get("profile")
-        if "session" not in options and _SESSION_OPTIONS & set(options) <= {"profile"} and (
+        if "session" not in options and SESSION_OPTIONS & set(options) <= {"profile"} and (
                 profile is None or isinstance(profile, str)):
             options["session"] = shared_session(profile)
     return options

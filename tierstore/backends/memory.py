@@ -187,23 +187,48 @@ class HostBackend(MemoryBackend):
         if self.pool is None:
             return super()._write(key, prepared)
         payload = prepared.payload
-        run = self.pool.alloc(prepared.size) or self._reuse(key, prepared.size)
-        if run is None:
-            raise OSError(errno.ENOMEM, "host pool fragmented: no contiguous run free")
+        run, stored = self.reserve_run(key, payload, prepared.size)
         try:
-            buf = self.pool.view(run)
-            stored = {}
-            for name, off in _layout(payload, self._header)[0]:
+            for name, dst in stored.items():
                 t = payload[name]
-                nb = t.numel() * t.element_size()
-                dst = buf[off:off + nb]
-                dst = (dst.view(t.dtype) if t.dtype != torch.uint8 else dst).reshape(t.shape)
                 dst.copy_(t, non_blocking=t.device.type == "cuda")
-                stored[name] = dst
             wait_for_copies(*payload.values())
         except BaseException:
-            self.pool.free(run)
+            self.cancel_run(run)
             raise
+        self.publish_run(key, run, stored)
+
+    def reserved_size(self, like: Mapping[str, torch.Tensor]) -> int | None:
+        """Bytes of the pool a chunk with tensors shaped like ``like`` takes; ``None`` without a pool (no
+        reservations: such a tier is written with a put)."""
+        return None if self.pool is None else self.pool.size_for(_layout(like, self._header)[1])
+
+    def reserve_run(self, key: ChunkKey, like: Mapping[str, torch.Tensor], size: int
+                    ) -> tuple[Extent, dict[str, torch.Tensor]]:
+        """A run of ``size`` pool bytes for a new value of ``key`` with tensors shaped like ``like`` (any device,
+        ``meta`` too), and those tensors as views of it, to be filled: no reader sees them before
+        :meth:`publish_run`; :meth:`cancel_run` gives the run back. Raises ``ENOMEM`` when no run is free."""
+        assert self.pool is not None
+        run = self.pool.alloc(size) or self._reuse(key, size)
+        if run is None:
+            raise OSError(errno.ENOMEM, "host pool fragmented: no contiguous run free")
+        buf = self.pool.view(run)
+        views = {}
+        for name, off in _layout(like, self._header)[0]:
+            t = like[name]
+            dst = buf[off:off + t.numel() * t.element_size()]
+            views[name] = (dst.view(t.dtype) if t.dtype != torch.uint8 else dst).reshape(t.shape)
+        return run, views
+
+    def cancel_run(self, run: Extent) -> None:
+        """Give back a run :meth:`reserve_run` handed out and that was never published."""
+        assert self.pool is not None
+        self.pool.free(run)
+
+    def publish_run(self, key: ChunkKey, run: Extent, stored: dict[str, torch.Tensor]) -> None:
+        """Make ``stored`` (views of ``run``, their bytes in place) ``key``'s value; its old run is freed once no
+        reader holds it."""
+        assert self.pool is not None
         with self._lock:
             old = self._runs.get(key)
             self._data[key], self._runs[key] = stored, run

@@ -34,7 +34,7 @@ from .report import write_report
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="folder for BENCHMARKS.md, results.json and the plots")
-    p.add_argument("--quick", action="store_true", help="tiny sizes, no peers: a smoke test (< 30 s)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, no peers: a smoke test (about 30-60 s on 2 cores)")
     p.add_argument("--peers", action="store_true", help="run the LMCache comparison (builds its venv if missing)")
     p.add_argument("--no-peers", action="store_true", help="skip the LMCache comparison even if its venv exists")
     p.add_argument("--venv", default=str(peers.DEFAULT_VENV), help="LMCache's venv (see bench peers)")

@@ -31,6 +31,7 @@ import torch
 
 from ..backends.layout import object_relpath
 from ..keys import ChunkKey
+from ..store import open_tiered
 
 Measured = tuple[float, dict[str, Any]]
 
@@ -85,7 +86,7 @@ def measure(s3: Any, count: int = 64, size: int = 1 << 20, in_flight: int = 32, 
 
         def started_store() -> tierstore.TieredStore:
             """A fresh store whose client is started and whose connections are open (no key of ours seen)."""
-            store = tierstore.open(config(False))
+            store = open_tiered(config(False))
             # HEADs of other keys on the remote level's backend: the client starts, connections open, and the
             # store's index learns nothing
             store.tier("remote").backend.stat_many([ChunkKey.from_bytes(b"cold-warm-up-%d" % i)
@@ -118,7 +119,7 @@ def measure(s3: Any, count: int = 64, size: int = 1 << 20, in_flight: int = 32, 
                     found = timed("lookup", partial(store.lookup, keys))
                     if found != count:
                         raise RuntimeError(f"cold lookup found {found} of {count}")
-                with tierstore.open(config(False)) as store:
+                with open_tiered(config(False)) as store:
                     timed("first_lookup", partial(store.lookup, keys))
                 with started_store() as store:
                     check(timed("load", partial(store.get_many, keys)))
@@ -145,7 +146,5 @@ def measure(s3: Any, count: int = 64, size: int = 1 << 20, in_flight: int = 32, 
 
 
 def _open_lookup(cfg: dict[str, Any], keys: list[ChunkKey]) -> int:
-    import tierstore
-
-    with tierstore.open(cfg) as store:
+    with open_tiered(cfg) as store:
         return store.lookup(keys)

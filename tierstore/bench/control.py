@@ -23,23 +23,24 @@ import time
 import tracemalloc
 from typing import Any
 
+from ..cliargs import positive_float, positive_int
 from ..keys import ChunkKey
+from ..store import open_tiered
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="10000,100000,1000000", help="index sizes in keys (comma list)")
-    p.add_argument("--prompt-chunks", type=int, default=128, help="keys per lookup (default 128)")
-    p.add_argument("--seconds", type=float, default=0.5, help="time spent timing lookups per size")
+    p.add_argument("--prompt-chunks", type=positive_int, default=128, help="keys per lookup (default 128)")
+    p.add_argument("--seconds", type=positive_float, default=0.5, help="time spent timing lookups per size")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
 
 
 def measure(n_keys: int, prompt_chunks: int = 128, seconds: float = 0.5, workdir: str | None = None) -> dict[str, Any]:
     """Index memory per key and ``lookup`` µs per key for an index of ``n_keys`` chunks of 1 MiB."""
-    import tierstore
 
     with tempfile.TemporaryDirectory(prefix="tierstore-bench-control-", dir=workdir) as tmp:
         cfg = {"tiers": [{"kind": "disk", "path": os.path.join(tmp, "disk"), "capacity": n_keys << 20}]}
-        with tierstore.open(cfg) as store:
+        with open_tiered(cfg) as store:
             level = store.tier("disk").index
             gc.collect()
             tracemalloc.start()

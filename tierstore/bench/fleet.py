@@ -31,6 +31,9 @@ from typing import Any
 
 import torch
 
+from ..cliargs import nonneg_float, positive_float, positive_int
+from ..store import open_tiered
+
 SYSTEM_TOKENS = 512
 TURN_TOKENS = 128
 RATE = 8.0  # requests per second, the whole fleet together
@@ -44,14 +47,16 @@ GC_EVERY = 4.0
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", default="8,16,32,64", help="fleet sizes (default 8,16,32,64)")
-    p.add_argument("--users", type=int, default=2, help="conversations per instance (default 2)")
-    p.add_argument("--rounds", type=int, default=4, help="rounds per conversation (default 4)")
-    p.add_argument("--chunk-tokens", type=int, default=64, help="tokens per KV chunk (default 64)")
-    p.add_argument("--budget-share", type=float, default=0.5, help="gc budget as a share of the working set")
-    p.add_argument("--latency", type=float, default=0.020, help="seconds the shim adds per answer (default 0.02)")
-    p.add_argument("--gc-every", type=float, default=GC_EVERY,
+    p.add_argument("--users", type=positive_int, default=2, help="conversations per instance (default 2)")
+    p.add_argument("--rounds", type=positive_int, default=4, help="rounds per conversation (default 4)")
+    p.add_argument("--chunk-tokens", type=positive_int, default=64, help="tokens per KV chunk (default 64)")
+    p.add_argument("--budget-share", type=positive_float, default=0.5, help="gc budget as a share of the working set")
+    p.add_argument("--latency", type=nonneg_float, default=0.020,
+                   help="seconds the shim adds per answer (default 0.02)")
+    p.add_argument("--gc-every", type=positive_float, default=GC_EVERY,
                    help=f"seconds between gc passes (default {GC_EVERY:g})")
-    p.add_argument("--rate", type=float, default=RATE, help=f"requests per second across the fleet (default {RATE:g}; "
+    p.add_argument("--rate", type=positive_float, default=RATE,
+                   help=f"requests per second across the fleet (default {RATE:g}; "
                    "0: every instance as fast as it can)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
 
@@ -64,7 +69,6 @@ def _layers(tokens: list[int]) -> list[torch.Tensor]:
 
 def one_fleet(s3: Any, n: int, users: int = 2, rounds: int = 4, chunk_tokens: int = 64, budget_share: float = 0.5,
               latency: float = 0.020, gc_every: float = GC_EVERY, rate: float = RATE) -> dict[str, Any]:
-    import tierstore
     from tierstore.errors import MissingKeyError
     from tierstore.kv import KVCacheStore, KVNamespace
 
@@ -89,7 +93,7 @@ def one_fleet(s3: Any, n: int, users: int = 2, rounds: int = 4, chunk_tokens: in
                              "touch_after": TOUCH_AFTER_S,
                              "list_on_open": False}],
                   "write_policy": "write_back", "prefetch_policy": "transient", "close_timeout": 60}
-        stores = [tierstore.open(config) for _ in range(n)]
+        stores = [open_tiered(config) for _ in range(n)]
         ns = KVNamespace(model="fleet", dtype="float16", chunk_tokens=chunk_tokens)
         start = threading.Barrier(n + 1)
         stop_gc = threading.Event()

@@ -31,7 +31,9 @@ from typing import Any
 
 import torch
 
+from ..cliargs import positive_float, positive_int
 from ..sizes import format_size, parse_size
+from ..store import open_tiered
 from .common import Report, Row, gbps, median_time
 
 SECTIONS = ("h2d", "store", "kv", "weights")
@@ -43,17 +45,18 @@ def add_arguments(p) -> None:
     p.add_argument("--h2d-size", default="1GiB", help="bytes of the raw copies (default 1GiB)")
     p.add_argument("--chunk", default="4MiB", help="chunk size of the store rows (default 4MiB)")
     p.add_argument("--store-total", default="1GiB", help="bytes per store get_many (default 1GiB)")
-    p.add_argument("--kv-tokens", type=int, default=8192, help="tokens loaded into the paged cache (default 8192)")
-    p.add_argument("--kv-layers", type=int, default=32, help="layers (default 32)")
-    p.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
-    p.add_argument("--kv-head-dim", type=int, default=128, help="head dim (default 128)")
-    p.add_argument("--kv-chunk", type=int, default=256, help="tokens per stored chunk (default 256)")
-    p.add_argument("--kv-block", type=int, default=16, help="tokens per cache block (default 16)")
+    p.add_argument("--kv-tokens", type=positive_int, default=8192,
+                   help="tokens loaded into the paged cache (default 8192)")
+    p.add_argument("--kv-layers", type=positive_int, default=32, help="layers (default 32)")
+    p.add_argument("--kv-heads", type=positive_int, default=8, help="KV heads (default 8)")
+    p.add_argument("--kv-head-dim", type=positive_int, default=128, help="head dim (default 128)")
+    p.add_argument("--kv-chunk", type=positive_int, default=256, help="tokens per stored chunk (default 256)")
+    p.add_argument("--kv-block", type=positive_int, default=16, help="tokens per cache block (default 16)")
     p.add_argument("--weights-size", default="2GiB", help="synthetic checkpoint size (default 2GiB)")
-    p.add_argument("--repeats", type=int, default=5, help="repeats per row, medians reported (default 5; the "
+    p.add_argument("--repeats", type=positive_int, default=5, help="repeats per row, medians reported (default 5; the "
                                                           "weights rows take at most 3)")
     p.add_argument("--only", default=None, help=f"comma-separated sections to run (of {','.join(SECTIONS)})")
-    p.add_argument("--budget", type=float, default=150.0,
+    p.add_argument("--budget", type=positive_float, default=150.0,
                    help="seconds: sections not started by then are skipped (default 150)")
     p.add_argument("--dir", default=None, help="scratch directory for the disk tier and the checkpoint "
                                                "(default: a temp dir, removed after)")
@@ -142,7 +145,6 @@ class _Bench:
         self.report.meta["h2d_round_trip"] = self.exact("H2D/D2H round trip", torch.equal(host, src))
 
     def store(self, tmp: str) -> None:
-        import tierstore
 
         from ..keys import ChunkKey
 
@@ -166,7 +168,7 @@ class _Bench:
 
         label = f"{count} x {format_size(size)}"
         host_cfg = {"kind": "host", "capacity": total + total // 8 + (64 << 20), "pinned": True}
-        with tierstore.open({"tiers": [host_cfg]}) as store:
+        with open_tiered({"tiers": [host_cfg]}) as store:
             if not all(store.put_many(items)):
                 raise RuntimeError("the host tier refused a chunk")
             t = self.time(lambda: get_all(store, outs))
@@ -174,7 +176,7 @@ class _Bench:
             self.add(f"get_many(out={self.device.type}), host tier", total, t, self.limit,
                      note=f"pinned pool, {label}; {note}")
         disk_cfg = {"kind": "disk", "path": os.path.join(tmp, "disk"), "capacity": 2 * total + (64 << 20)}
-        with tierstore.open({"tiers": [disk_cfg]}) as store:
+        with open_tiered({"tiers": [disk_cfg]}) as store:
             if not all(store.put_many(items)):
                 raise RuntimeError("the disk tier refused a chunk")
             store.flush()
@@ -190,7 +192,6 @@ class _Bench:
             self.add("get_many(out=cpu), disk tier", total, t, self.limit, note="the disk part alone")
 
     def kv(self) -> None:
-        import tierstore
 
         from ..kv import KVCacheStore, KVNamespace
         from ..kv.transfer import LayerwiseLoad
@@ -220,7 +221,7 @@ class _Bench:
                 d.zero_()
 
         label = f"{n} tokens x {layers} layers, {heads}x{dim} bf16, chunks of {ct}"
-        with tierstore.open({"tiers": [host_cfg]}) as store:
+        with open_tiered({"tiers": [host_cfg]}) as store:
             whole = KVCacheStore(store, ns, chunk_tokens=ct)
             per_layer = KVCacheStore(store, ns, chunk_tokens=ct, layers_per_object=1, num_layers=layers)
 

@@ -43,6 +43,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..store import open_tiered
+
 SCENARIOS = ("none", "host", "host+disk", "host+disk+remote")
 
 
@@ -171,7 +173,7 @@ def run_scenario(scenario: str, model, ns, root: Path, working_set: int, session
 
     cfg = store_config(scenario, root, working_set, args)
     (root / "remote").mkdir(parents=True, exist_ok=True)
-    store = tierstore.open(cfg) if cfg else None
+    store = open_tiered(cfg) if cfg else None
     try:
         kv = tierstore.KVCacheStore(store, ns, chunk_tokens=args.chunk_tokens) if store else None
         sessions = make_sessions(sessions_n, args, model.config.vocab_size)
@@ -213,7 +215,7 @@ def chunk_costs(model, ns, root: Path, sizes: list[int], args, repeats: int = 7)
                  "disk": {"kind": "disk", "path": str(root / f"cost{size}" / "disk"), "capacity": "256MiB"},
                  "remote": {"kind": "remote", "url": f"file://{root / f'cost{size}' / 'remote'}"}}
         for name, tier in tiers.items():
-            with tierstore.open({"tiers": [tier]}) as store:
+            with open_tiered({"tiers": [tier]}) as store:
                 kv = tierstore.KVCacheStore(store, ns.replace(tenant=f"cost-{size}"), chunk_tokens=size)
                 kv.save(toks, layers)
                 store.flush()
@@ -254,7 +256,7 @@ def paged_rows(model, ns, root: Path, n: int, repeats: int) -> list[dict]:
         tier = ({"kind": "host", "capacity": 4 * n * cfg.kv_bytes_per_token(model.dtype) + (64 << 20)}
                 if tier_name == "host" else
                 {"kind": "disk", "path": str(root / f"paged-{tier_name}"), "capacity": "16GiB"})
-        with tierstore.open({"tiers": [tier]}) as store:
+        with open_tiered({"tiers": [tier]}) as store:
             flat = tierstore.KVCacheStore(store, ns.replace(tenant="paged"), chunk_tokens=256)
             per_layer = tierstore.KVCacheStore(store, ns.replace(tenant="paged-layers"), chunk_tokens=256,
                                                layers_per_object=1, num_layers=len(layers))

@@ -20,12 +20,15 @@ from typing import Any
 
 import torch
 
+from ..cliargs import positive_int
+from ..store import open_tiered
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--count", type=int, default=64, help="chunks per round (default 64)")
-    p.add_argument("--size", type=int, default=4096, help="bytes per chunk (default 4096)")
-    p.add_argument("--rounds", type=int, default=101, help="rounds per store; medians reported (default 101)")
-    p.add_argument("--scrape-ms", type=int, default=100, help="scrape period of the 'on' store (default 100)")
+    p.add_argument("--count", type=positive_int, default=64, help="chunks per round (default 64)")
+    p.add_argument("--size", type=positive_int, default=4096, help="bytes per chunk (default 4096)")
+    p.add_argument("--rounds", type=positive_int, default=101, help="rounds per store; medians reported (default 101)")
+    p.add_argument("--scrape-ms", type=positive_int, default=100, help="scrape period of the 'on' store (default 100)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
 
 
@@ -46,8 +49,8 @@ def measure(count: int = 64, size: int = 4096, rounds: int = 101, scrape_ms: int
     items = [(tierstore.ChunkKey.from_bytes(b"bench-metrics-%d" % i),
               {"x": torch.randint(0, 255, (size,), dtype=torch.uint8)}) for i in range(count)]
     outs = [{"x": torch.empty(size, dtype=torch.uint8)} for _ in range(count)]
-    on = tierstore.open({**config, "metrics": {"port": 0}})
-    off = tierstore.open(config)
+    on = open_tiered({**config, "metrics": {"port": 0}})
+    off = open_tiered(config)
     for lat in [off.latency, *(t.latency for t in off.tiers)]:
         lat.enabled = False
     stop = threading.Event()

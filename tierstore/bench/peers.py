@@ -31,9 +31,11 @@ from .. import objformat
 from ..backends.file import FileBackend
 from ..backends.file_reads import CORES, ONE_READ, raw_view
 from ..backends.objfile import open_for_read
+from ..cliargs import positive_int
 from ..iov import PIECE
 from ..keys import ChunkKey
 from ..sizes import format_size, parse_size
+from ..store import open_tiered
 from .ops import get_all_into, put_all
 
 LMCACHE = "lmcache==0.5.6"
@@ -54,8 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--build", action="store_true", help=f"create --venv with {LMCACHE} and {TORCH} if missing")
     p.add_argument("--sizes", default="256KiB,4MiB,16MiB", help="object sizes (default 256KiB,4MiB,16MiB)")
     p.add_argument("--total", default="1GiB", help="bytes over all measured rounds (default 1GiB)")
-    p.add_argument("--rounds", type=int, default=None, help="measured rounds per run (default: see round_shape)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per configuration; medians reported (default 3)")
+    p.add_argument("--rounds", type=positive_int, default=None,
+                   help="measured rounds per run (default: see round_shape)")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="runs per configuration; medians reported (default 3)")
     p.add_argument("--adapters", default=",".join(ADAPTERS), help="LMCache L2 adapters (default fs_native,fs)")
     p.add_argument("--dir", default=None, help="scratch folder (default: a temp dir)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
@@ -119,7 +123,6 @@ def run_ours(folder: str, keys: int, size: int, rounds: int, verify: str = "alwa
     ``once``): every round stores ``keys`` fresh objects in one batch (``put_many`` where the store has it), then
     every round's objects are read back into caller-owned buffers (``get_many(out=)``). Round 0 warms up and is
     not timed."""
-    import tierstore
 
     g = torch.Generator().manual_seed(size)
     data = [{"kv": torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g)} for _ in range(keys)]
@@ -130,7 +133,7 @@ def run_ours(folder: str, keys: int, size: int, rounds: int, verify: str = "alwa
                       "capacity": (rounds + 2) * keys * size, "verify_reads": verify}]}
     store_t: list[float] = []
     load_t: list[float] = []
-    with tierstore.open(cfg) as store:
+    with open_tiered(cfg) as store:
         for batch in batches:
             t0 = time.perf_counter()
             put_all(store, list(zip(batch, data, strict=True)))
@@ -206,8 +209,8 @@ def bare_read(pool: ThreadPoolExecutor, paths: Sequence[str], outs: Sequence[dic
 
 
 def round_shape(size: int, total: int) -> tuple[int, int]:
-    """(keys per round, measured rounds) for ``total`` bytes over all rounds, as the LMCache runs of
-    ``shared/notes/lmcache_bench.md``: 256 KiB -> 256 keys x 16 rounds, 16 MiB -> 16 keys x 4 rounds."""
+    """(keys per round, measured rounds) for ``total`` bytes over all rounds, as LMCache's own ``bench l2``
+    runs: 256 KiB -> 256 keys x 16 rounds, 16 MiB -> 16 keys x 4 rounds."""
     keys = max(1, min(256, (256 << 20) // size))
     return keys, max(2, total // (keys * size))
 

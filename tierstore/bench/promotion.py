@@ -35,15 +35,19 @@ import torch
 
 from ..backends.file import FileBackend
 from ..backends.layout import object_relpath
+from ..cliargs import nonneg_float, positive_int
 from ..keys import ChunkKey
+from ..store import open_tiered
 from .ops import wait_for_jobs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--count", type=int, default=32, help="chunks read (default 32)")
-    p.add_argument("--size", type=int, default=1 << 20, help="bytes per chunk (default 1 MiB)")
-    p.add_argument("--latency", type=float, default=0.020, help="seconds the shim adds to each answer (default 0.02)")
-    p.add_argument("--repeats", type=int, default=5, help="runs per configuration; medians reported (default 5)")
+    p.add_argument("--count", type=positive_int, default=32, help="chunks read (default 32)")
+    p.add_argument("--size", type=positive_int, default=1 << 20, help="bytes per chunk (default 1 MiB)")
+    p.add_argument("--latency", type=nonneg_float, default=0.020,
+                   help="seconds the shim adds to each answer (default 0.02)")
+    p.add_argument("--repeats", type=positive_int, default=5,
+                   help="runs per configuration; medians reported (default 5)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
 
 
@@ -78,7 +82,7 @@ def measure(s3: Any, count: int = 32, size: int = 1 << 20, latency: float = 0.02
                              {"kind": "disk", "path": os.path.join(tmp, f"{name}-{run}")},
                              {"kind": "remote", "url": url, "storage_options": options, "list_on_open": False}],
                    "prefetch_policy": policy}
-            s = tierstore.open(cfg)
+            s = open_tiered(cfg)
             s.contains_many([ChunkKey.from_bytes(b"promotion-warm-up-%d" % i) for i in range(8)])  # client up
             return s
 
@@ -112,7 +116,7 @@ def measure(s3: Any, count: int = 32, size: int = 1 << 20, latency: float = 0.02
         written = _chunks("written", count, size, 3)
         disk_dir = os.path.join(tmp, "writeback-disk")
         remote = {"kind": "remote", "url": f"s3://{s3.new_bucket('writeback')}/kv", "storage_options": options}
-        with tierstore.open({"tiers": [{"kind": "disk", "path": disk_dir}, remote]}) as s:
+        with open_tiered({"tiers": [{"kind": "disk", "path": disk_dir}, remote]}) as s:
             shim.reset()
             s.put_many(written)
             s.flush(timeout=120)

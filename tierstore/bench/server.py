@@ -25,9 +25,11 @@ from typing import Any
 
 import torch
 
+from ..cliargs import positive_int
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--rounds", type=int, default=31, help="rounds per store; medians reported (default 31)")
+    p.add_argument("--rounds", type=positive_int, default=31, help="rounds per store; medians reported (default 31)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
 
 

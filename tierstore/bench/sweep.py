@@ -32,6 +32,7 @@ import torch
 
 from ..backends.layout import object_relpath
 from ..keys import ChunkKey
+from ..store import open_tiered
 from . import cold
 from .common import gbps, median_time
 from .ops import delete_all, get_all_into, put_all
@@ -61,8 +62,6 @@ def tier_sizes(sizes: list[int], total: int, repeats: int, workdir: str | None =
 
 
 def _one_size(size: int, count: int, repeats: int, tmp: str) -> dict[str, Any]:
-    import tierstore
-
     items = _objects(count, size, "tiers")
     keys = [k for k, _ in items]
     outs = [{"kv": torch.zeros(size, dtype=torch.uint8)} for _ in items]  # touched: no page faults timed
@@ -89,7 +88,7 @@ def _one_size(size: int, count: int, repeats: int, tmp: str) -> dict[str, Any]:
 
     host_cfg = {"tiers": [{"kind": "host", "capacity": 2 * count * size + (64 << 20), "pinned": False}]}
     disk_cfg = {"tiers": [{"kind": "disk", "path": os.path.join(tmp, "disk"), "capacity": 3 * count * size}]}
-    with tierstore.open(host_cfg) as host, tierstore.open(disk_cfg) as disk, \
+    with open_tiered(host_cfg) as host, open_tiered(disk_cfg) as disk, \
             ThreadPoolExecutor(getattr(disk.tier("disk").backend, "io_threads", 4)) as writers:
         cases: dict[str, Case] = {  # in this order; each get follows the put that stored its objects
             "memcpy": (lambda: [o["kv"].copy_(v["kv"]) for o, (_, v) in zip(outs, items, strict=True)], None),
@@ -144,7 +143,6 @@ def remote(count: int, size: int, concurrency: int = 8, latency: float = 0.020, 
            cold_in_flight: int = 32) -> dict[str, Any]:
     """The remote tier through the S3 shim: ``get`` of ``count`` objects vs the concurrent ceiling, and a
     cold instance's lookup and load of ``cold_count`` chunks (:mod:`tierstore.bench.cold`, under ``cold``)."""
-    import tierstore
 
     from ..testing.s3 import local_s3
     from .s3shim import S3Shim
@@ -179,7 +177,7 @@ def remote(count: int, size: int, concurrency: int = 8, latency: float = 0.020, 
             cfg = {"tiers": [{"kind": "remote", "url": f"s3://{bucket}/tier", "storage_options": opts,
                               "max_in_flight": concurrency}]}
             log("  remote: tier put and get")
-            with tierstore.open(cfg) as store:
+            with open_tiered(cfg) as store:
                 t0 = time.perf_counter()
                 put_all(store, items)
                 res["put"] = gbps(nbytes, time.perf_counter() - t0)

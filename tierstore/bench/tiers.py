@@ -16,25 +16,29 @@ from typing import Any
 import torch
 
 from ..backends.base import Backend, Hit
+from ..cliargs import nonneg_int, positive_int, progress_printer, size
 from ..keys import ChunkKey
+from ..store import open_tiered
 from .common import Report, gbps, median_time
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--chunk", default="4MiB", help="chunk size (default 4MiB)")
-    p.add_argument("--count", type=int, default=64, help="chunks per measurement (default 64)")
-    p.add_argument("--total", default=None,
+    p.add_argument("--chunk", type=size(1), default="4MiB", help="chunk size (default 4MiB)")
+    p.add_argument("--count", type=positive_int, default=64, help="chunks per measurement (default 64)")
+    p.add_argument("--total", type=size(1), default=None,
                    help="bytes per measurement instead of --count (e.g. 1GiB: count = total // chunk)")
-    p.add_argument("--io-threads", type=int, default=4, help="disk backend io_threads (default 4)")
-    p.add_argument("--repeats", type=int, default=5, help="repeats; medians are reported (default 5)")
+    p.add_argument("--io-threads", type=positive_int, default=4, help="disk backend io_threads (default 4)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="repeats; medians are reported (default 5)")
     p.add_argument("--no-s3", action="store_true", help="skip the local S3 server rows")
-    p.add_argument("--shim-chunks", type=int, default=64,
+    p.add_argument("--shim-chunks", type=nonneg_int, default=64,
                    help="chunks of the cold-instance rows behind the S3 latency shim (0 to skip; default 64)")
-    p.add_argument("--shim-chunk", default="1MiB", help="chunk size of the cold-instance rows (default 1MiB)")
-    p.add_argument("--shim-in-flight", type=int, default=32,
+    p.add_argument("--shim-chunk", type=size(1), default="1MiB",
+                   help="chunk size of the cold-instance rows (default 1MiB)")
+    p.add_argument("--shim-in-flight", type=positive_int, default=32,
                    help="remote backend max_in_flight in the shim rows (default 32)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
-    p.add_argument("--lookup-keys", type=int, default=10_000, help="keys in the lookup measurement (default 10,000)")
+    p.add_argument("--lookup-keys", type=positive_int, default=10_000,
+                   help="keys in the lookup measurement (default 10,000)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
 
 
@@ -104,7 +108,7 @@ def _tier_rows(report: Report, name: str, backend: Backend, items, total: int, r
 def run(args) -> int:
     from ..backends.file import FileBackend
     from ..backends.memory import HostBackend
-    from ..sizes import parse_size
+    from ..sizes import format_size, parse_size
 
     size = parse_size(args.chunk)
     if args.total:
@@ -112,9 +116,11 @@ def run(args) -> int:
     items = _chunks(args.count, size)
     total = sum(v["k"].nbytes + v["v"].nbytes for _, v in items)
     r = args.repeats
-    report = Report(f"tierstore bench tiers: {args.count} x {args.chunk} chunks, median of {r}",
+    report = Report(f"tierstore bench tiers: {args.count} x {format_size(size)} chunks, median of {r}",
                     meta={"chunk_bytes": size, "count": args.count, "repeats": r, "cpus": os.cpu_count()})
 
+    steps = 5 if args.no_s3 else 6
+    progress = progress_printer("bench tiers", " sections")  # a bar on a terminal, lines otherwise
     # physical references: fresh-memory clone and memcpy into an existing buffer
     src = [v for _, v in items]
     clone = report.add("torch.clone (fresh memory)", gbps(total, median_time(
@@ -123,9 +129,11 @@ def run(args) -> int:
     memcpy = report.add("memcpy into existing buffers", gbps(total, median_time(
         lambda: [[d[n].copy_(t) for n, t in v.items()] for v, d in zip(src, dst, strict=True)], r)), "GB/s")
 
+    progress(1, steps)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         with HostBackend(capacity=2 * total + (64 << 20), pinned=False) as host:
             _tier_rows(report, "host backend", host, items, total, r, clone, clone, memcpy)
+        progress(2, steps)
 
         files = [os.path.join(tmp, f"plain{i}") for i in range(len(items))]
         payloads = [torch.cat([v["k"], v["v"]]).numpy().data.cast("B") for _, v in items]
@@ -155,13 +163,16 @@ def run(args) -> int:
         plain_write()
         pr = report.add("plain file readinto (page cache)", gbps(total, median_time(plain_read, r, setup=os.sync)),
                         "GB/s")
+        progress(3, steps)
         with FileBackend(path=os.path.join(tmp, "disk"), io_threads=args.io_threads) as disk:
             _tier_rows(report, "disk backend", disk, items, total, r, pw, pr)
-
+        progress(4, steps)
         if not args.no_s3:
             _s3_rows(report, items, payloads, total, r, args.shim_chunks, parse_size(args.shim_chunk),
                      args.shim_in_flight)
+            progress(5, steps)
         _store_rows(report, tmp, items, total, r, clone, args.lookup_keys)
+        progress(steps, steps)
 
     print(report.table())
     if args.json:
@@ -219,12 +230,10 @@ def _shim_rows(report: Report, s3, count: int, size: int, in_flight: int, repeat
 
 
 def _store_rows(report: Report, tmp: str, items, total: int, r: int, clone, n_lookup: int) -> None:
-    import tierstore
-
     per_chunk = total / len(items)
     cfg = {"tiers": [{"kind": "host", "capacity": 2 * total + (64 << 20), "pinned": False},
                      {"kind": "disk", "path": os.path.join(tmp, "store-disk"), "capacity": 4 * total}]}
-    with tierstore.open(cfg) as store:
+    with open_tiered(cfg) as store:
         t_put = median_time(lambda: [store.put(k, v) for k, v in items], r)
         store.flush()
         t_get = median_time(lambda: [store.get(k) for k, _ in items], r)
@@ -248,7 +257,7 @@ def _store_rows(report: Report, tmp: str, items, total: int, r: int, clone, n_lo
     small = {"x": torch.zeros(16)}
     tiers = [{"kind": "host", "capacity": "64MiB", "pinned": False, "pool": False},
              {"kind": "disk", "path": os.path.join(tmp, "lookup-disk"), "capacity": "1GiB"}]
-    with tierstore.open({"tiers": tiers}) as store:
+    with open_tiered({"tiers": tiers}) as store:
         for k in keys:
             store.put(k, small)
         store.flush()

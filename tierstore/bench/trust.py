@@ -31,15 +31,16 @@ from typing import Any
 
 import torch
 
+from ..cliargs import positive_int
 from ..keyring import format_entries, new_secret
 from ..keys import ChunkKey
 from ..sizes import format_size
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--count", type=int, default=32, help="chunks per read (default 32)")
-    p.add_argument("--size", type=int, default=4 << 20, help="bytes per chunk (default 4 MiB)")
-    p.add_argument("--rounds", type=int, default=21, help="rounds per configuration; medians (default 21)")
+    p.add_argument("--count", type=positive_int, default=32, help="chunks per read (default 32)")
+    p.add_argument("--size", type=positive_int, default=4 << 20, help="bytes per chunk (default 4 MiB)")
+    p.add_argument("--rounds", type=positive_int, default=21, help="rounds per configuration; medians (default 21)")
     p.add_argument("--backends", default="file,s3", help="comma-separated: file, s3 (default both)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ..cliargs import nonneg_float, positive_int
 from ..sizes import format_size, parse_size
 from . import weights_peers as peers
 
@@ -39,11 +40,12 @@ GB = 1e9
 def add_arguments(p) -> None:
     p.add_argument("--size", default="2GiB", help="checkpoint size (default 2GiB; e.g. 256MiB for a quick run)")
     p.add_argument("--dir", default=None, help="where the synthetic checkpoint lives "
-                                              "(default ~/.cache/tierstore/bench-weights-SIZE)")
+                                              "(default ~/.cache/tierstore/bench-weights-SIZE, removed at the "
+                                              "end; a --dir is kept and reused)")
     p.add_argument("--shard-size", default="1GiB", help="shard size of the local checkpoint")
-    p.add_argument("--concurrency", type=int, default=None, help="tierstore reads in flight (default: auto)")
+    p.add_argument("--concurrency", type=positive_int, default=None, help="tierstore reads in flight (default: auto)")
     p.add_argument("--block-size", default=None, help="tierstore read size (default 16MiB)")
-    p.add_argument("--repeat", type=int, default=1, help="warm runs per row after one warm-up; best is kept")
+    p.add_argument("--repeat", type=positive_int, default=1, help="warm runs per row after one warm-up; best is kept")
     p.add_argument("--only", default=None, help="comma-separated substrings: run only matching rows")
     p.add_argument("--no-cold", action="store_true", help="skip the cold page-cache runs")
     p.add_argument("--no-s3", action="store_true", help="skip the S3 runs")
@@ -51,8 +53,8 @@ def add_arguments(p) -> None:
     p.add_argument("--s3-shard-size", default="32MiB",
                    help="shard size on S3 (moto copies the whole object on every ranged GET, so huge "
                         "shards would measure moto, not the loaders)")
-    p.add_argument("--latency-ms", type=float, default=20.0, help="S3 shim first-byte latency")
-    p.add_argument("--mbps", type=float, default=90.0, help="S3 shim bandwidth per connection, MB/s")
+    p.add_argument("--latency-ms", type=nonneg_float, default=20.0, help="S3 shim first-byte latency")
+    p.add_argument("--mbps", type=nonneg_float, default=90.0, help="S3 shim bandwidth per connection, MB/s")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
 
 
@@ -315,6 +317,17 @@ def _print_table(res: Results, targets) -> None:
 def run(args) -> int:
     size = parse_size(args.size, key="--size")
     directory = args.dir or os.path.join(os.path.expanduser("~/.cache/tierstore"), f"bench-weights-{size}")
+    try:
+        return _run(args, size, directory)
+    finally:
+        if args.dir is None:  # a --dir is kept for the next run; the default is not left behind
+            for path in (directory, directory + "-published"):
+                shutil.rmtree(path, ignore_errors=True)
+            print(f"removed {directory} (and its -published copy); --dir DIR keeps the checkpoint for the next run",
+                  flush=True)
+
+
+def _run(args, size: int, directory: str) -> int:
     paths = _checkpoint(directory, size, parse_size(args.shard_size, key="--shard-size"))
     params = _params(directory)
     total = sum(t.numel() * t.element_size() for t in params.values())

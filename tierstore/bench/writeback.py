@@ -41,9 +41,8 @@ def _chunks(tag: str, count: int, size: int) -> list[tuple[ChunkKey, dict[str, t
 def measure(s3: Any, count: int = 320, size: int = 64 << 10, latency: float = 0.050, concurrency: int = 32,
             repeats: int = 3) -> dict[str, Any]:
     """The figures above against the local S3 server ``s3`` (a :class:`tierstore.testing.s3.LocalS3`)."""
-    import tierstore
-
     from ..backends.fsspec import FsspecBackend
+    from ..store import open_tiered
     from .s3shim import S3Shim
 
     times: dict[str, list[float]] = {"reference": [], "writeback": [], "writeback_before": []}
@@ -68,12 +67,12 @@ def measure(s3: Any, count: int = 320, size: int = 64 << 10, latency: float = 0.
             cfg = {"tiers": [{"kind": "host", "capacity": 2 * count * size + (64 << 20), "pinned": False},
                              {"kind": "remote", "url": f"s3://{s3.new_bucket(f'wb-{name}-{run}'.replace('_', '-'))}/kv",
                               "storage_options": options, "max_in_flight": concurrency, "list_on_open": False}]}
-            with tierstore.open(cfg) as s:
+            with open_tiered(cfg) as s:  # the embedded store itself: its write-back is held back below
                 wb = s._writeback  # noqa: SLF001 - the bench holds write-back back while it fills the host
                 if name == "writeback_before":
                     wb.pipeline, wb._batches = 1, dict.fromkeys(wb._batches, 8)  # noqa: SLF001
                 release, due = threading.Event(), wb._due  # noqa: SLF001
-                wb._due = lambda: due() if release.is_set() else None  # type: ignore[method-assign]
+                wb._due = lambda: due() if release.is_set() else None  # type: ignore[method-assign]  # noqa: SLF001
                 s.contains_many([items[0][0]])  # the client is up
                 if not all(s.put_many(items)):
                     raise RuntimeError(f"{name}: a put was refused")

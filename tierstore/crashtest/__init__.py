@@ -22,6 +22,7 @@ import shutil
 import sys
 import tempfile
 
+from ..cliargs import nonneg_float, positive_float, positive_int
 from .driver import COMBOS, SETUPS, CrashTest, format_table
 from .worker import SABOTAGE
 
@@ -29,16 +30,16 @@ __all__ = ["COMBOS", "CrashTest", "add_arguments", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--minutes", type=float, default=None,
+    p.add_argument("--minutes", type=positive_float, default=None,
                    help="stop after this long (default 1 minute unless --kills is given)")
-    p.add_argument("--kills", type=int, default=None, help="stop after this many kills")
+    p.add_argument("--kills", type=positive_int, default=None, help="stop after this many kills")
     p.add_argument("--configs", default="all", metavar="LIST",
                    help=f"comma-separated setups or setup/policy pairs, from: {', '.join(COMBOS)} (default all)")
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one, removed if all passed)")
     p.add_argument("--seed", type=int, default=None, help="random seed (printed; reuse it to repeat a run)")
-    p.add_argument("--keys", type=int, default=48, help="keys per setup (default 48)")
-    p.add_argument("--threads", type=int, default=2, help="writer threads (default 2)")
-    p.add_argument("--max-delay", type=float, default=0.5, metavar="SECONDS",
+    p.add_argument("--keys", type=positive_int, default=48, help="keys per setup (default 48)")
+    p.add_argument("--threads", type=positive_int, default=2, help="writer threads (default 2)")
+    p.add_argument("--max-delay", type=nonneg_float, default=0.5, metavar="SECONDS",
                    help="longest a writer runs before its kill (default 0.5)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON here")
     # a deliberately broken writer, to show the checker catches it (used by the test suite)
@@ -52,8 +53,7 @@ def _combos(spec: str) -> tuple[str, ...]:
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         matches = [c for c in COMBOS if item in (c, c.split("/")[0])]
         if not matches:
-            raise SystemExit(f"tierstore crashtest: unknown config {item!r}; known: {', '.join(COMBOS)} "
-                             f"or a setup ({', '.join(SETUPS)})")
+            raise ValueError(f"unknown config {item!r}; known: {', '.join(COMBOS)} or a setup ({', '.join(SETUPS)})")
         chosen += [c for c in matches if c not in chosen]
     return tuple(chosen)
 
@@ -61,13 +61,16 @@ def _combos(spec: str) -> tuple[str, ...]:
 def run(args: argparse.Namespace) -> int:
     """Run the crash test; exit status 1 if anything acknowledged was lost or wrong, or a writer failed."""
     minutes = args.minutes if args.minutes is not None or args.kills is not None else 1.0
+    combos = _combos(args.configs)  # before the work directory: a bad --configs leaves nothing behind
     root = args.dir or tempfile.mkdtemp(prefix="tierstore-crashtest-")
     try:
-        test = CrashTest(root, _combos(args.configs), seed=args.seed, keys=args.keys, threads=args.threads,
+        test = CrashTest(root, combos, seed=args.seed, keys=args.keys, threads=args.threads,
                          max_delay=args.max_delay, sabotage=args.sabotage,
                          progress=lambda line: print(line, file=sys.stderr, flush=True))
-    except ValueError as exc:
-        raise SystemExit(f"tierstore crashtest: {exc}") from None
+    except ValueError:  # the command line prints it in one line
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+        raise
     print(f"crashtest: seed {test.seed}, work directory {root}", file=sys.stderr, flush=True)
     result = test.run(kills=args.kills, seconds=None if minutes is None else minutes * 60)
     print(format_table(result))

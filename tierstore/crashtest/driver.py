@@ -39,6 +39,8 @@ class Setup:
     on_pressure: str = "keep"
     flaky_remote: float = 0.0
     faults: float = 0.0
+    #: writers put by reservation (``store.reserve`` -> fill -> commit): kills land between reserve and commit
+    reserve: bool = False
 
 
 SETUPS: dict[str, Setup] = {
@@ -59,11 +61,14 @@ SETUPS: dict[str, Setup] = {
     "faults-drop:disk+remote": Setup(lambda d: [{"kind": "disk", "path": f"{d}/disk", "capacity": "256KiB"},
                                                 {"kind": "remote", "url": f"file://{d}/remote"}], ("remote",),
                                      on_pressure="drop", faults=0.2),
+    # puts by reservation into a pooled host tier (write_back only: the path reserves there)
+    "reserve:host+disk": Setup(lambda d: [{**HOST, "pool": True}, {"kind": "disk", "path": f"{d}/disk"}], ("disk",),
+                               reserve=True),
 }
 POLICIES = ("write_back", "write_through")
 #: the drop setup under write_back only: a write_through put is acknowledged when it returns, drops or not
 COMBOS = tuple(f"{s}/{p}" for s in SETUPS for p in POLICIES
-               if not ((SETUPS[s].flaky_remote or SETUPS[s].faults) and p == "write_through"))
+               if not ((SETUPS[s].flaky_remote or SETUPS[s].faults or SETUPS[s].reserve) and p == "write_through"))
 #: seconds a writer may take to open the store and report before the run counts it as an error
 OPEN_TIMEOUT = 120.0
 #: the run stops after this many writer failures (a writer that cannot open its store fails every time)
@@ -183,9 +188,8 @@ class CrashTest:
         spec = WorkerSpec(config=self._config(combo), journal=combo.journal.path, observed=combo.observed,
                           keys=self.keys, threads=self.threads, seed=self.rng.randrange(1 << 31),
                           start_seq=combo.journal.last_seq + 1, flaky_remote=combo.setup.flaky_remote,
-                          faults=combo.setup.faults,
-                          check_only=check_only, switch_interval=self.rng.choice([None, 1e-6]),
-                          sabotage=self.sabotage)
+                          faults=combo.setup.faults, reserve=combo.setup.reserve, check_only=check_only,
+                          switch_interval=self.rng.choice([None, 1e-6]), sabotage=self.sabotage)
         self._pid = fork_worker(spec, combo.log)
 
     def _reap(self, kill: bool) -> int:

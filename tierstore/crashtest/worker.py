@@ -29,7 +29,7 @@ from ..config import WritePolicy
 from ..keys import ChunkKey
 from ..residency import Room
 from ..store import TieredStore
-from ..store import open as open_store
+from ..store import open_tiered as open_store
 from ..tensors import TensorDict, byte_alias
 from .journal import JournalWriter, Observed
 
@@ -59,6 +59,7 @@ class WorkerSpec:
     #: ``sys.setswitchinterval`` for the writer: tiny values make thread switches (and races) far more frequent
     switch_interval: float | None = None
     sabotage: str | None = None  #: one of :data:`SABOTAGE`, or ``None`` for an honest writer
+    reserve: bool = False  #: put by reservation (reserve, fill the pool memory, commit)
 
 
 def crash_key(index: int) -> ChunkKey:
@@ -249,9 +250,21 @@ class _Writer:
         self.journal.append({"op": "put", "seq": seq, "key": key.hex(), "digest": digest})
         if ack_first:
             self.journal.append({"op": "ack", "t": tid, "seqs": [seq]}, sync=True)
-        if not self.store.put(key, tensors) and not ack_first:
+        if not self._store_one(key, tensors) and not ack_first:
             return seq, None
         return seq, digest
+
+    def _store_one(self, key: ChunkKey, tensors: TensorDict) -> bool:
+        if not self.spec.reserve:
+            return self.store.put(key, tensors)
+        with self.store.reserve([(key, tensors)]) as reservation:
+            (views,) = reservation.tensors
+            if views is None:  # nothing reserved (no room in time): the ordinary put
+                return self.store.put(key, tensors)
+            for name, t in tensors.items():
+                views[name].copy_(t)
+            (ok,) = reservation.commit()
+            return ok
 
     def _get(self, index: int, expected: str | None) -> None:
         """A read of one of this thread's keys must return its last put (or miss: that is checked at the kill)."""

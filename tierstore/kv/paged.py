@@ -170,15 +170,19 @@ def block_table(block_ids: BlockIds, device: torch.device) -> torch.Tensor:
     raise InvalidTypeError(f"block_ids must be a sequence of ints or a tensor, got {type(block_ids).__name__}")
 
 
-def _positions(block_ids: BlockIds, start: int, end: int, block_size: int, num_blocks: int,
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block id and in-block offset of every token in ``[start, end)``."""
+_HOST = torch.device("cpu")
+
+
+def _positions(block_ids: BlockIds, start: int, end: int, block_size: int, num_blocks: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block id and in-block offset of every token in ``[start, end)``, on the host: the block table is checked
+    there (a table on a GPU is copied once), so no check waits on a device stream."""
     for name, v in (("start", start), ("end", end)):
         if not isinstance(v, int) or isinstance(v, bool):
             raise InvalidTypeError(f"{name} must be an int, got {type(v).__name__}")
     if not 0 <= start <= end:
         raise InvalidInputError(f"need 0 <= start <= end, got start={start}, end={end}")
-    ids = block_table(block_ids, device)
+    ids = block_table(block_ids, _HOST)
     needed = math.ceil(end / block_size)
     if ids.numel() < needed:
         raise InvalidInputError(f"tokens up to {end} need {needed} blocks of {block_size}, "
@@ -189,8 +193,16 @@ def _positions(block_ids: BlockIds, start: int, end: int, block_size: int, num_b
                                 f"[{int(used.min())}, {int(used.max())}]")
     if used.unique().numel() != used.numel():
         raise InvalidInputError("a request's block table lists the same block twice")
-    pos = torch.arange(start, end, device=device)
+    pos = torch.arange(start, end)
     return ids[pos // block_size], pos % block_size
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host index ``t`` on ``device``: for a GPU one asynchronous copy from pinned memory (nothing waits for
+    the stream; the caching host allocator keeps the pinned block until the copy is done)."""
+    if device.type == "cpu":
+        return t
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
 def _index(layout: PagedLayout, blk: torch.Tensor, off: torch.Tensor, block_size: int, layers: int,
@@ -239,7 +251,7 @@ class _Plan:
         if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < layers):
             raise InvalidInputError(f"layer must be an int in [0, {layers}), got {layer!r}")
         self.num_layers = layers
-        blk, off = _positions(block_ids, start, end, bs, nblocks, cache.device)
+        blk, off = _positions(block_ids, start, end, bs, nblocks)
         self.n = end - start
         _, lead = _RANKS[layout]
         self.tail = tuple(cache.shape[lead:])
@@ -247,12 +259,19 @@ class _Plan:
         self.order = tuple(idx[0].shape)  # result dims before the row shape
         if layer is not None:
             self.order = self.order[1:]  # one layer of a pool: drop the layer dim
-        self.parts = tuple(i.reshape(-1) for i in idx)
+        self._host_parts = tuple(i.reshape(-1) for i in idx)
         lead_shape = cache.shape[:lead]
-        flat = torch.zeros_like(self.parts[0])
-        for part, size in zip(self.parts, lead_shape, strict=True):
+        flat = torch.zeros_like(self._host_parts[0])
+        for part, size in zip(self._host_parts, lead_shape, strict=True):
             flat = flat * size + part
-        self.flat_index = flat
+        #: the rows of the flat view, computed on the host (``flat_index`` is the same on the cache's device)
+        self.host_index = flat
+        self.flat_index = _on(flat, cache.device)
+
+    @property
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        """The multi-index into the cache's leading dims, on its device (the path without a flat view)."""
+        return tuple(_on(p, self.cache.device) for p in self._host_parts)
 
     def _bind(self, cache: torch.Tensor) -> None:
         """Index ``cache`` (its ``vllm_cpu`` 5-D view) and, where the strides allow, its flat row view."""

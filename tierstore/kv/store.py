@@ -18,7 +18,7 @@ import math
 import struct
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,10 +27,11 @@ from ..errors import InvalidInputError, InvalidTypeError, MissingKeyError
 from ..keys import ChunkKey
 from .namespace import KVNamespace, prefix_keys, token_tensor
 from .paged import PagedLayout
-from .transfer import LayerwiseLoad, PagedTransfer, Piece, Staging, Task, run_load, run_save, task_bytes, windows
+from .rows import PagedTransfer, Piece
+from .transfer import LayerwiseLoad, Task, per_store, run_load, run_save, task_bytes, windows
 
 if TYPE_CHECKING:
-    from ..store import TieredStore
+    from ..api import Store
     from ..telemetry import Counters
     from ..tensors import TensorDict
     from .namespace import TokenIds
@@ -43,10 +44,6 @@ _GROUP_DOMAIN = b"tierstore.kv.layers"
 
 #: per-chunk object keys remembered by a KVCacheStore (a few hundred bytes each)
 _GROUP_KEYS_KEPT = 16384
-
-#: layer-wise loads of one KVCacheStore running at once (each holds up to two staging buffers); more queue
-_LOADERS = 4
-
 
 def count_token_hits(counters: Counters, asked: int, tiers: Sequence[str], chunk_tokens: int,
                      hit: int | None = None) -> None:
@@ -93,7 +90,7 @@ class KVCacheStore:
         The model's layer count (required with ``layers_per_object``; checked against what is saved).
     """
 
-    def __init__(self, store: TieredStore, namespace: KVNamespace, chunk_tokens: int | None = None, *,
+    def __init__(self, store: Store, namespace: KVNamespace, chunk_tokens: int | None = None, *,
                  partial_chunks: bool = False, layers_per_object: int | None = None,
                  num_layers: int | None = None) -> None:
         if not isinstance(namespace, KVNamespace):
@@ -116,7 +113,7 @@ class KVCacheStore:
             raise InvalidInputError("layers_per_object needs num_layers (the model's layer count)")
         self.layers_per_object = layers_per_object
         self.num_layers = num_layers
-        self._staging = Staging()
+        self._shared = per_store(store)
         self._group_keys: dict[tuple[ChunkKey, tuple[tuple[int, int], ...]], list[ChunkKey]] = {}  # bounded memo
         self.store = store
         self.namespace = namespace
@@ -124,17 +121,14 @@ class KVCacheStore:
         self.chunk_tokens: int = namespace.chunk_tokens
         self.partial_chunks = bool(partial_chunks)
         self._lock = threading.Lock()
-        self._loader: ThreadPoolExecutor | None = None  # layer-wise loads; started on first use
         self._counts = dict.fromkeys(("lookups", "lookup_tokens", "hit_tokens", "saved_chunks",
                                       "skipped_chunks", "loaded_chunks", "load_misses", "bad_chunks"), 0)
 
     def for_tenant(self, tenant: str | None) -> KVCacheStore:
-        """This cache under ``tenant``'s keys (same store, layout options and staging buffers): an engine
-        serving many tenants keeps one set of staging buffers, not one per tenant."""
-        other = KVCacheStore(self.store, self.namespace.replace(tenant=tenant), partial_chunks=self.partial_chunks,
-                             layers_per_object=self.layers_per_object, num_layers=self.num_layers)
-        other._staging = self._staging
-        return other
+        """This cache under ``tenant``'s keys (same store and layout options). Staging buffers and layer-wise
+        loader threads belong to the store: an engine serving many tenants keeps one set, not one per tenant."""
+        return KVCacheStore(self.store, self.namespace.replace(tenant=tenant), partial_chunks=self.partial_chunks,
+                            layers_per_object=self.layers_per_object, num_layers=self.num_layers)
 
     # ------------------------------------------------------------------ keys
     def keys(self, token_ids: TokenIds) -> list[ChunkKey]:
@@ -419,7 +413,7 @@ class KVCacheStore:
         handle = LayerwiseLoad(transfer.num_layers) if layerwise else None
 
         def run() -> int:
-            valid, read, missed = run_load(self.store, transfer, tasks, self._staging, _LAYER.format, want,
+            valid, read, missed = run_load(self.store, transfer, tasks, self._shared.staging, _LAYER.format, want,
                                            handle) if tasks else (want, 0, 0)
             self._count(loaded_chunks=read // max(1, len(self._groups(transfer.num_layers) or [0])),
                         load_misses=missed)
@@ -438,11 +432,7 @@ class KVCacheStore:
             except BaseException as exc:
                 handle._fail(exc)
 
-        with self._lock:
-            if self._loader is None:
-                self._loader = ThreadPoolExecutor(_LOADERS, thread_name_prefix="tierstore-kv-load")
-            loader = self._loader
-        loader.submit(background)
+        self._shared.loader().submit(background)
         return handle
 
     def save_from(self, token_ids: TokenIds, caches: Sequence[torch.Tensor] | torch.Tensor, layout: str | PagedLayout,
@@ -462,7 +452,7 @@ class KVCacheStore:
         have = self._held(keys)
         pieces = self._pieces(have, len(keys), len(tokens), 0, len(tokens), transfer)
         tasks = self._tasks(keys, pieces, transfer)
-        ok = run_save(self.store, transfer, tasks, self._staging, _LAYER.format) if tasks else []
+        ok = run_save(self.store, transfer, tasks, self._shared.staging, _LAYER.format) if tasks else []
         stored_pieces = [p for t in tasks for p in t.pieces]
         failed = {p.index for p, stored in zip(stored_pieces, ok, strict=True) if not stored}
         self._count(saved_chunks=len(pieces), skipped_chunks=have)

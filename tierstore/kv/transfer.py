@@ -1,28 +1,30 @@
 """Moving KV between stored chunk objects and an engine's paged KV cache (``load_into`` / ``save_from``).
 
 The data path of one call: the chunks to move are cut into *tasks* — one layer group (the layers one
-stored object holds) times one window of chunks — processed in layer order. A load reads a task's
-objects with one batched ``store.get_many(out=...)`` into a reusable staging buffer while the previous
-task's rows are scattered into the cache's blocks (one ``index_copy_`` per layer and window); a save
-gathers a task's rows out of the blocks into staging and hands them to one ``store.put_many``. Staging
-holds at most two tasks, never the whole transfer, and layer ``i`` is complete as soon as its group's
-last window is scattered: :class:`LayerwiseLoad` resolves one future per layer then.
+stored object holds) times one window of chunks — processed in layer order. One copy each way where the
+host tier holds the bytes: a load scatters the chunks the store lends (``store.lend``: the pool's own
+memory) straight into the cache's blocks, a save gathers the blocks straight into pool memory the store
+reserves for the chunks (``store.reserve``) and commits them. Other chunks are read with one batched
+``store.get_many(out=...)`` into a reusable staging buffer while the previous task's rows are scattered, or
+gathered into staging and stored with one ``store.put_many``. Staging holds at most two tasks, never the
+whole transfer, and layer ``i`` is complete as soon as its group's last window is scattered:
+:class:`LayerwiseLoad` resolves one future per layer then. Where the rows are and how they are copied:
+:mod:`tierstore.kv.rows`.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..errors import InvalidInputError, InvalidTypeError
 from ..keys import ChunkKey
-from ..tensors import wait_for_copies
-from .paged import PagedLayout, _layout, _Plan, block_table
+from .rows import PagedTransfer, Piece
 
 #: bytes of staging per task (two tasks are in flight); a window holds as many chunks as fit
 STAGING_BYTES = 64 << 20
@@ -65,21 +67,6 @@ class LayerwiseLoad:
                 f.set_exception(exc)
 
 
-@dataclass(frozen=True)
-class Piece:
-    """Chunk ``index`` (stored tokens ``[first, first + stored)``) moves tokens ``[a, b)``."""
-
-    index: int
-    first: int
-    stored: int
-    a: int
-    b: int
-
-    @property
-    def whole(self) -> bool:
-        return self.a == self.first and self.b == self.first + self.stored
-
-
 @dataclass
 class Task:
     group: tuple[int, int]  # layers [lo, hi) stored in one object
@@ -87,180 +74,13 @@ class Task:
     keys: list[ChunkKey]  # one object key per piece
 
 
-class PagedTransfer:
-    """The caches, layout and block table of one transfer, and the rows of any token range in them."""
-
-    def __init__(self, caches: Sequence[torch.Tensor] | torch.Tensor, layout: str | PagedLayout,
-                 block_ids: Sequence[int] | torch.Tensor, block_size: int | None, dtype: torch.dtype, is_mla: bool):
-        self.layout = _layout(layout)
-        if self.layout.is_mla != is_mla:
-            raise InvalidInputError(f"layout {self.layout.value!r} does not match the namespace "
-                                    f"({'MLA' if is_mla else 'MHA'})")
-        self.pool: torch.Tensor | None = None
-        self.caches: list[torch.Tensor] = []  # per-layer layouts; a pool layout has ``pool`` instead
-        if self.layout.multi_layer:
-            if not isinstance(caches, torch.Tensor):
-                raise InvalidTypeError(f"{self.layout.value} takes the one pool tensor holding every layer")
-            self.pool = caches
-            probe = _Plan(caches, self.layout, block_ids, 0, 0, block_size, 0)
-            self.num_layers = probe.num_layers
-        else:
-            if isinstance(caches, torch.Tensor) or not isinstance(caches, Sequence) or not caches:
-                raise InvalidTypeError(f"{self.layout.value} takes a non-empty list with one cache tensor per layer")
-            self.caches = list(caches)
-            probe = _Plan(self.caches[0], self.layout, block_ids, 0, 0, block_size, None)
-            for c in self.caches[1:]:
-                probe.rebind(c)  # same shape, strides, dtype and device, or InvalidInputError
-            self.num_layers = len(self.caches)
-        first = self.pool if self.pool is not None else self.caches[0]
-        if first.dtype != dtype:
-            raise InvalidInputError(f"the KV cache is {first.dtype}, the namespace says {dtype}")
-        self.block_ids, self.block_size = block_table(block_ids, first.device), probe.block_size  # once, not per plan
-        self.device = first.device
-        self.dtype = dtype
-        self.token_dim = 0 if is_mla else 1
-        self._canon = list(probe.result_shape())
-        self._bases: dict[tuple[int, int], _Plan] = {}
-        self._indexes: dict[tuple[tuple[int, int], ...], tuple[int, torch.Tensor]] = {}  # per-layer caches' rows
-
-    def canonical_shape(self, n_tokens: int) -> tuple[int, ...]:
-        shape = list(self._canon)
-        shape[self.token_dim] = n_tokens
-        return tuple(shape)
-
-    def plan(self, layer: int, a: int, b: int) -> _Plan:
-        """Rows of tokens ``[a, b)`` of ``layer`` (validates the block table on first use)."""
-        if self.pool is not None:
-            return _Plan(self.pool, self.layout, self.block_ids, a, b, self.block_size, layer)
-        base = self._bases.get((a, b))
-        if base is None:
-            base = self._bases[(a, b)] = _Plan(self.caches[0], self.layout, self.block_ids, a, b,
-                                               self.block_size, None)
-        return base if layer == 0 else base.rebind(self.caches[layer])
-
-    def _window(self, layer: int, pieces: list[Piece]) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The flat row view of ``layer``'s cache (``None`` if its strides allow none) and the rows of
-        every piece's tokens, in piece order, grouped a block at a time where they allow. Per-layer caches
-        share one index: it is computed for the first layer of a window and reused for the others."""
-        span = tuple((p.a, p.b) for p in pieces)
-        whole = self.plan(layer, pieces[0].a, pieces[-1].b)
-        got = self._indexes.get(span) if self.pool is None else None
-        if got is None:
-            if any(p.b != q.a for p, q in zip(pieces, pieces[1:], strict=False)):
-                index = torch.cat([self.plan(layer, p.a, p.b).flat_index for p in pieces])
-            elif len(pieces) == 1:
-                index = whole.flat_index
-            else:  # consecutive pieces (as load and save make them): one plan, cut per piece (each piece's
-                # rows stay together, in its canonical order)
-                grid = whole.flat_index.view(whole.order)
-                a = pieces[0].a
-                index = torch.cat([grid.narrow(self.token_dim, p.a - a, p.b - p.a).reshape(-1) for p in pieces])
-            got = _coarsen(whole.flat, index, self.block_size)
-            if self.pool is None:
-                self._indexes[span] = got
-        run, index = got
-        flat = whole.flat
-        if flat is not None and run > 1:
-            flat = flat.view(flat.shape[0] // run, run, *flat.shape[1:])
-        return flat, index
-
-    def scatter(self, layer: int, pieces: list[Piece], staged: list[torch.Tensor]) -> None:
-        """Write each piece's tokens from its staged canonical chunk tensor into the cache's blocks: each run
-        of whole chunks with one ``index_copy_`` where the rows allow, a partial chunk (a load that starts or
-        ends inside one) on its own."""
-        i = 0
-        while i < len(pieces):
-            j = i
-            while j < len(pieces) and pieces[j].whole:
-                j += 1
-            if j == i or not self._scatter_whole(layer, pieces[i:j], staged[i:j]):
-                j = max(j, i + 1)
-                for p, t in zip(pieces[i:j], staged[i:j], strict=True):
-                    part = t.narrow(self.token_dim, p.a - p.first, p.b - p.a)
-                    self.plan(layer, p.a, p.b).scatter(part.to(self.device, non_blocking=True))
-            i = j
-
-    def _scatter_whole(self, layer: int, pieces: list[Piece], staged: list[torch.Tensor]) -> bool:
-        """Whole chunks whose staged tensors are adjacent, as one ``index_copy_``; ``False`` if not possible."""
-        if not _adjacent(staged):
-            return False
-        flat, index = self._window(layer, pieces)
-        if flat is None:
-            return False
-        rows = _span(staged).view(index.numel(), *flat.shape[1:]).to(self.device, non_blocking=True)
-        flat_words, row_words = _words(flat), _words(rows)
-        if flat_words is not None and row_words is not None:  # 8-byte elements: ~1.7x the bf16 copy rate
-            flat_words.index_copy_(0, index, row_words)
-        else:
-            flat.index_copy_(0, index, rows)
-        return True
-
-    def gather(self, layer: int, pieces: list[Piece], staged: list[torch.Tensor]) -> None:
-        """Copy each piece's tokens (whole chunks) out of the cache into its staged canonical tensor."""
-        flat, index = self._window(layer, pieces)
-        if flat is not None and _adjacent(staged):
-            rows = _span(staged).view(index.numel(), *flat.shape[1:])
-            if rows.device == flat.device:
-                torch.index_select(flat, 0, index, out=rows)
-            else:
-                rows.copy_(flat.index_select(0, index))
-            return
-        for p, t in zip(pieces, staged, strict=True):
-            t.copy_(self.plan(layer, p.a, p.b).gather(None))
-
-    def synchronize(self) -> None:
-        first = self.pool if self.pool is not None else self.caches[0]
-        wait_for_copies(first)
-
-
-def _coarsen(flat: torch.Tensor | None, index: torch.Tensor, run: int) -> tuple[int, torch.Tensor]:
-    """Copy whole blocks instead of single rows where possible: when ``index`` is made of aligned runs of
-    ``run`` consecutive rows (block-aligned tokens of the layouts whose block rows are adjacent), return
-    ``run`` and the index of the groups of ``run`` rows, else ``1`` and ``index`` (``index_copy_`` /
-    ``index_select`` cost is per row)."""
-    if flat is None or run <= 1 or index.numel() % run or flat.shape[0] % run:
-        return 1, index
-    runs = index.view(-1, run)
-    first = runs[:, 0]
-    if bool((first % run).any()) or not bool((runs == first[:, None] + torch.arange(run, device=index.device)).all()):
-        return 1, index
-    try:
-        flat.view(flat.shape[0] // run, run, *flat.shape[1:])
-    except RuntimeError:
-        return 1, index
-    return run, first // run
-
-
-def _words(t: torch.Tensor) -> torch.Tensor | None:
-    """``t``'s rows as 8-byte words (``index_copy_`` runs per element), or ``None`` where no such view exists."""
-    try:
-        return t.view(t.shape[0], -1).view(torch.int64)
-    except RuntimeError:
-        return None
-
-
-def _adjacent(tensors: list[torch.Tensor]) -> bool:
-    """Whether contiguous ``tensors`` follow each other in one storage, so their span is one view."""
-    for t, nxt in zip(tensors, tensors[1:], strict=False):
-        if t.data_ptr() + t.numel() * t.element_size() != nxt.data_ptr():
-            return False
-    return all(t.is_contiguous() for t in tensors)
-
-
-def _span(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The flat elements of adjacent ``tensors`` as one view."""
-    first = tensors[0]
-    n = sum(t.numel() for t in tensors)
-    return first.as_strided((n,), (1,))
-
-
 class Staging:
     """Reusable host buffers for staged chunks (pinned under CUDA), so transfers do not page-fault fresh
-    memory on every call."""
+    memory on every call. At most ``keep_bytes`` are kept between transfers (the largest buffers)."""
 
-    def __init__(self, keep: int = 4):
+    def __init__(self, keep_bytes: int = 4 * STAGING_BYTES):
         self._free: list[torch.Tensor] = []
-        self._keep = keep
+        self._keep = keep_bytes
         self._lock = threading.Lock()
 
     def acquire(self, nbytes: int, pinned: bool) -> torch.Tensor:
@@ -274,7 +94,50 @@ class Staging:
         with self._lock:
             self._free.append(buf)
             self._free.sort(key=lambda b: b.numel())
-            del self._free[:-self._keep]
+            kept = sum(b.numel() for b in self._free)
+            while kept > self._keep:
+                kept -= self._free.pop(0).numel()
+
+    def kept_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._free)
+
+
+#: layer-wise loads of one store running at once, over all its KVCacheStores and tenants (each holds up to two
+#: staging buffers); more queue
+_LOADERS = 4
+
+
+class _PerStore:
+    """What every :class:`KVCacheStore` over one store shares, whatever its tenant or namespace: the staging
+    buffers and the threads of layer-wise loads (one engine, many tenants: one set, not one per tenant)."""
+
+    def __init__(self) -> None:
+        self.staging = Staging()
+        self._loader: ThreadPoolExecutor | None = None  # started on first use
+        self._lock = threading.Lock()
+
+    def loader(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._loader is None:
+                self._loader = ThreadPoolExecutor(_LOADERS, thread_name_prefix="tierstore-kv-load")
+            return self._loader
+
+
+_PER_STORE: weakref.WeakKeyDictionary[object, _PerStore] = weakref.WeakKeyDictionary()
+_PER_STORE_LOCK = threading.Lock()
+
+
+def per_store(store: object) -> _PerStore:
+    """``store``'s shared staging and loader threads (gone with the store)."""
+    with _PER_STORE_LOCK:
+        try:
+            got = _PER_STORE.get(store)
+            if got is None:
+                got = _PER_STORE[store] = _PerStore()
+        except TypeError:  # a store that cannot be weakly referenced: its own set per KVCacheStore
+            got = _PerStore()
+        return got
 
 
 def stage(buf: torch.Tensor, task: Task, transfer: PagedTransfer, layer_name: Callable[[int], str]
@@ -302,17 +165,46 @@ def task_bytes(task: Task, transfer: PagedTransfer) -> int:
     return sum(p.stored for p in task.pieces) * per_token * (task.group[1] - task.group[0])
 
 
-def windows(pieces: list[Piece], per_chunk_bytes: int, budget: int = STAGING_BYTES) -> list[list[Piece]]:
-    size = max(1, budget // max(1, per_chunk_bytes))
+def windows(pieces: list[Piece], per_chunk_bytes: int, budget: int | None = None) -> list[list[Piece]]:
+    """``pieces`` cut into windows of at most ``budget`` bytes (default :data:`STAGING_BYTES`, read at the call),
+    at least one chunk each."""
+    size = max(1, (STAGING_BYTES if budget is None else budget) // max(1, per_chunk_bytes))
     return [pieces[i:i + size] for i in range(0, len(pieces), size)]
+
+
+def _lent(loan: Any, task: Task, transfer: PagedTransfer, layer_name: Callable[[int], str]
+          ) -> list[dict[str, torch.Tensor] | None]:
+    """Per piece of ``task``, the chunk the store lent if it has exactly the tensors a stored chunk of that piece
+    has (else ``None``: it is read like any other)."""
+    lo, hi = task.group
+    got: list[dict[str, torch.Tensor] | None] = []
+    for p, d in zip(task.pieces, loan.tensors if loan is not None else [None] * len(task.pieces), strict=True):
+        shape = transfer.canonical_shape(p.stored)
+        ok = d is not None and len(d) == hi - lo and all(
+            (t := d.get(layer_name(j))) is not None and t.dtype == transfer.dtype and tuple(t.shape) == shape
+            and t.is_contiguous() for j in range(lo, hi))
+        got.append(d if ok else None)
+    return got
+
+
+class _Loading:
+    """One task on its way into the cache: the chunks the store lent (scattered from its memory: no copy
+    before the scatter) and a read of the others into a staging buffer."""
+
+    def __init__(self, loan: Any, lent: list[dict[str, torch.Tensor] | None], read: Future[list[Any]] | None,
+                 by_layer: dict[int, list[torch.Tensor]], buf: torch.Tensor | None):
+        self.loan, self.lent, self.read, self.by_layer, self.buf = loan, lent, read, by_layer, buf
 
 
 def run_load(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: Staging, layer_name: Callable[[int], str],
              valid: int, handle: LayerwiseLoad | None = None) -> tuple[int, int, int]:
-    """Read ``tasks`` in order (the next one while the current one is scattered) into the cache.
+    """Move ``tasks`` in order (the next one read while the current one is scattered) into the cache.
 
-    The next task is submitted once the current one's objects are in, not before: two reads at once would
-    only share the CPU and delay the current one (and with it the layer an engine is waiting for).
+    Chunks the store's top tier lends (``store.lend``: the host pool's own memory, pinned against eviction and
+    reuse until the loan is closed) are scattered straight from there: one copy. The others are read with one
+    batched ``get_many(out=...)`` into a staging buffer and scattered from it. The next task is submitted once
+    the current one's objects are in, not before: two reads at once would only share the CPU and delay the
+    current one (and with it the layer an engine is waiting for).
 
     ``valid`` is the token count the caller expects; a missing or mismatching object lowers it to the
     start of its chunk and nothing from that chunk on is written. Layer futures of ``handle`` resolve as
@@ -321,22 +213,40 @@ def run_load(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
     """
     pinned = transfer.device.type == "cuda" and torch.cuda.is_available()
     size = max(task_bytes(t, transfer) for t in tasks)
-    bufs = [staging.acquire(size, pinned) for _ in range(min(2, len(tasks)))]
+    lend = getattr(store, "lend", None)
+    spare: list[torch.Tensor] = []  # staging buffers of this load not in use by a task
+    held: list[torch.Tensor] = []  # every staging buffer this load acquired
     last_of_group = {t.group: i for i, t in enumerate(tasks)}
     read = missed = 0
     reads: list[Future[list[Any]]] = []
-    try:
-        def submit(i: int) -> tuple[Future[list[Any]], dict[int, list[torch.Tensor]]]:
-            outs, by_layer = stage(bufs[i % len(bufs)], tasks[i], transfer, layer_name)
-            reads.append(store.get_many_async(tasks[i].keys, out=outs))
-            return reads[-1], by_layer
+    loans: list[Any] = []
 
-        pending = submit(0)
+    def submit(task: Task) -> _Loading:
+        loan = lend(task.keys) if lend is not None else None
+        if loan is not None:
+            loans.append(loan)
+        lent = _lent(loan, task, transfer, layer_name)
+        todo = [k for k, d in enumerate(lent) if d is None]
+        if not todo:
+            return _Loading(loan, lent, None, {}, None)
+        if not spare:
+            held.append(staging.acquire(size, pinned))
+            spare.append(held[-1])
+        buf = spare.pop()
+        outs, by_layer = stage(buf, task, transfer, layer_name)
+        reads.append(store.get_many_async([task.keys[k] for k in todo], out=[outs[k] for k in todo]))
+        return _Loading(loan, lent, reads[-1], by_layer, buf)
+
+    try:
+        pending = submit(tasks[0])
         for i, task in enumerate(tasks):
-            future, by_layer = pending
-            results = future.result()
+            cur = pending
+            results: list[Any] = list(cur.lent)
+            if cur.read is not None:
+                got = iter(cur.read.result())
+                results = [d if d is not None else next(got) for d in cur.lent]
             if i + 1 < len(tasks):
-                pending = submit(i + 1)
+                pending = submit(tasks[i + 1])
             for p, r in zip(task.pieces, results, strict=True):
                 if r is None:
                     missed += 1
@@ -345,40 +255,90 @@ def run_load(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
             keep = [k for k, p in enumerate(task.pieces) if p.first < valid]  # valid is a chunk start or the goal
             if keep:
                 pieces = [task.pieces[k] for k in keep]
-                for j, staged in by_layer.items():
-                    transfer.scatter(j, pieces, [staged[k] for k in keep])
-            transfer.synchronize()  # a CUDA copy out of this staging buffer must finish before it is reused
+                for j in range(*task.group):
+                    name = layer_name(j)
+                    sources = [d[name] if (d := cur.lent[k]) is not None else cur.by_layer[j][k] for k in keep]
+                    transfer.scatter(j, pieces, sources)
+            transfer.synchronize()  # copies out of this staging buffer or lent memory finish before either goes
+            if cur.loan is not None:
+                cur.loan.close()
+            if cur.buf is not None:
+                spare.append(cur.buf)
             if last_of_group[task.group] == i and handle is not None:
                 for j in range(*task.group):
                     handle.layer(j).set_result(valid)
     finally:
-        _give_back(staging, bufs, transfer, reads)
+        _give_back(staging, held, transfer, reads, loans)
     return valid, read, missed
 
 
 def run_save(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: Staging,
              layer_name: Callable[[int], str]) -> list[bool]:
-    """Gather each task's chunks out of the cache into staging and store them with one ``put_many``."""
-    size = max(task_bytes(t, transfer) for t in tasks)
-    buf = staging.acquire(size, False)
+    """Store each task's chunks out of the cache; per piece (in task order) whether it is stored.
+
+    Where the store reserves pool memory (``store.reserve``: its top tier is a host pool) the chunks are
+    gathered straight into it and committed once the copy is done: one copy, nothing visible before the commit,
+    everything given back on an error. The others are gathered into staging and stored with one ``put_many``."""
+    reserve = getattr(store, "reserve", None)
+    reserved: dict[int, list[bool | None]] = {}  # task -> per piece: stored, not, or None (put it)
+    if reserve is not None:  # a layer group's chunks in one reservation: one commit, one gather per piece
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, t in enumerate(tasks):
+            groups.setdefault(t.group, []).append(i)
+        for group, members in groups.items():
+            whole = Task(group, [p for i in members for p in tasks[i].pieces],
+                         [k for i in members for k in tasks[i].keys])
+            got = iter(_save_reserved(reserve, transfer, whole, layer_name))
+            for i in members:
+                reserved[i] = [next(got) for _ in tasks[i].pieces]
     ok: list[bool] = []
+    buf: list[torch.Tensor] = []
     stored = True  # False while a put_many runs: one that raised may leave per-key work reading ``buf``
     try:
-        for task in tasks:
-            outs, by_layer = stage(buf, task, transfer, layer_name)
-            for j, staged in by_layer.items():
-                transfer.gather(j, task.pieces, staged)
-            transfer.synchronize()
-            stored = False
-            ok += store.put_many(list(zip(task.keys, outs, strict=True)))  # copies/writes before returning
-            stored = True
+        for ti, task in enumerate(tasks):
+            done = reserved.get(ti) or [None] * len(task.pieces)
+            rest = [k for k, d in enumerate(done) if d is None]
+            if rest:
+                part = Task(task.group, [task.pieces[k] for k in rest], [task.keys[k] for k in rest])
+                if not buf:
+                    buf.append(staging.acquire(max(task_bytes(t, transfer) for t in tasks), False))
+                outs, by_layer = stage(buf[0], part, transfer, layer_name)
+                for j, staged in by_layer.items():
+                    transfer.gather(j, part.pieces, staged)
+                transfer.synchronize()
+                stored = False
+                put = store.put_many(list(zip(part.keys, outs, strict=True)))  # copies/writes before returning
+                stored = True
+                for k, r in zip(rest, put, strict=True):
+                    done[k] = r
+            ok += [bool(d) for d in done]
     finally:
-        _give_back(staging, [buf] if stored else [], transfer, [])
+        _give_back(staging, buf if stored else [], transfer, [])
     return ok
 
 
+def _save_reserved(reserve: Callable[..., Any], transfer: PagedTransfer, task: Task,
+                   layer_name: Callable[[int], str]) -> list[bool | None]:
+    """Gather ``task``'s chunks into pool memory the store reserves for them and commit them; per piece whether
+    it is stored, ``None`` where nothing was reserved (put it the usual way)."""
+    lo, hi = task.group
+    shaped = {n: torch.empty(transfer.canonical_shape(n), dtype=transfer.dtype, device="meta")  # no memory
+              for n in {p.stored for p in task.pieces}}
+    likes = [{layer_name(j): shaped[p.stored] for j in range(lo, hi)} for p in task.pieces]
+    with reserve(list(zip(task.keys, likes, strict=True))) as reservation:
+        got = [k for k, t in enumerate(reservation.tensors) if t is not None]
+        if not got:
+            return [None] * len(task.pieces)
+        pieces = [task.pieces[k] for k in got]
+        for j in range(lo, hi):
+            transfer.gather(j, pieces, [reservation.tensors[k][layer_name(j)] for k in got])
+        transfer.synchronize()  # the bytes are in the pool before the chunks are published
+        committed = reservation.commit()
+    return [committed[k] if t is not None else None for k, t in enumerate(reservation.tensors)]
+
+
 def _give_back(staging: Staging, bufs: list[torch.Tensor], transfer: PagedTransfer,
-               reads: list[Future[list[Any]]]) -> None:
+               reads: list[Future[list[Any]]], loans: Sequence[Any] = ()) -> None:
     """Return a transfer's ``bufs`` to the shared ``staging`` only once nothing can write into or copy out
     of them any more: every read submitted into them has finished (waited for here, result or error
     ignored) and the transfer's CUDA copies are done. Otherwise another transfer could acquire a buffer
@@ -389,7 +349,9 @@ def _give_back(staging: Staging, bufs: list[torch.Tensor], transfer: PagedTransf
     try:
         transfer.synchronize()
     except Exception:
-        return  # the error that matters is the one propagating, if any
+        return  # the error that matters is the one propagating, if any (lent memory stays lent: in doubt)
+    for loan in loans:
+        loan.close()  # a second close does nothing
     if all(f.cancelled() or f.exception() is None for f in reads):
         for b in bufs:
             staging.release(b)

@@ -31,9 +31,10 @@ from .. import errors
 from ..errors import ClosedError, ConfigError, ServerUnavailableError, WriteBackError
 from ..keys import DIGEST_SIZE, ChunkKey, check_key
 from ..objformat import validate_chunk
+from ..sizes import parse_seconds
 from ..store import Item, Readiness, check_items, check_keys
 from ..telemetry import Counters
-from ..tensors import TensorDict, byte_alias, check_outs, copy_tensors, dtype_name, wait_for_copies
+from ..tensors import TensorDict, byte_alias, check_device, check_outs, copy_tensors, dtype_name, wait_for_copies
 from . import shm
 from .places import OutSpec, Places, copy_out
 from .protocol import (
@@ -183,8 +184,7 @@ class ServerStore:
     """
 
     def __init__(self, url: str, timeout: float = TIMEOUT, connections: int = CONNECTIONS):
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ConfigError(f"timeout: expected positive seconds, got {timeout!r}")
+        timeout = parse_seconds(timeout, key="timeout")
         if type(connections) is not int or connections < 1:
             raise ConfigError(f"connections: expected a positive int, got {connections!r}")
         self.path = socket_path_of(url)
@@ -334,6 +334,7 @@ class ServerStore:
                  device: str | torch.device = "cpu") -> list[TensorDict | None]:
         """As :meth:`TieredStore.get_many`; misses while the server cannot be reached."""
         keys = check_keys(keys)
+        device = check_device(device)
         if out is not None:
             out = list(out)
             if len(out) != len(keys):

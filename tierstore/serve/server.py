@@ -27,9 +27,9 @@ from typing import Any
 
 from ..config import read_config
 from ..errors import ConfigError
-from ..sizes import parse_size
+from ..sizes import parse_seconds, parse_size
 from ..store import Pin, TieredStore
-from ..store import open as open_store
+from ..store import open_tiered as open_store
 from . import access, shm
 from .connection import Connection
 from .protocol import encode, error_reply
@@ -82,9 +82,7 @@ def parse_serve(value: Any) -> ServeConfig:
                 raise ConfigError("serve.max_clients: expected a positive int")
             out[key] = v
         else:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise ConfigError(f"serve.{key}: expected positive seconds")
-            out[key] = float(v)
+            out[key] = parse_seconds(v, key=f"serve.{key}")
     return ServeConfig(**out)
 
 

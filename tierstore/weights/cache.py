@@ -22,7 +22,7 @@ from ..keys import ChunkKey
 from .sources import Source
 
 if TYPE_CHECKING:
-    from ..store import TieredStore
+    from ..api import Store
 
 log = logging.getLogger(__name__)
 _DOMAIN = b"tierstore.weights.range\0"
@@ -38,7 +38,7 @@ class RangeCache:
         write: put missed ranges into the store (default True).
     """
 
-    def __init__(self, store: TieredStore, write: bool = True) -> None:
+    def __init__(self, store: Store, write: bool = True) -> None:
         self.store = store
         self.write = write
         self.hits = self.misses = self.errors = 0

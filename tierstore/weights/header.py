@@ -105,6 +105,11 @@ def header_length(file: str, prefix: bytes, file_size: int, max_header_size: int
     if file_size < PREFIX_SIZE or len(prefix) < PREFIX_SIZE:
         raise CheckpointError(file, f"truncated: {file_size} bytes is shorter than the 8-byte header prefix")
     (n,) = struct.unpack("<Q", bytes(prefix[:PREFIX_SIZE]))
+    if n > max_header_size or PREFIX_SIZE + n > file_size:
+        head = bytes(prefix[:4])
+        if head == b"PK\x03\x04" or (head[:1] == b"\x80" and 2 <= head[1] <= 5):
+            raise CheckpointError(file, "not a safetensors file: it starts like a zip or pickle archive "
+                                        "(torch.save's .pt/.bin); convert it with safetensors.torch.save_file")
     if n > max_header_size:
         raise CheckpointError(file, f"header length {n} exceeds the cap of {max_header_size} bytes")
     if n < 2:

@@ -48,7 +48,7 @@ from .sources import Source
 from .staging import StagingRing, alloc_host, get_ring, put_ring
 
 if TYPE_CHECKING:
-    from ..store import TieredStore
+    from ..api import Store
 
 #: ``(dst, dst_offset, lo, hi)``: bytes ``[lo, hi)`` of a piece go to ``dst[dst_offset:]``
 Segment = tuple[torch.Tensor, int, int, int]
@@ -200,7 +200,15 @@ class _Pipeline:
         inflight = pieces = 0
         max_pieces = 4 * self.concurrency
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="tierstore-weights")
-        delivered = 0
+        delivered = landed = 0
+        total = sum(g.nbytes for g in groups)
+
+        def report(job: _Job) -> None:
+            nonlocal landed
+            landed += job.group.nbytes
+            if o.progress is not None:
+                o.progress(landed, total)
+
         try:
             while pending or running:
                 while pending and (inflight == 0 or (inflight + pending[0].nbytes <= o.memory_limit
@@ -209,6 +217,7 @@ class _Pipeline:
                     inflight += job.charge
                     if not job.tasks:
                         inflight -= job.charge
+                        report(job)
                         yield from job.finish()
                         continue
                     for task in job.tasks:
@@ -227,6 +236,7 @@ class _Pipeline:
                         finished.append(job)
                 for job in finished:
                     inflight -= job.charge
+                    report(job)
                     for item in job.finish():
                         delivered += 1
                         yield item
@@ -261,7 +271,7 @@ class _Pipeline:
         return out
 
 
-def _open(uri: str | os.PathLike[str], store: TieredStore | None, storage_options: dict[str, Any] | None,
+def _open(uri: str | os.PathLike[str], store: Store | None, storage_options: dict[str, Any] | None,
           o: Options) -> tuple[Checkpoint, RangeCache | None, int]:
     if not isinstance(uri, (str, bytes)) and not hasattr(uri, "__fspath__"):
         raise InvalidTypeError(f"uri must be a path or URL, got {type(uri).__name__}")
@@ -279,7 +289,7 @@ def _shard_tensors(ckpt: Checkpoint) -> list[tuple[TensorInfo, ...]]:
     return [s.header.tensors for s in ckpt.shards]
 
 
-def iter_tensors(uri: str | os.PathLike[str], device: str | torch.device = "cpu", store: TieredStore | None = None,
+def iter_tensors(uri: str | os.PathLike[str], device: str | torch.device = "cpu", store: Store | None = None,
                  storage_options: dict[str, Any] | None = None, **opts: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream ``(name, tensor)`` pairs of a safetensors checkpoint, each as soon as its bytes land.
 
@@ -301,7 +311,9 @@ def iter_tensors(uri: str | os.PathLike[str], device: str | torch.device = "cpu"
             ``memory_limit`` (bytes of read-but-undelivered data and staging, default 1 GiB — one
             group larger than the limit still loads, alone); ``dtype`` (cast F16/BF16/F32/F64 tensors
             to this float dtype; other dtypes are left alone); ``max_header_size``; ``stats`` (a dict
-            filled with counters when the iteration ends); ``objects_url`` (where an index may name
+            filled with counters when the iteration ends); ``progress`` (called as
+            ``progress(bytes_done, bytes_total)`` as tensors land); ``cache_writes`` (default True: with a
+            ``store``, write fetched ranges into it; False reads from it only); ``objects_url`` (where an index may name
             shards besides its own directory: the ``objects_url`` given to :func:`publish`); ``verify``
             (default True: check every object of a published checkpoint against the digest in its name —
             such an object is then read whole, and a store remembers a version that passed).
@@ -348,7 +360,7 @@ def iter_tensors(uri: str | os.PathLike[str], device: str | torch.device = "cpu"
     return pipe.run(groups, prepare)
 
 
-def load(uri: str | os.PathLike[str], device: str | torch.device = "cpu", store: TieredStore | None = None,
+def load(uri: str | os.PathLike[str], device: str | torch.device = "cpu", store: Store | None = None,
          storage_options: dict[str, Any] | None = None, **opts: Any) -> dict[str, torch.Tensor]:
     """Load a whole safetensors checkpoint (or the ``names`` subset) into a dict on ``device``.
 
@@ -358,7 +370,7 @@ def load(uri: str | os.PathLike[str], device: str | torch.device = "cpu", store:
     return dict(iter_tensors(uri, device, store, storage_options, **opts))
 
 
-def load_into(params: Mapping[str, torch.Tensor], uri: str | os.PathLike[str], store: TieredStore | None = None,
+def load_into(params: Mapping[str, torch.Tensor], uri: str | os.PathLike[str], store: Store | None = None,
               storage_options: dict[str, Any] | None = None, *, strict: bool = True, **opts: Any) -> list[str]:
     """Fill the existing tensors ``params`` (e.g. ``model.state_dict()``) in place from a checkpoint.
 

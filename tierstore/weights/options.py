@@ -37,6 +37,8 @@ class Options:
     cache_writes: bool = True
     verify: bool = True
     objects_url: str | list[str] | tuple[str, ...] | None = None
+    #: called as ``progress(bytes_done, bytes_total)`` each time a group of tensors has landed
+    progress: Callable[[int, int], None] | None = None
 
     @classmethod
     def build(cls, opts: dict[str, Any]) -> Options:
@@ -55,6 +57,8 @@ class Options:
         if o.objects_url is not None and not (isinstance(o.objects_url, str) or (
                 isinstance(o.objects_url, (list, tuple)) and all(isinstance(u, str) for u in o.objects_url))):
             raise InvalidInputError(f"objects_url must be a URL or a list of URLs, got {o.objects_url!r}")
+        if o.progress is not None and not callable(o.progress):
+            raise InvalidInputError(f"progress must be a callable(done, total), got {o.progress!r}")
         if not isinstance(o.verify, bool):
             raise InvalidInputError(f"verify must be True or False, got {o.verify!r}")
         if o.dtype is not None and o.dtype not in CASTABLE:

@@ -129,7 +129,9 @@ def publish(src: str | os.PathLike[str], dst_url: str, *, storage_options: dict[
             store their identical tensor groups once. Must be on the same filesystem as ``dst_url``.
         src_objects_url: where ``src``'s index may name shards besides its own directory, when ``src`` is
             itself a published checkpoint (the ``objects_url`` it was published with).
-        **opts: loader options for reading ``src`` (``concurrency``, ``block_size``, ``memory_limit``).
+        **opts: loader options for reading ``src`` (``concurrency``, ``block_size``, ``memory_limit``,
+            ``progress``: called as ``progress(bytes_done, bytes_total)`` as ``src`` is read; each group
+            is written as soon as it is read).
 
     Returns:
         ``{"tensors", "objects", "objects_written", "objects_reused", "bytes_written", "stale_temp_removed",

@@ -9,6 +9,7 @@ when the file changes (ETag/size/mtime) — from which range-cache keys are deri
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from abc import ABC, abstractmethod
@@ -16,6 +17,8 @@ from typing import Any
 
 from ..iov import IOV_MAX, advance
 from .header import CheckpointError
+
+log = logging.getLogger("tierstore.weights")
 
 
 class Source(ABC):
@@ -158,6 +161,9 @@ class FsspecSource(Source):
         info = info if info is not None else fs.info(path)
         self.size = int(info["size"])
         self._version = _object_version(info)
+        if self._pinned is None and not any(self._version[1:]):
+            log.warning("%s: this filesystem reports no ETag or modification time, so a replacement of the same "
+                        "size during the load cannot be detected (only a size change is)", self.name)
         self._identity = f"{self.name}\0{self.size}\0{self._version[1]}\0{self._version[2]}".encode()
 
     def identity(self) -> bytes:
@@ -185,6 +191,13 @@ class FsspecSource(Source):
             b[:] = data[pos:pos + len(b)]
             pos += len(b)
 
+    def check_unchanged(self) -> None:
+        # the reads read ahead: a replacement after the last one shows only in the name's version now
+        if self._pinned is None:
+            self.fs.invalidate_cache(self.path)
+            if _object_version(self.fs.info(self.path)) != self._version:
+                raise CheckpointError(self.name, "replaced while being loaded (size, ETag or mtime changed): "
+                                                 "load it again")
 
     def close(self) -> None:
         pinned, self._pinned = self._pinned, None
@@ -198,7 +211,10 @@ def _file_version(st: os.stat_result) -> tuple[int, int, int]:
 
 def _object_version(info: dict[str, Any]) -> tuple[int, str, str]:
     etag = info.get("ETag") or info.get("etag") or info.get("md5Hash") or ""
-    mtime = info.get("LastModified") or info.get("mtime") or info.get("updated") or ""
+    # memory:// has only "created", which a replacement renews
+    mtime = info.get("LastModified") or info.get("mtime") or info.get("updated") or info.get("created") or ""
+    if hasattr(mtime, "timestamp"):  # a datetime from info(), a float from the listing: the same instant
+        mtime = mtime.timestamp()
     return int(info["size"]), str(etag), str(mtime)
 
 

@@ -102,9 +102,10 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     return {"ttft": ttft}
 
 
-def _spawn(spec: dict[str, Any]) -> dict[str, Any]:
+def spawn_engine(spec: dict[str, Any], module: str = "tierstore_vllm.bench") -> dict[str, Any]:
+    """``python -m module --engine <spec>`` in a fresh process: its ``RESULT`` line."""
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    proc = subprocess.run([sys.executable, "-m", "tierstore_vllm.bench", "--engine", json.dumps(spec)],
+    proc = subprocess.run([sys.executable, "-m", module, "--engine", json.dumps(spec)],
                           env=env, capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
                     f"system {args.system_tokens} + {args.user_tokens} user + {args.answer_tokens} answer tokens/round")
     base = None
     for name, prefix_cache, kv_config in configs:
-        res = _spawn({"model": str(model), "chats": chats, "prefix_cache": prefix_cache, "kv": kv_config})
+        res = spawn_engine({"model": str(model), "chats": chats, "prefix_cache": prefix_cache, "kv": kv_config})
         later = [t for r, t, _ in res["ttft"] if r > 0]
         cached = sum(c for _, _, c in res["ttft"])
         p50 = report.add(f"{name}: TTFT P50, rounds 2+", statistics.median(later), "s",

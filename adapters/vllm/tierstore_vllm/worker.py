@@ -24,8 +24,9 @@ from .plan import LoadSpec, SaveSpec, StepPlan
 
 log = logging.getLogger("tierstore_vllm")
 
-#: Saves queued beyond this many are dropped (counted): a slow tier never holds the engine's memory.
-#: default bytes of KV copied out of the paged cache and not yet written to the store (``save_memory``)
+#: default bytes of KV copied out of the paged cache and not yet written to the store (``save_memory``); a save
+#: that would go over is dropped (counted): a slow tier never holds more of the engine's memory. The copies live
+#: on the paged cache's device (GPU memory outside vLLM's KV budget with a CUDA cache; host memory on CPU)
 SAVE_MEMORY = 1 << 30
 #: tenants (``cache_salt`` values) whose KV cache objects a worker keeps; more are rebuilt on use
 TENANTS_KEPT = 64

@@ -1,0 +1,342 @@
+"""KV moved with one copy: loads scatter straight from host-pool memory the store lends, saves gather straight
+into pool memory the store reserves (reserve -> fill -> commit). Nothing reserved is visible before its commit,
+an aborted or failed save leaves no trace, a reservation under pressure evicts like a put, a lent chunk never
+hands a load bytes of another value, and every store shares one set of loader threads and staging buffers."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import tierstore
+from tierstore import KVCacheStore, KVNamespace
+from tierstore.kv import PagedLayout, gather_layers, rows, transfer
+from tierstore.kv.rows import PagedTransfer
+from tierstore.store import Loan
+
+H, D, LAYERS, C, BS = 2, 8, 3, 16, 4
+NS = KVNamespace(model="m", dtype="float32")
+
+
+def host_store(capacity="64MiB", disk=None):
+    tiers = [{"kind": "host", "capacity": capacity, "pinned": False, "pool": True}]
+    if disk is not None:
+        tiers.append({"kind": "disk", "path": str(disk), "capacity": "256MiB"})
+    return tierstore.open({"tiers": tiers})
+
+
+def caches(blocks: int, seed: int | None = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed or 0)
+    return [torch.randn(2, blocks, BS, H, D, generator=g) if seed is not None else torch.zeros(2, blocks, BS, H, D)
+            for _ in range(LAYERS)]
+
+
+def like(n: int) -> dict[str, torch.Tensor]:
+    return {f"layer.{j}": torch.empty(2, n, H, D, device="meta") for j in range(LAYERS)}
+
+
+def pool_free(store) -> int:
+    return store.tiers[0].backend.pool.free_bytes()
+
+
+# ---------------------------------------------------------------------- the reservation put
+def test_reserved_chunks_are_invisible_until_commit_and_an_abort_leaves_nothing():
+    with host_store() as store:
+        free = pool_free(store)
+        k1, k2 = (tierstore.ChunkKey.from_tensors({name: torch.ones(1)}) for name in "ab")
+        r = store.reserve([(k1, like(C)), (k2, like(C))])
+        assert all(t is not None for t in r.tensors)
+        for i, t in enumerate(r.tensors):
+            for v in t.values():
+                v.fill_(i + 1)
+        # filled, not committed: no reader, lookup or stat sees it; its bytes are counted as reserved only
+        assert store.get(k1) is None and not store.contains(k2) and store.lookup([k1, k2]) == 0
+        assert store.stats()["tiers"]["host"]["objects"] == 0
+        assert r.commit([True, False]) == [True, False]  # k2 aborted
+        got = store.get(k1)
+        assert got is not None and all(bool((v == 1).all()) for v in got.values())
+        assert store.get(k2) is None and store.where(k2) is None
+        store.delete([k1])
+        assert pool_free(store) == free  # every run given back
+        r = store.reserve([(k2, like(C))])
+        r.abort()
+        assert store.get(k2) is None and pool_free(store) == free
+        lv = store.residency.levels[0]
+        assert lv.reserved == 0 and lv.used == 0
+        with store.reserve([(k2, like(C))]):  # leaving the block without a commit aborts
+            pass
+        assert store.get(k2) is None and pool_free(store) == free and lv.reserved == 0
+
+
+def four_chunks(store):
+    """A KVCacheStore over ``store`` and the tokens, block table and vLLM caches of 4 chunks of KV."""
+    n = 4 * C
+    table = list(range(n // BS))
+    return KVCacheStore(store, NS, chunk_tokens=C), list(range(n)), table, caches(len(table))
+
+
+def test_a_save_that_fails_mid_gather_leaves_nothing_visible_and_the_next_save_stores_it(monkeypatch):
+    with host_store() as store:
+        kv, tokens, table, src = four_chunks(store)
+        n = len(tokens)
+        free = pool_free(store)
+        gather, calls = PagedTransfer.gather, []
+
+        def failing(self, layer, pieces, staged):
+            calls.append(layer)
+            if len(calls) == 2:  # the second layer: the first one's bytes are already in the pool
+                raise RuntimeError("injected gather failure")
+            return gather(self, layer, pieces, staged)
+
+        monkeypatch.setattr(PagedTransfer, "gather", failing)
+        with pytest.raises(RuntimeError, match="injected"):
+            kv.save_from(tokens, src, "vllm", table)
+        assert kv.lookup(tokens) == 0 and all(not store.contains(k) for k in kv.keys(tokens))
+        assert store.stats()["tiers"]["host"]["objects"] == 0 and pool_free(store) == free
+        assert store.residency.levels[0].reserved == 0
+        monkeypatch.setattr(PagedTransfer, "gather", gather)
+        assert kv.save_from(tokens, src, "vllm", table) == n
+        dst = caches(len(table), seed=None)
+        assert kv.load_into(tokens, dst, "vllm", table) == n
+        assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
+
+
+def test_a_reservation_under_pressure_evicts_like_a_put(tmp_path):
+    """A full host tier over a disk tier: reserving room evicts the least recently used chunks, writing the
+    dirty ones down first (nothing is lost), and never holds more than its capacity."""
+    chunk = 2 * C * H * D * 4 * LAYERS  # bytes of one chunk of the KV below
+    per = 4 << 20
+    with tierstore.open({"tiers": [{"kind": "host", "capacity": per, "pinned": False, "pool": True},
+                                   {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "256MiB"}]}) as store:
+        kv = KVCacheStore(store, NS, chunk_tokens=C)
+        n = C * (2 * per // chunk)  # twice what the host tier holds
+        table = list(range(n // BS))
+        src = caches(len(table), seed=5)
+        tokens = list(range(n))
+        assert kv.save_from(tokens, src, "vllm", table) == n
+        host = store.stats()["tiers"]["host"]
+        assert host["used_bytes"] <= host["capacity_bytes"] and host["evictions"] > 0
+        where = kv.where(tokens)
+        assert where[0] == "disk" and where[-1] == "host"  # the oldest went down, the newest stay on top
+        dst = caches(len(table), seed=None)
+        assert kv.load_into(tokens, dst, "vllm", table) == n  # every chunk, from whichever tier holds it
+        assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
+
+
+# ---------------------------------------------------------------------- loads from lent pool memory
+def test_a_lent_chunk_replaced_or_evicted_mid_load_never_scatters_another_values_bytes(monkeypatch):
+    """Loads scatter from the pool while another thread overwrites the same keys with other values, deletes
+    them and fills the tiny pool with other chunks (so freed runs are reused at once), with a delay injected in
+    the middle of each scatter. Every chunk a load reports lands whole, as one of the values written: never a
+    mix, never bytes of a chunk that took over its memory."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    n = 4 * C
+    table = list(range(n // BS))
+    values = [caches(len(table), seed=s) for s in (1, 2)]
+    chunk_bytes = 2 * C * H * D * 4 * LAYERS
+    copy_rows_in = rows._copy_rows_in
+
+    def slow(flat, index, src):
+        time.sleep(0.0005)  # a scatter is under way while the writer replaces the chunk being read
+        copy_rows_in(flat, index, src)
+
+    monkeypatch.setattr(rows, "_copy_rows_in", slow)
+    try:
+        with host_store(capacity=6 * chunk_bytes + 4096) as store:
+            assert store.tiers[0].backend.pool is not None
+            kv = KVCacheStore(store, NS, chunk_tokens=C)
+            tokens = list(range(n))
+            kv.save_from(tokens, values[0], "vllm", table)
+            stop = threading.Event()
+            errors: list[BaseException] = []
+
+            def writer():
+                i = 0
+                try:
+                    while not stop.is_set():
+                        i += 1
+                        kv.save(tokens, gather_layers(values[i % 2], "vllm", table, 0, n))  # skipped if held
+                        store.delete(kv.keys(tokens)[i % 4:])
+                        filler = torch.full((2, C, H, D), float(i))
+                        other = KVCacheStore(store, NS.replace(tenant=f"t{i % 3}"), chunk_tokens=C)
+                        other.save(list(range(n)), [torch.cat([filler] * 4, 1)] * LAYERS)
+                except BaseException as exc:  # noqa: BLE001 - reported below
+                    errors.append(exc)
+
+            t = threading.Thread(target=writer)
+            t.start()
+            try:
+                deadline = time.monotonic() + 4.0
+                loads = 0
+                while time.monotonic() < deadline:
+                    dst = caches(len(table), seed=None)
+                    got = kv.load_into(tokens, dst, "vllm", table)
+                    loads += 1
+                    out = gather_layers(dst, "vllm", table, 0, n)
+                    for c in range(got // C):
+                        mine = [o[:, c * C:(c + 1) * C] for o in out]
+                        assert any(all(torch.equal(m, w[:, c * C:(c + 1) * C]) for m, w in zip(
+                            mine, gather_layers(v, "vllm", table, 0, n), strict=True)) for v in values), (loads, c)
+            finally:
+                stop.set()
+                t.join(10)
+            assert not errors and loads > 3
+    finally:
+        sys.setswitchinterval(old)
+
+
+def test_loads_from_the_host_tier_read_nothing_into_staging(monkeypatch):
+    with host_store() as store:
+        kv, tokens, table, src = four_chunks(store)
+        n = len(tokens)
+        kv.save_from(tokens, src, "vllm", table)
+        reads = []
+        get_many_async = type(store).get_many_async
+        monkeypatch.setattr(type(store), "get_many_async",
+                            lambda self, keys, **kw: reads.append(keys) or get_many_async(self, keys, **kw))
+        dst = caches(len(table), seed=None)
+        assert kv.load_into(list(range(n)), dst, "vllm", table) == n
+        assert reads == [] and all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
+        assert store.stats()["tiers"]["host"]["hits"] >= n // C
+
+
+# ---------------------------------------------------------------------- one set of threads and staging per store
+def test_sixteen_tenants_share_the_loader_threads_and_staging_of_one(monkeypatch, tmp_path):
+    """Layer-wise loads of 16 tenants at once use the threads and the staging buffers one tenant uses."""
+    with host_store(disk=tmp_path / "disk") as store:
+        base = KVCacheStore(store, NS, chunk_tokens=C)
+        n = 2 * C
+        table = list(range(n // BS))
+        tenants = [base.for_tenant(f"t{i}") for i in range(16)]
+        for kv in tenants:
+            kv.save_from(list(range(n)), caches(len(table)), "vllm", table)
+        get_many = type(store).get_many
+
+        def slow(self, keys, out=None, device="cpu"):
+            time.sleep(0.05)
+            return get_many(self, keys, out=out, device=device)
+
+        monkeypatch.setattr(type(store), "get_many", slow)
+        monkeypatch.setattr(type(store), "lend", lambda self, keys: Loan([None] * len(keys)))  # staged reads
+
+        def loader_threads():
+            return {t.ident for t in threading.enumerate() if t.name.startswith("tierstore-kv-load")}
+
+        handles = [kv.load_into(list(range(n)), caches(len(table), seed=None), "vllm", table, layerwise=True)
+                   for kv in tenants]
+        assert all(h.result(30) == n for h in handles)
+        threads = loader_threads()
+        assert 0 < len(threads) <= 4  # _LOADERS, for the store: not 4 per tenant
+        assert all(kv._shared is base._shared for kv in tenants)
+        other = KVCacheStore(store, NS.replace(model="other"), chunk_tokens=C)  # same store: same set
+        assert other._shared is base._shared
+        assert base._shared.staging.kept_bytes() <= 4 * transfer.STAGING_BYTES
+        handle = tenants[0].load_into(list(range(n)), caches(len(table), seed=None), "vllm", table, layerwise=True)
+        assert handle.result(30) == n and loader_threads() == threads
+
+
+# ---------------------------------------------------------------------- round trips
+LAYOUTS = [PagedLayout.VLLM, PagedLayout.FLASHINFER, PagedLayout.VLLM_CPU, PagedLayout.MLA,
+           PagedLayout.SGLANG_PAGE_FIRST, PagedLayout.SGLANG_PAGE_FIRST_DIRECT]
+
+
+def layout_caches(layout: PagedLayout, blocks: int, bs: int, g: torch.Generator | None) -> torch.Tensor | list:
+    shape = {PagedLayout.VLLM: (2, blocks, bs, H, D), PagedLayout.FLASHINFER: (blocks, 2, bs, H, D),
+             PagedLayout.VLLM_CPU: (blocks, H, bs, 2 * D), PagedLayout.MLA: (blocks, bs, D),
+             PagedLayout.SGLANG_PAGE_FIRST: (2, blocks * bs, LAYERS, H, D),
+             PagedLayout.SGLANG_PAGE_FIRST_DIRECT: (2, blocks, LAYERS, bs, H, D)}[layout]
+    make = (lambda: torch.randn(shape, generator=g)) if g is not None else (lambda: torch.zeros(shape))
+    return make() if layout.multi_layer else [make() for _ in range(LAYERS)]
+
+
+def test_load_into_after_save_from_round_trips_bit_exact_for_random_tables_and_layouts(tmp_path):
+    with host_store(capacity="64MiB", disk=tmp_path / "disk") as store:
+        seen = [0]
+
+        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(layout=st.sampled_from(LAYOUTS), bs=st.sampled_from([1, 4, 16]), chunk=st.sampled_from([4, 16, 32]),
+               n=st.integers(1, 160), spare=st.integers(0, 8), seed=st.integers(0, 2**16),
+               start=st.integers(0, 160), per_object=st.sampled_from([None, 1, 2]), windows=st.booleans())
+        def prop(layout, bs, chunk, n, spare, seed, start, per_object, windows):
+            seen[0] += 1
+            g = torch.Generator().manual_seed(seed)
+            blocks = -(-n // bs) + spare
+            kw = {"block_size": bs} if layout is PagedLayout.SGLANG_PAGE_FIRST else {}
+            ns = KVNamespace(model=f"m{seen[0]}", dtype="float32", layout="mla" if layout.is_mla else "mha")
+            kv = KVCacheStore(store, ns, chunk_tokens=chunk, layers_per_object=per_object,
+                              num_layers=LAYERS if per_object else None)
+            src = layout_caches(layout, blocks, bs, g)
+            tokens = list(range(n))
+            save_table = torch.randperm(blocks, generator=g)[:-(-n // bs)].tolist()
+            load_table = torch.randperm(blocks, generator=g)[:-(-n // bs)].tolist()
+            full = n // chunk * chunk
+            old = transfer.STAGING_BYTES
+            transfer.STAGING_BYTES = 1 if windows else old  # one chunk per window, or all in one
+            try:
+                assert kv.save_from(tokens, src, layout, save_table, **kw) == full
+                first = min(start, full)
+                dst = layout_caches(layout, blocks, bs, None)
+                assert kv.load_into(tokens, dst, layout, load_table, start=first, **kw) == full
+            finally:
+                transfer.STAGING_BYTES = old
+            if full > first:
+                want = gather_layers(src, layout, save_table, first, full, **kw)
+                got = gather_layers(dst, layout, load_table, first, full, **kw)
+                assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+            if first > 0 or full < n:  # tokens outside [first, full) were not written
+                rest = [gather_layers(dst, layout, load_table, a, b, **kw) for a, b in ((0, first), (full, n)) if b > a]
+                assert all(not t.any() for r in rest for t in r)
+
+        prop()
+
+
+def test_stores_that_cannot_reserve_save_through_staging(tmp_path):
+    """``write_through`` (every tier written by the put itself) and a top tier without a pool reserve nothing:
+    their saves go through staging and ``put_many``, with the same result."""
+    configs = [{"tiers": [{"kind": "host", "capacity": "64MiB", "pinned": False, "pool": True},
+                          {"kind": "disk", "path": str(tmp_path / "a"), "capacity": "64MiB"}],
+                "write_policy": "write_through"},
+               {"tiers": [{"kind": "host", "capacity": "64MiB", "pinned": False, "pool": False}]},
+               {"tiers": [{"kind": "disk", "path": str(tmp_path / "b"), "capacity": "64MiB"}]}]
+    for config in configs:
+        with tierstore.open(config) as store:
+            kv, tokens, table, src = four_chunks(store)
+            r = store.reserve([(kv.keys(tokens)[0], like(C))])
+            assert r.tensors == [None]
+            r.abort()
+            assert kv.save_from(tokens, src, "vllm", table) == len(tokens)
+            if config.get("write_policy") == "write_through":
+                assert kv.where(tokens) == ["host"] * 4 and store.tier("disk").backend.stat_many(kv.keys(tokens))[0]
+            dst = caches(len(table), seed=None)
+            assert kv.load_into(tokens, dst, "vllm", table) == len(tokens)
+            assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
+
+
+def test_a_reservation_that_fails_midway_gives_back_its_slot_and_bytes(monkeypatch):
+    """The pool raising an unexpected error while a key's room is already reserved: the error propagates and the
+    key's slot and bytes are given back (a put of the key right after takes them at once)."""
+    from tierstore.backends.memory import HostBackend
+
+    with host_store() as store:
+        key = tierstore.ChunkKey.from_tensors({"x": torch.ones(1)})
+        reserve_run = HostBackend.reserve_run
+
+        def broken(self, *args):
+            raise OSError(5, "injected I/O error")
+
+        monkeypatch.setattr(HostBackend, "reserve_run", broken)
+        with pytest.raises(OSError, match="injected"):
+            store.reserve([(key, like(C))])
+        monkeypatch.setattr(HostBackend, "reserve_run", reserve_run)
+        lv = store.residency.levels[0]
+        assert lv.reserved == 0 and not store.residency.writing(key, 0)
+        t0 = time.monotonic()
+        assert store.put(key, {name: torch.zeros(t.shape) for name, t in like(C).items()})
+        assert time.monotonic() - t0 < 1.0  # no wait for a slot left behind

@@ -1,0 +1,189 @@
+"""Puts by reservation: pool memory of the top tier set aside for keys, filled by the caller, then committed.
+
+A :meth:`~tierstore.TieredStore.put_many` copies the caller's tensors into the host pool. A caller that would
+first have to produce those tensors (``KVCacheStore.save_from`` gathers them out of an engine's paged cache)
+can instead write them straight into the pool: :func:`reserve` takes, per key, the same steps a put takes
+before its copy — a new generation, the ``(key, level)`` slot, room in the level's byte budget (evicting as a
+put does: least recently used first, dirty victims written below first) and a run of the pool — and hands out
+views of that run shaped like the chunk. The caller fills them; :meth:`Reservation.commit` then publishes each
+chunk exactly as a put publishes its copy (the backend first, then the residency: pending below, write-back
+queued), :meth:`Reservation.abort` gives everything back. Before the commit no reader, lookup or eviction sees
+anything of a reserved key's new value; an abort (or an error, or leaving the ``with`` block) leaves no trace.
+
+Only a top tier with a pool reserves (``host`` with its pool, under ``write_back``): a key it cannot reserve
+gets ``None`` and is put the usual way.
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .keys import ChunkKey
+from .residency import Slot
+from .transfers import ENOMEM_ROUNDS
+
+if TYPE_CHECKING:
+    from .store import TieredStore
+    from .transfers import Level
+
+
+@dataclass
+class _Held:
+    key: ChunkKey
+    gen: int
+    size: int
+    reserved: int
+    run: Any
+    tensors: dict[str, torch.Tensor]
+
+
+class Reservation:
+    """Pool memory reserved for some keys (see the module docstring). ``tensors[i]``: views to fill for
+    ``keys[i]``, or ``None`` where nothing was reserved. Commit or abort exactly once (a context manager
+    aborts what was not committed)."""
+
+    def __init__(self, store: TieredStore, level: Level | None, held: list[_Held | None]):
+        self._store, self._level, self._held = store, level, held
+        self.tensors: list[dict[str, torch.Tensor] | None] = [None if h is None else h.tensors for h in held]
+        self._open = level is not None and any(h is not None for h in held)
+        if not self._open:
+            store._life.leave()
+
+    def commit(self, which: Sequence[bool] | None = None) -> list[bool]:
+        """Publish the reserved chunks (those with ``which[i]`` true, default all; the others are aborted).
+        Their tensors must hold their bytes (CUDA copies into them synchronized). Per key whether it is stored."""
+        ok = [False] * len(self._held)
+        if not self._open:
+            return ok
+        assert self._level is not None
+        lv, store, res = self._level, self._store, self._store.residency
+        try:
+            for i, h in enumerate(self._held):
+                if h is None or (which is not None and not which[i]):
+                    continue
+                lv.backend.publish_run(h.key, h.run, h.tensors)  # type: ignore[attr-defined]
+                self._held[i] = None  # published: from here on it is the key's value
+                stale = res.commit_write(h.key, lv.index, h.gen, h.size, h.reserved, put=True)
+                lv.count(puts=1, bytes_in=h.size)
+                ok[i] = True
+                store._transfers.remove_stale(h.key, stale)
+        finally:
+            store._count(puts=sum(ok))
+            self.abort()  # the ones not asked for, or left by an error
+        return ok
+
+    def abort(self) -> None:
+        """Give back every chunk not committed: its pool run, its bytes and its slot; nothing was visible."""
+        if not self._open:
+            return
+        try:
+            for i, h in enumerate(self._held):
+                if h is not None:
+                    self._held[i] = None
+                    self._give_back(h)
+        finally:
+            self._close()
+
+    def _give_back(self, h: _Held) -> None:
+        assert self._level is not None
+        self._level.backend.cancel_run(h.run)  # type: ignore[attr-defined]
+        self._store.residency.release(self._level.index, h.reserved)
+        self._store.residency.abort_write(h.key, self._level.index, h.gen)
+
+    def _close(self) -> None:
+        if self._open:
+            self._open = False
+            self._store._life.leave()
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+
+def reservable(store: Any) -> Level | None:
+    """The level a put of ``store`` lands in first if it can reserve pool memory there, else ``None``."""
+    from .config import WritePolicy
+
+    if getattr(store, "write_policy", None) is not WritePolicy.WRITE_BACK:
+        return None
+    for lv in getattr(store, "tiers", ()):
+        if lv.writable:
+            reserve = getattr(lv.backend, "reserved_size", None)
+            return lv if reserve is not None and getattr(lv.backend, "pool", None) is not None else None
+    return None
+
+
+def reserve(store: TieredStore, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]) -> Reservation:
+    """Reserve pool memory of ``store``'s top tier for each ``(key, like)``: a chunk with tensors shaped like
+    ``like`` (names, shapes, dtypes; ``meta`` tensors will do). Keys the tier cannot take now (too big, no room
+    in time, a busy slot, no pool) get ``None`` in :attr:`Reservation.tensors`."""
+    store._life.enter()
+    lv = reservable(store)
+    held: list[_Held | None] = [None] * len(items)
+    if lv is None:
+        return Reservation(store, None, held)
+    try:
+        deadline = time.monotonic() + store._transfers.pin_wait
+        for i, (key, like) in enumerate(items):
+            held[i] = _reserve_one(store, lv, key, like, deadline)
+    except BaseException:
+        Reservation(store, lv, held).abort()
+        raise
+    return Reservation(store, lv, held)
+
+
+def _reserve_one(store: TieredStore, lv: Level, key: ChunkKey, like: Mapping[str, torch.Tensor],
+                 deadline: float) -> _Held | None:
+    """One key's generation, slot, bytes and pool run (each step as a put takes it), or ``None``."""
+    res, level, backend = store.residency, lv.index, lv.backend
+    size = backend.reserved_size(like)  # type: ignore[attr-defined]
+    gen = res.next_gen()
+    slot = res.wait_until(lambda: s if (s := res.begin_write(key, level, gen)) is not Slot.BUSY else None, deadline)
+    if slot is not Slot.OK:
+        lv.count(skipped=1)
+        return None
+    reserved = 0
+    try:
+        got = _make_room(store, lv, key, size, deadline)
+        if got is not None:
+            reserved = got
+            for _ in range(ENOMEM_ROUNDS + 1):
+                try:
+                    run, tensors = backend.reserve_run(key, like, size)  # type: ignore[attr-defined]
+                    return _Held(key, gen, size, reserved, run, tensors)
+                except OSError as exc:  # the pool has the bytes but no contiguous run: evict more, as a put does
+                    if exc.errno != errno.ENOMEM:
+                        raise
+                    for victim in res.reclaim(key, level, size):
+                        store._transfers.evict(victim, deadline)
+    except BaseException:
+        res.release(level, reserved)
+        res.abort_write(key, level, gen)
+        raise
+    lv.count(skipped=1)
+    res.release(level, reserved)
+    res.abort_write(key, level, gen)
+    return None
+
+
+def _make_room(store: TieredStore, lv: Level, key: ChunkKey, size: int, deadline: float) -> int | None:
+    """Reserve ``size`` bytes of ``lv`` for ``key``, evicting the victims the residency names; ``None`` when
+    there is no room by ``deadline``."""
+    res = store.residency
+    while True:
+        room = res.wait_until(lambda: r if ((r := res.reserve(key, lv.index, size)).reserved is not None
+                                            or r.victims or not r.wait) else None, deadline)
+        if room is None or (room.reserved is None and not room.victims):
+            return None
+        if room.reserved is not None:
+            return int(room.reserved)
+        for victim in room.victims:
+            store._transfers.evict(victim, deadline)
