@@ -282,7 +282,7 @@ class Transfers:
             reserved: dict[int, int] = {}
             while queue:
                 i = queue[0]
-                got = self._make_room(items[i][0], level, prepared[i].size, deadline, wait=not wave)
+                got = self.make_room(items[i][0], level, prepared[i].size, deadline, wait=not wave)
                 if got is None and wave:
                     break
                 queue.popleft()
@@ -336,7 +336,7 @@ class Transfers:
         return res.wait_until(lambda: s if (s := res.begin_write(key, level, gen)) is not Slot.BUSY else None,
                               deadline)
 
-    def _make_room(self, key: ChunkKey, level: int, size: int, deadline: float, wait: bool = True) -> int | None:
+    def make_room(self, key: ChunkKey, level: int, size: int, deadline: float, wait: bool = True) -> int | None:
         """Reserve ``size`` bytes of ``level`` for ``key``, evicting as the residency says; ``None`` when there
         is no room (with ``wait``: by ``deadline``, while others free room or readers hold pins)."""
         res = self.res
