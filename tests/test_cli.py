@@ -188,3 +188,50 @@ def test_repair_leaves_a_read_only_disk_alone(config_file, tmp_path, capsys):
     assert main(["gc", "--config", str(config_file)]) == 0
     assert main(["verify", "--repair", "--config", str(config_file)]) == 1
     assert "1 corrupt (0 removed)" in capsys.readouterr().out and victim.exists()
+
+
+def test_gc_of_the_remote_tier_runs_beside_a_live_engine(tmp_path, capsys):  # review turn 4 #9
+    """The ops recipe: ``gc --tier remote`` with the engine's own config (which has a disk tier the engine
+    holds) opens only the remote tier, needs no disk lock, and keeps the prefix within budget."""
+    root = tmp_path / "shared"
+    cfg = {"tiers": [{"kind": "host", "capacity": "1MiB", "pinned": False},
+                     {"kind": "disk", "path": str(tmp_path / "disk")},
+                     {"kind": "remote", "url": root.as_uri()}]}
+    path = tmp_path / "store.json"
+    path.write_text(json.dumps(cfg))
+    with tierstore.open(str(path)) as store:
+        for i in range(8):
+            store.put(key_of(i), chunk(i))
+    engine = _owner(path)
+    try:
+        assert engine.stdout.readline().strip() == "ready", engine.stderr.read()
+        capsys.readouterr()
+        assert main(["gc", "--config", str(path), "--max-size", "0", "--grace", "0"]) == 2  # the whole config
+        assert "refused, nothing removed" in capsys.readouterr().err
+        assert main(["gc", "--config", str(path), "--tier", "remote", "--max-size", "0", "--grace", "0",
+                     "--json", str(tmp_path / "gc.json")]) == 0
+        assert json.loads((tmp_path / "gc.json").read_text())["remote"]["removed_objects"] == 9
+        assert not [p for p in root.rglob("*") if p.is_file()]
+        assert (tmp_path / "disk" / object_relpath(key_of(1))).exists()  # the engine's disk: never opened
+        capsys.readouterr()
+        assert main(["gc", "--config", str(path), "--tier", "nope"]) == 2
+        assert "no tier named nope" in capsys.readouterr().err
+    finally:
+        engine.kill()
+        engine.wait()
+
+
+def test_bench_writeback_smoke(tmp_path, capsys):
+    out = tmp_path / "wb.json"
+    assert main(["bench", "writeback", "--count", "16", "--size", "4096", "--latency", "0.01", "--repeats", "1",
+                 "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["reference"]["s"] > 0 and r["writeback"]["s"] > 0 and r["writeback_before"]["s"] > 0
+    assert "write-back / reference" in capsys.readouterr().out
+
+
+def test_bench_hit_smoke(tmp_path, capsys):
+    out = tmp_path / "hit.json"
+    assert main(["bench", "hit", "--calls", "50", "--blocks", "2", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["now"]["median_us"] > 0 and r["with_future"]["median_us"] > 0

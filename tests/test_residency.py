@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tierstore.flushes import FlushState
 from tierstore.keys import ChunkKey
 from tierstore.residency import REMOVING, Hold, LevelSpec, Pressure, Residency, Slot, Victim
 
@@ -372,6 +373,17 @@ class ResidencyMachine(RuleBasedStateMachine):
                 lv = self.res.levels[level]
                 queued = k in lv.ready or k in lv.retry_at or level in rec.busy or (k, level) in in_flight
                 assert queued, f"pending level {level} of {k.hex()[:8]} is neither due nor retried"
+
+    @invariant()
+    def flush_counters_match_the_pending_levels(self):
+        """The flush tracker's counts (what a flush waits for, kept as writes commit) equal a walk of the keys."""
+        fast = self.res.fast_retries
+        outstanding = sum(1 for rec in self.res._keys.values() for a in rec.pending.values() if a < fast)
+        failing = {(k, j) for k, rec in self.res._keys.items() for j, a in rec.pending.items() if a >= fast}
+        assert self.res.dirty() == sum(1 for rec in self.res._keys.values() if rec.pending)
+        tracker = self.res._flushes
+        assert tracker.outstanding(FlushState(tracker.epoch)) == outstanding
+        assert {(k, j) for k, js in tracker.failing.items() for j in js} == failing
 
     @invariant()
     def current_copies_hold_an_allowed_value(self):

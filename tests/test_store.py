@@ -70,6 +70,7 @@ def test_dirty_chunk_is_written_back_before_eviction(tmp_path):
 
         lower.write_many = stalled_background_writes
         s._transfers.pin_wait = 0.2  # a put whose only victims are being written waits this long, then skips
+        s._writeback.pipeline = 1  # one stalled batch: the chunks put after it stay dirty and unclaimed (victims)
         for i in range(8):  # host holds 3: dirty evictions must write synchronously (or the put goes below)
             s.put(key_of(i), chunk(i, CHUNK))
         for i in range(8):

@@ -368,3 +368,33 @@ def test_promotion_and_write_back_count_as_reads_of_the_tier_they_read(tmp_path)
         assert store.put(key_of(2), chunk(2))
         store.flush()  # written back: read out of the disk tier as its object
         assert store.stats()["tiers"]["disk"]["bytes_out"] > before
+
+
+def test_write_back_batches_follow_the_target_tiers_own_concurrency_and_overlap(tmp_path):
+    """Review turn 4 #12: write-back into a remote that allows 32 requests at once sends batches of 32 (not the
+    store's max_in_flight of 8), and a second batch is under way while the first one writes."""
+    url = f"file://{tmp_path}/remote"
+    config = {"tiers": [{"kind": "host", "capacity": "16MiB", "pinned": False},
+                        {"kind": "remote", "url": url, "max_in_flight": 32}], "max_in_flight": 8}
+    with tierstore.open(config) as s:
+        remote = s.tier("remote").backend
+        original, sizes, running, most, lock = remote.write_many, [], [0], [0], threading.Lock()
+
+        def write_many(items):
+            with lock:
+                sizes.append(len(items))
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            try:
+                time.sleep(0.1)  # a distant endpoint
+                return original(items)
+            finally:
+                with lock:
+                    running[0] -= 1
+
+        remote.write_many = write_many
+        with writer_paused(s):
+            assert all(s.put_many([(key_of(i), chunk(i, 1024)) for i in range(128)]))
+        s.flush(timeout=60)
+        assert max(sizes) == 32 and sum(sizes) == 128
+        assert most[0] == 2

@@ -9,8 +9,9 @@ may use is included (``path``, and ``path.1`` … with ``instances``).
 * ``verify --repair`` and ``gc`` remove: corrupt objects (``verify --repair``), plus our crashed writers'
   temp files (``gc``: on disk when a directory is opened for writing; on a remote, those older than
   ``--stale-after``). They need every disk directory unlocked and refuse, removing nothing, while a
-  process holds one. On a shared remote prefix they remove only what is corrupt or ours and stale, and
-  with ``gc --older-than`` chunk objects past that age, whoever wrote them.
+  process holds one; ``gc --tier remote`` opens only that tier, so it runs beside a live engine. On a
+  shared remote prefix they remove only what is corrupt or ours and stale, and with ``gc --older-than``
+  chunk objects past that age, whoever wrote them.
   Unsupported objects (a newer format, a dtype this torch lacks) and forged ones (a tier with keys could
   not open them) are reported and always kept.
 
@@ -24,14 +25,14 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .backends import prefix_gc
 from .cliargs import duration, one_line, progress_printer, size
-from .errors import CorruptObjectError, ForgedObjectError, LockedError, UnsupportedObjectError
+from .errors import ConfigError, CorruptObjectError, ForgedObjectError, LockedError, UnsupportedObjectError
 from .sizes import format_size
 
 if TYPE_CHECKING:
@@ -67,6 +68,9 @@ def add_gc_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stale-after", type=duration(), default=3600.0, metavar="AGE",
                    help="remove remote temp files (crashed writers, killed publishes) older than this "
                         "(default 3600 s)")
+    p.add_argument("--tier", action="append", default=None, metavar="NAME",
+                   help="only this tier of the config (repeatable), e.g. --tier remote: a sidecar beside a live "
+                        "engine opens only the shared tier, never the engine's locked disk directories")
     p.add_argument("--watch", type=duration(WATCH_MIN_S), default=None, metavar="INTERVAL",
                    help=f"run again every INTERVAL (at least {WATCH_MIN_S:g} s) until interrupted (a sidecar "
                         "keeping the budget)")
@@ -94,8 +98,10 @@ class Persistent:
 
 
 @contextmanager
-def open_persistent_tiers(config: Any, writable: bool) -> Iterator[list[Persistent]]:
-    """The config's disk (each directory it may use) and remote tiers, closed on exit.
+def open_persistent_tiers(config: Any, writable: bool, only: Sequence[str] | None = None
+                          ) -> Iterator[list[Persistent]]:
+    """The config's disk (each directory it may use) and remote tiers, closed on exit; with ``only``, just
+    the tiers of those names (an unknown name is a :class:`ConfigError`), the others never opened.
 
     ``writable=False`` opens disk directories read-only without their lock. ``writable=True`` takes
     each lock and raises :class:`LockedError` (after closing what it opened) if a process holds one.
@@ -105,9 +111,16 @@ def open_persistent_tiers(config: Any, writable: bool) -> Iterator[list[Persiste
     from .config import parse_config
 
     cfg = parse_config(config)
+    if only is not None:
+        unknown = set(only) - {tc.name for tc in cfg.tiers}
+        if unknown:
+            raise ConfigError(f"no tier named {', '.join(sorted(unknown))} in the config "
+                              f"(tiers: {', '.join(tc.name for tc in cfg.tiers)})")
     with ExitStack() as stack:
         tiers: list[Persistent] = []
         for tc in cfg.tiers:
+            if only is not None and tc.name not in only:
+                continue
             if tc.kind == "disk":
                 opts = {k: v for k, v in tc.options.items() if k not in ("instances", "capacity")}
                 base = opts.pop("path")
@@ -269,7 +282,7 @@ def _gc_pass(args: argparse.Namespace) -> tuple[int, dict[str, dict[str, Any]]]:
     result: dict[str, dict[str, Any]] = {}
     lines = []
     try:
-        with open_persistent_tiers(args.config, writable=True) as tiers:
+        with open_persistent_tiers(args.config, writable=True, only=args.tier) as tiers:
             for tier in tiers:
                 if isinstance(tier.backend, FsspecBackend):
                     started = time.monotonic()

@@ -32,7 +32,7 @@ VERBS = {
     "stats": ("tierstore.admin", "print what each disk and remote tier holds (read-only; fine beside an engine)"),
     "verify": ("tierstore.admin", "re-check every stored object's checksum (read-only unless --repair)"),
     "gc": ("tierstore.admin", "remove stale temp files and corrupt objects; keep a shared prefix within a budget "
-                              "(--max-size, --older-than); refused while a process owns a disk"),
+                              "(--max-size, --older-than); --tier remote runs beside a live engine"),
     "crashtest": ("tierstore.crashtest", "SIGKILL a writer at random moments and check every acknowledged chunk"),
     "serve": ("tierstore.serve.command", "one store per node, shared by its engine processes over a Unix socket"),
     "keygen": ("tierstore.keyring", "make a key for sealed shared tiers, or derive a tenant's keys (auth: keys_file)"),
@@ -45,6 +45,8 @@ BENCHES = {
     "peers": ("tierstore.bench.peers", "LMCache's bench l2 (fs_native, fs) next to the disk tier"),
     "control": ("tierstore.bench.control", "lookup cost and index memory per key from 10k to 1M keys"),
     "promotion": ("tierstore.bench.promotion", "what promotion and write-back cost a reader (S3 shim)"),
+    "writeback": ("tierstore.bench.writeback", "remote write-back throughput vs plain PUTs at the same concurrency"),
+    "hit": ("tierstore.bench.hit", "one host-tier hit, with the per-read job bookkeeping as it is and as it was"),
     "metrics": ("tierstore.bench.metrics", "the put/get path with Prometheus metrics on vs off"),
     "serve": ("tierstore.bench.serve", "multi-round QA TTFT per round and QPS against an OpenAI-compatible endpoint"),
     "server": ("tierstore.bench.server", "a get through a node server (tierstore serve) vs the same get in process"),

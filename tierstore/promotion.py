@@ -20,9 +20,15 @@ from . import objformat
 from .backends.base import Chunk
 from .errors import ClosedError
 from .keys import ChunkKey
+from .outcomes import Copied
 from .transfers import Transfers
 
 log = logging.getLogger("tierstore")
+
+#: promotion jobs admitted after reads, queued or running, at most per worker (each holds what it read): a read
+#: finding more below the top admits nothing more until some are done (counted as ``promotions_skipped``)
+JOBS_PER_WORKER = 2
+
 
 class Promoter:
     """Promotion jobs of one store: admission after a read (``retain``), ``prefetch`` and the background
@@ -34,39 +40,82 @@ class Promoter:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tierstore-promote")
         self._lock = threading.Lock()
         self._in_flight: dict[ChunkKey, Future[Any]] = {}
-        self.counts = {"promotions": 0, "prefetch_errors": 0}
+        self.max_admitted = JOBS_PER_WORKER * workers
+        self._admitted: dict[ChunkKey, int] = {}  # key -> admitted jobs holding it (queued or running)
+        self._admitted_jobs = 0
+        self.counts = {"promotions": 0, "promotions_skipped": 0, "prefetch_errors": 0}
 
     def admit(self, hits: list[tuple[ChunkKey, int, int, objformat.Encoded | None]]) -> None:
         """Promote ``(key, level read from, generation, object in hand or None)`` in the background, each only
-        if it is still the key's current value then."""
+        if it is still the key's current value then. Bounded and deduplicated: a key already admitted is not
+        admitted again, and nothing is when :attr:`max_admitted` jobs are queued or running or the top level
+        could only wait for room (its copies pinned): those reads just do not promote (counted)."""
         top = self.t.top
         if top is None:
             return
-        try:
-            self.t.jobs.submit(self._pool, "promote", self.t.levels[top].name, len(hits),
-                               lambda: [self.promote(*h) for h in hits])
-        except ClosedError:
-            pass
+        size = min((1 if h[3] is None else h[3].size for h in hits), default=1)
+        with self._lock:
+            fresh = [h for h in hits if h[0] not in self._admitted]
+            full = self._admitted_jobs >= self.max_admitted
+            if not fresh or full:
+                self.counts["promotions_skipped"] += len(hits)
+                return
+        if not self.res.could_take(top, size):
+            with self._lock:
+                self.counts["promotions_skipped"] += len(hits)
+            return
+        with self._lock:
+            self._admitted_jobs += 1
+            for h in fresh:
+                self._admitted[h[0]] = self._admitted.get(h[0], 0) + 1
+            self.counts["promotions_skipped"] += len(hits) - len(fresh)
 
-    def promote(self, key: ChunkKey, source: int, gen: int, data: Chunk | None = None) -> bool:
+        def job() -> list[bool]:
+            try:
+                return [self.promote(*h) for h in fresh]
+            finally:
+                self._admitted_done(fresh)
+
+        try:
+            self.t.jobs.submit(self._pool, "promote", self.t.levels[top].name, len(fresh), job)
+        except ClosedError:
+            self._admitted_done(fresh)
+
+    def _admitted_done(self, hits: list[tuple[ChunkKey, int, int, objformat.Encoded | None]]) -> None:
+        with self._lock:
+            self._admitted_jobs -= 1
+            for h in hits:
+                n = self._admitted[h[0]] - 1
+                if n:
+                    self._admitted[h[0]] = n
+                else:
+                    del self._admitted[h[0]]
+
+    def promote(self, key: ChunkKey, source: int, gen: int, data: Chunk | None = None, *,
+                raise_errors: bool = False) -> bool:
         """Copy generation ``gen`` of ``key`` from level ``source`` into the top level (re-reading it unless
-        ``data`` is at hand) and have write-back fill the levels between; whether the top holds it now."""
+        ``data`` is at hand) and have write-back fill the levels between; whether the top holds it now.
+
+        The source is read first (not pinned: its eviction may need the room this promotion makes), and the
+        top's ``(key, level)`` slot is taken only once the bytes are at hand: a put of the key never waits
+        behind a promotion's read. A read error is logged and counted (``raise_errors``: also raised, for a
+        caller that reports it)."""
         t, res, top = self.t, self.res, self.t.top
         if top is None or source <= top:
             return source == top
-        if not res.begin_promote(key, source, gen, top):
-            # another write into the top may be landing this very value (a read's promotion): its outcome counts
-            res.wait_until(lambda: None if res.writing(key, top) else True, time.monotonic() + self.t.pin_wait)
-            return res.current_gen(key, top) is not None
         with ExitStack() as stack:
             if data is None:
-                try:
-                    data = t.read_for_copy(stack, source, key, top)
-                except Exception as exc:  # noqa: BLE001 - nothing promoted
-                    log.debug("promotion of %s: reading tier %s failed: %s", key.hex(), t.levels[source].name, exc)
-            if data is None:
-                res.abort_write(key, top, gen)
-                return False
+                if not res.holds_current(key, source, gen):
+                    return res.current_gen(key, top) is not None
+                got = t.read_copy(stack, source, key, top, raise_failed=raise_errors)
+                if isinstance(got, Copied):
+                    return False
+                data = got
+            if not res.begin_promote(key, source, gen, top):
+                # another write into the top may be landing this very value (a read's promotion): its outcome
+                # counts
+                res.wait_until(lambda: None if res.writing(key, top) else True, time.monotonic() + self.t.pin_wait)
+                return res.current_gen(key, top) is not None
             (ok,) = t.land_many(top, [(key, gen, data)], slots_held=True, kind="promote")
         if ok:
             res.fill(key, gen, [j for j in range(top + 1, source) if t.levels[j].writable])
@@ -88,7 +137,7 @@ class Promoter:
                         level = lv.index
                         break
         gen = None if level is None else res.current_gen(key, level)
-        return level is not None and gen is not None and self.promote(key, level, gen)
+        return level is not None and gen is not None and self.promote(key, level, gen, raise_errors=True)
 
     def prefetch(self, keys: Sequence[ChunkKey]) -> Future[int]:
         """Promote ``keys`` in the background; the future resolves to how many the top level then holds (or
@@ -122,7 +171,7 @@ class Promoter:
         name = self.t.levels[self.t.top].name if self.t.top is not None else ""
         for k in keys:
             self.t.jobs.submit(self._pool, "prefetch", name, 1, partial(self.promote_current, k)
-                               ).future.add_done_callback(finished)
+                               ).add_done_callback(finished)
         return done
 
     def promote_shared(self, keys: Sequence[ChunkKey], lookup: Callable[[Sequence[ChunkKey]], int]) -> None:
@@ -172,7 +221,7 @@ class Promoter:
     def wait(self, deadline: float | None) -> None:
         """Wait (until ``deadline``, ``time.monotonic``) for the promotion jobs running or queued now."""
         for job in self.t.jobs.running():
-            if job.kind in ("promote", "prefetch"):
+            if job.kind in ("promote", "prefetch") and job.future is not None:
                 try:
                     job.future.exception(None if deadline is None else max(0.0, deadline - time.monotonic()))
                 except Exception:  # noqa: BLE001 - a timeout: the flush's own deadline decides

@@ -152,7 +152,7 @@ def _reserve_one(store: TieredStore, lv: Level, key: ChunkKey, like: Mapping[str
         return None
     reserved = 0
     try:
-        got = _make_room(store, lv, key, size, deadline)
+        got = store._transfers.make_room(key, level, size, deadline)  # noqa: SLF001 - as a put makes room
         if got is not None:
             reserved = got
             for _ in range(ENOMEM_ROUNDS + 1):
@@ -172,18 +172,3 @@ def _reserve_one(store: TieredStore, lv: Level, key: ChunkKey, like: Mapping[str
     res.release(level, reserved)
     res.abort_write(key, level, gen)
     return None
-
-
-def _make_room(store: TieredStore, lv: Level, key: ChunkKey, size: int, deadline: float) -> int | None:
-    """Reserve ``size`` bytes of ``lv`` for ``key``, evicting the victims the residency names; ``None`` when
-    there is no room by ``deadline``."""
-    res = store.residency
-    while True:
-        room = res.wait_until(lambda: r if ((r := res.reserve(key, lv.index, size)).reserved is not None
-                                            or r.victims or not r.wait) else None, deadline)
-        if room is None or (room.reserved is None and not room.victims):
-            return None
-        if room.reserved is not None:
-            return int(room.reserved)
-        for victim in room.victims:
-            store._transfers.evict(victim, deadline)

@@ -43,10 +43,11 @@ import itertools
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
+from .flushes import FlushState, FlushTracker
 from .keys import ChunkKey
 
 T = TypeVar("T")
@@ -57,8 +58,9 @@ _SIZE_MASK = (1 << _SIZE_BITS) - 1
 UNKNOWN = 0
 #: ``busy`` marker of a removal in flight (writes record the generation they write)
 REMOVING = -1
-#: keys whose losses (levels given up, chunks dropped) a flush keeps naming; older ones are only counted
-LOSSES_KEPT = 1 << 16
+
+
+_NOT_ASIDE = (0.0, 0.0)
 
 
 def _pack(gen: int, size: int) -> int:
@@ -137,17 +139,10 @@ class Write:
     source_size: int
 
 
-@dataclass
-class FlushState:
-    """What a flush waits for: ``(key, level, generation)`` pending when it began."""
-
-    watched: list[tuple[ChunkKey, int, int]]
-
-
 class _Key:
     """Per-key state while anything is going on (see the module docstring)."""
 
-    __slots__ = ("busy", "deleting", "gen", "pending", "since")
+    __slots__ = ("busy", "deleting", "epoch", "gen", "pending", "since", "tomb")
 
     def __init__(self, gen: int) -> None:
         self.gen = gen
@@ -155,11 +150,15 @@ class _Key:
         self.busy: dict[int, int] = {}  # level -> generation being written there, or REMOVING
         self.deleting = 0  # generation of a delete in progress (0: none)
         self.since = 0.0  # when the current pending levels became pending (write-back lag)
+        self.epoch = 0  # the flush epoch its pending writes are counted under (see tierstore.flushes)
+        #: its value was dropped before reaching a shared level, which may hold an older value this store
+        #: never indexed: the record stays (no probe, nothing found indexed) until the key is put or deleted
+        self.tomb = False
 
 
 class _Level:
-    __slots__ = ("copies", "counts", "evicting", "evicting_bytes", "failing", "pins", "ready", "reserved",
-                 "retry_at", "retry_heap", "space", "spec", "used")
+    __slots__ = ("aside", "copies", "counts", "evicting", "evicting_bytes", "failing", "pins", "ready",
+                 "reserved", "retry_at", "retry_heap", "space", "spec", "used")
 
     def __init__(self, spec: LevelSpec) -> None:
         self.spec = spec
@@ -173,7 +172,11 @@ class _Level:
         self.retry_at: dict[ChunkKey, float] = {}
         self.retry_heap: list[tuple[float, int, ChunkKey]] = []
         self.space = _SpaceLimit()
-        self.counts = {"evictions": 0, "writeback_done": 0, "writeback_failed": 0, "writeback_dropped": 0}
+        #: victims that could not be evicted (their copy unreadable or unremovable): key -> (until, back-off s);
+        #: no eviction names them again before ``until``
+        self.aside: dict[ChunkKey, tuple[float, float]] = {}
+        self.counts = {"evictions": 0, "eviction_failures": 0, "writeback_done": 0, "writeback_failed": 0,
+                       "writeback_dropped": 0}
         self.failing = False  # a write into it kept failing, and none has succeeded since
 
 
@@ -201,6 +204,9 @@ class Residency:
     #: seconds after ENOSPC before free space is probed again (doubling while the storage stays full)
     enospc_recheck = 1.0
     max_enospc_recheck = 60.0
+    #: seconds a victim that could not be evicted is set aside (doubling while it keeps failing)
+    aside_delay = 1.0
+    max_aside_delay = 60.0
 
     def __init__(self, levels: Sequence[LevelSpec], pressure: Pressure = Pressure.DROP,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -218,8 +224,8 @@ class Residency:
         self._gens = itertools.count(1)
         self._seq = itertools.count()
         self.deletes = 0  #: deletes finished so far (a probe indexes what it found only if none ended meanwhile)
-        self._given_up: OrderedDict[ChunkKey, set[int]] = OrderedDict()
-        self._dropped: OrderedDict[ChunkKey, set[int]] = OrderedDict()
+        self._flushes = FlushTracker()
+        self._dirty = 0  # keys with pending levels (counted as they change)
         self._writable = [i for i, lv in enumerate(self.levels) if lv.spec.writable]
 
     # ------------------------------------------------------------------ waiting (for the data plane)
@@ -288,7 +294,7 @@ class Residency:
     def _tidy(self, key: ChunkKey) -> None:
         """Forget the key's record once nothing is going on and every copy holds its current value."""
         rec = self._keys.get(key)
-        if rec is None or rec.pending or rec.busy or rec.deleting:
+        if rec is None or rec.pending or rec.busy or rec.deleting or rec.tomb:
             return
         for lv in self.levels:
             packed = lv.copies.get(key)
@@ -316,6 +322,7 @@ class Residency:
         if old is None:
             return False
         lv.used -= old & _SIZE_MASK
+        lv.aside.pop(key, None)
         return True
 
     def found(self, level: int, key: ChunkKey, size: int, deletes: int) -> int | None:
@@ -377,6 +384,20 @@ class Residency:
             rec = self._keys.get(key)
             if rec is not None:
                 rec.busy.pop(level, None)
+            self._tidy(key)
+            self._changed()
+
+    def removal_failed(self, level: int, key: ChunkKey) -> None:
+        """A removal :meth:`lost` or :meth:`claim_stale` granted failed: the copy stays indexed (it is still
+        in storage). An older value left there is reported by every flush as a level the key could not reach
+        (a restart would find that value), until the key is put or deleted again."""
+        with self._lock:
+            rec = self._keys.get(key)
+            if rec is not None:
+                rec.busy.pop(level, None)
+                packed = self.levels[level].copies.get(key)
+                if packed is not None and packed >> _SIZE_BITS != rec.gen:
+                    self._flushes.give_up(key, level)
             self._tidy(key)
             self._changed()
 
@@ -511,6 +532,23 @@ class Residency:
                     return Room(victims=tuple(victims))
             return Room(wait=bool(lv.evicting_bytes or lv.reserved or lv.pins or blocked[0]))
 
+    def could_take(self, level: int, size: int, look: int = 64) -> bool:
+        """Whether a write of ``size`` bytes into ``level`` could go on now rather than only wait: the room is
+        free, or one of the ``look`` least recently used copies is neither pinned nor being mutated (a victim
+        to name). A cheap admission check, not a reservation."""
+        with self._lock:
+            lv = self.levels[level]
+            limit = self._limit(lv)
+            if limit is None or lv.used + lv.reserved + size <= limit:
+                return True
+            if size > limit:
+                return False
+            for key in itertools.islice(lv.copies, look):
+                rec = self._keys.get(key)
+                if key not in lv.pins and key not in lv.evicting and (rec is None or not rec.busy):
+                    return True
+            return False
+
     def release(self, level: int, reserved: int) -> None:
         """Give back bytes reserved for a write that stored nothing (its slot stays with the caller)."""
         with self._lock:
@@ -534,19 +572,20 @@ class Residency:
             self._put_copy(lv, key, _pack(gen, size))
             stale_above: list[int] = []
             if gen > rec.gen and put:
-                rec.gen = gen
-                now = self.clock()
-                rec.pending = {j: 0 for j in self._writable if j > level}
-                rec.since = now
-                for j in rec.pending:
-                    self._clear_retry(self.levels[j], key)
-                    if queue:
-                        self.levels[j].ready[key] = None
-                self._given_up.pop(key, None)
-                self._dropped.pop(key, None)
+                rec.gen, rec.tomb = gen, False
+                for j in list(rec.pending):
+                    self._unpend(key, rec, j)
+                rec.since = self.clock()
+                for j in self._writable:
+                    if j > level:
+                        self._pend(rec, j)
+                        self._clear_retry(self.levels[j], key)
+                        if queue:
+                            self.levels[j].ready[key] = None
+                self._flushes.forget(key)
                 stale_above = [j for j in range(level) if key in self.levels[j].copies and self.levels[j].spec.writable]
             elif gen == rec.gen and level in rec.pending:
-                del rec.pending[level]
+                self._unpend(key, rec, level)
                 self._clear_retry(lv, key)
                 lv.counts["writeback_done"] += 1
             self._tidy(key)
@@ -570,10 +609,30 @@ class Residency:
                     delay = min(self.retry_delay * 2 ** (attempts - 1), self.max_retry_delay)
                     self._retry_later(lv, key, self.clock() + delay, replace=True)
                     first_failing = attempts == self.fast_retries and not lv.failing
+                    if attempts == self.fast_retries:
+                        self._flushes.settled(rec.epoch)
+                        self._flushes.fail(key, level)
                     lv.failing = lv.failing or attempts >= self.fast_retries
                 self._tidy(key)
             self._changed()
         return first_failing
+
+    def _pend(self, rec: _Key, level: int) -> None:
+        """``level`` is to receive the key's current value (a write a flush waits for)."""
+        if not rec.pending:
+            rec.epoch = self._flushes.epoch
+            self._dirty += 1
+        rec.pending[level] = 0
+        self._flushes.opened(rec.epoch)
+
+    def _unpend(self, key: ChunkKey, rec: _Key, level: int) -> None:
+        """``level`` no longer waits for the key's value (written, superseded, given up, dropped, deleted)."""
+        if rec.pending.pop(level) >= self.fast_retries:
+            self._flushes.unfail(key, level)
+        else:
+            self._flushes.settled(rec.epoch)
+        if not rec.pending:
+            self._dirty -= 1
 
     def _retry_later(self, lv: _Level, key: ChunkKey, at: float, replace: bool = False) -> None:
         if replace or lv.retry_at.get(key, float("inf")) > at:
@@ -604,10 +663,11 @@ class Residency:
         victims: list[Victim] = []
         freed = 0
         may_drop = True
+        aside, now = lv.aside, self.clock()
         for key, packed in lv.copies.items():
             if freed >= deficit:
                 break
-            if key == exclude or key in lv.evicting:
+            if key == exclude or key in lv.evicting or (aside and aside.get(key, _NOT_ASIDE)[0] > now):
                 continue
             rec = self._keys.get(key)
             if rec is not None and any(j > level for j in rec.busy):  # being written below (its source pinned)
@@ -664,11 +724,13 @@ class Residency:
     def _drop(self, key: ChunkKey, levels: Iterable[int]) -> None:
         rec = self._keys[key]
         for j in levels:
-            rec.pending.pop(j, None)
+            if j in rec.pending:
+                self._unpend(key, rec, j)
             lv = self.levels[j]
             self._clear_retry(lv, key)
             lv.counts["writeback_dropped"] += 1
-            _remember(self._dropped, key, j)
+            self._flushes.drop(key, j)
+            rec.tomb = rec.tomb or lv.spec.shared
 
     def choose(self, key: ChunkKey, level: int) -> Victim | None:
         """``level``'s copy of ``key`` as a victim (an eviction asked for by name), under the rules any victim
@@ -713,6 +775,19 @@ class Residency:
     def keep(self, victim: Victim) -> None:
         """``victim`` stays (it could not be saved, or a reader pinned it)."""
         with self._lock:
+            self._end_eviction(victim)
+
+    def set_aside(self, victim: Victim) -> None:
+        """``victim`` could not be evicted (its copy could not be read to save it, or its storage would not
+        remove it): it stays, and no eviction names it again for a while (a back-off that doubles while it
+        keeps failing), so a write that needs room takes another victim or skips the level. Counted."""
+        with self._lock:
+            lv = self.levels[victim.level]
+            if victim.key in lv.copies:
+                _, delay = lv.aside.get(victim.key, (0.0, self.aside_delay / 2))
+                delay = min(2 * delay, self.max_aside_delay)
+                lv.aside[victim.key] = (self.clock() + delay, delay)
+            lv.counts["eviction_failures"] += 1
             self._end_eviction(victim)
 
     def evicted(self, victim: Victim) -> None:
@@ -802,7 +877,7 @@ class Residency:
                     continue
                 packed = lv.copies.get(key)
                 if packed is not None and packed >> _SIZE_BITS == rec.gen:
-                    del rec.pending[level]  # it holds the value already (a promotion, another writer)
+                    self._unpend(key, rec, level)  # it holds the value already (a promotion, another writer)
                     lv.counts["writeback_done"] += 1
                     self._tidy(key)
                     continue
@@ -856,11 +931,11 @@ class Residency:
         return next((i for i in held if i not in rec.busy), held[0] if held else None)
 
     def _give_up(self, key: ChunkKey, rec: _Key, level: int) -> None:
-        del rec.pending[level]
+        self._unpend(key, rec, level)
         lv = self.levels[level]
         self._clear_retry(lv, key)
         lv.counts["writeback_failed"] += 1
-        _remember(self._given_up, key, level)
+        self._flushes.give_up(key, level)
         self._tidy(key)
 
     def fill(self, key: ChunkKey, gen: int, levels: Iterable[int]) -> None:
@@ -879,7 +954,7 @@ class Residency:
                     continue
                 if not rec.pending:
                     rec.since = now
-                rec.pending[j] = 0
+                self._pend(rec, j)
                 lv.ready[key] = None
             self._tidy(key)
             self._changed()
@@ -928,20 +1003,30 @@ class Residency:
                 rec.busy[i] = REMOVING
             return levels
 
-    def end_delete(self, key: ChunkKey) -> int:
-        """The delete's storage work is done: every copy is forgotten. Returns how many levels held one."""
+    def end_delete(self, key: ChunkKey, kept: Collection[int] = ()) -> int:
+        """The delete's storage work is done: every copy is forgotten, but in ``kept``, the levels whose storage
+        could not remove it. A kept copy of the current value stays indexed as the current value (the delete
+        did not happen there); a kept copy of an older value is forgotten and the key's record stays as a
+        tombstone (no probe finds it) until it is put or deleted again. Returns how many levels held one."""
         with self._lock:
             rec = self._keys[key]
             held = 0
-            for lv in self.levels:
-                if lv.spec.writable and self._drop_copy(lv, key):
+            for i, lv in enumerate(self.levels):
+                packed = lv.copies.get(key)
+                if lv.spec.writable and packed is not None:
                     held += 1
+                    if i in kept and packed >> _SIZE_BITS == rec.gen:
+                        self._put_copy(lv, key, _pack(rec.deleting, packed & _SIZE_MASK))
+                    else:
+                        self._drop_copy(lv, key)
+                        rec.tomb = rec.tomb or i in kept
                 self._clear_retry(lv, key)
-            rec.gen, rec.deleting = rec.deleting, 0
-            rec.pending.clear()
+            tomb = rec.tomb and bool(kept)
+            rec.gen, rec.deleting, rec.tomb = rec.deleting, 0, tomb
+            for j in list(rec.pending):
+                self._unpend(key, rec, j)
             rec.busy.clear()
-            self._given_up.pop(key, None)
-            self._dropped.pop(key, None)
+            self._flushes.forget(key)
             self.deletes += 1
             self._tidy(key)
             self._changed()
@@ -949,42 +1034,36 @@ class Residency:
 
     # ------------------------------------------------------------------ flush
     def flush_begin(self) -> FlushState:
-        """What a flush that begins now waits for; failing levels get a fresh round of retries."""
+        """What a flush that begins now waits for (see :mod:`tierstore.flushes`); failing levels get a fresh
+        round of retries."""
         with self._lock:
-            watched = []
-            for key, rec in self._keys.items():
-                for j, attempts in rec.pending.items():
-                    watched.append((key, j, rec.gen))
-                    if attempts >= self.fast_retries:
-                        rec.pending[j] = 0
-                        lv = self.levels[j]
-                        lv.retry_at.pop(key, None)
-                        lv.ready[key] = None
+            state = self._flushes.begin()
+            for key, levels in self._flushes.take_failing().items():
+                rec = self._keys[key]
+                for j in levels:
+                    rec.pending[j] = 0
+                    self._flushes.opened(rec.epoch)
+                    lv = self.levels[j]
+                    lv.retry_at.pop(key, None)
+                    lv.ready[key] = None
             self._changed()
-            return FlushState(watched)
+            return state
+
+    def flush_waits_for(self, state: FlushState) -> int:
+        """How many writes ``state``'s flush still waits for (none: every one written, superseded, given up,
+        dropped or failing)."""
+        with self._lock:
+            return self._flushes.outstanding(state)
 
     def flush_settled(self, state: FlushState) -> bool:
-        """Whether everything ``state`` watches is written, superseded, given up, dropped or failing."""
-        with self._lock:
-            keep = []
-            for key, level, gen in state.watched:
-                rec = self._keys.get(key)
-                if rec is None or rec.gen != gen or rec.pending.get(level, self.fast_retries) >= self.fast_retries:
-                    continue
-                keep.append((key, level, gen))
-            state.watched = keep
-            return not keep
+        """Whether everything ``state`` waits for is written, superseded, given up, dropped or failing."""
+        return self.flush_waits_for(state) == 0
 
     def losses(self) -> tuple[dict[ChunkKey, set[int]], dict[ChunkKey, set[int]]]:
         """``(failed, dropped)``: per key the levels it could not reach (given up, or failing now) and those
         the pressure policy dropped."""
         with self._lock:
-            failed = {k: set(v) for k, v in self._given_up.items()}
-            for key, rec in self._keys.items():
-                failing = {j for j, a in rec.pending.items() if a >= self.fast_retries}
-                if failing:
-                    failed.setdefault(key, set()).update(failing)
-            return failed, {k: set(v) for k, v in self._dropped.items()}
+            return self._flushes.losses()
 
     # ------------------------------------------------------------------ stats
     def level_stats(self, level: int) -> dict[str, float | int | None]:
@@ -998,12 +1077,13 @@ class Residency:
                     oldest = min(oldest, rec.since)
             return {"used_bytes": lv.used, "capacity_bytes": lv.spec.capacity, "objects": len(lv.copies),
                     "reserved_bytes": lv.reserved, "pinned": len(lv.pins), "space_limit_bytes": lv.space.bytes,
+                    "set_aside": sum(1 for until, _ in lv.aside.values() if until > now),
                     "writeback_pending": pending, "writeback_lag_s": now - oldest, **lv.counts}
 
     def dirty(self) -> int:
         """Keys with a value not yet written to every level it must reach."""
         with self._lock:
-            return sum(1 for rec in self._keys.values() if rec.pending)
+            return self._dirty
 
     def keys(self, level: int) -> list[ChunkKey]:
         """The keys ``level`` holds, least recently used first."""
@@ -1013,13 +1093,6 @@ class Residency:
     def __len__(self) -> int:
         with self._lock:
             return len(self._keys)
-
-
-def _remember(losses: OrderedDict[ChunkKey, set[int]], key: ChunkKey, level: int) -> None:
-    losses.setdefault(key, set()).add(level)
-    losses.move_to_end(key)
-    while len(losses) > LOSSES_KEPT:
-        losses.popitem(last=False)
 
 
 __all__ = ["REMOVING", "UNKNOWN", "FlushState", "Hold", "LevelSpec", "Pressure", "Residency", "Room", "Slot",

@@ -49,6 +49,7 @@ from .errors import ClosedError, ConfigError, InvalidInputError, InvalidTypeErro
 from .keys import ChunkKey, check_key
 from .lifecycle import Lifecycle, track, untrack
 from .objformat import Encoded, validate_chunk
+from .outcomes import Eviction
 from .promotion import Promoter
 from .residency import Hold, LevelSpec, Pressure, Residency
 from .telemetry import Counters, Latency
@@ -243,36 +244,55 @@ class TieredStore:
 
     def delete(self, keys: ChunkKey | Sequence[ChunkKey]) -> int:
         """Remove ``keys`` from every tier this store writes (pending write-back included); returns how many
-        were held somewhere. A shared tier that cannot be reached keeps its copy."""
+        were held somewhere and are gone from every tier now. A tier that cannot remove its copy (a shared tier
+        that cannot be reached) keeps it, and so does the index: that key is not counted (logged; see
+        :meth:`delete_many` for the answer per key)."""
         keys = check_keys([keys] if isinstance(keys, ChunkKey) else keys)
-        res = self.residency
         with self._life.call():
-            n = 0
-            for k in dict.fromkeys(keys):
-                res.wait_until(partial(_true_or_none, res.begin_delete, k))
-                levels = res.wait_until(partial(res.delete_ready, k))
-                assert levels is not None
-                for level in levels:
-                    lv = self.tiers[level]
-                    (err,) = lv.backend.delete_many([k])
-                    if err is not None:
-                        lv.failures.report("delete", "could not delete %s: %s", k.hex(), err)
-                n += res.end_delete(k) > 0
-            return n
+            return sum(held and gone for held, gone in map(self._delete_one, dict.fromkeys(keys)))
+
+    def delete_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Remove each key from every tier this store writes; per key whether no tier holds a copy of it now
+        (``False``: some tier could not remove its copy, which stays readable and indexed: the key was not
+        deleted there; try again later)."""
+        keys = check_keys(keys)
+        with self._life.call():
+            gone = {k: self._delete_one(k)[1] for k in dict.fromkeys(keys)}
+            return [gone[k] for k in keys]
+
+    def _delete_one(self, k: ChunkKey) -> tuple[bool, bool]:
+        """Delete ``k``: ``(whether some tier held it, whether every tier that was asked removed it)``."""
+        res = self.residency
+        res.wait_until(partial(_true_or_none, res.begin_delete, k))
+        levels = res.wait_until(partial(res.delete_ready, k))
+        assert levels is not None
+        kept = []
+        for level in levels:
+            lv = self.tiers[level]
+            (err,) = lv.backend.delete_many([k])
+            if err is not None and not isinstance(err, FileNotFoundError):
+                lv.failures.report("delete", "could not delete %s (kept): %s", k.hex(), err)
+                kept.append(level)
+        return res.end_delete(k, kept) > 0, not kept
 
     def evict(self, keys: ChunkKey | Sequence[ChunkKey], tier: str) -> int:
         """Remove ``keys``' copies from tier ``tier`` as an eviction would (a chunk not yet written below is
         written there first; a pinned or busy one stays); returns how many copies went. The other tiers keep
-        theirs: a demotion, not a delete."""
+        theirs: a demotion, not a delete. A shared tier is refused (:class:`~tierstore.InvalidInputError`):
+        its objects are every process's (remove them with :meth:`delete`, or ``tierstore gc``)."""
         keys = check_keys([keys] if isinstance(keys, ChunkKey) else keys)
-        level = self.tier(tier).index
+        lv = self.tier(tier)
+        if lv.shared:
+            raise InvalidInputError(f"tier {tier!r} is shared with other processes: evict only demotes from "
+                                    "this store's own tiers (delete() removes a key everywhere)")
+        level = lv.index
         with self._life.call():
             n = 0
             deadline = time.monotonic() + self._transfers.pin_wait
             for k in dict.fromkeys(keys):
                 victim = self.residency.choose(k, level)
                 if victim is not None:
-                    n += self._transfers.evict(victim, deadline)
+                    n += self._transfers.evict(victim, deadline) is Eviction.REMOVED
             return n
 
     def flush(self, timeout: float | None = None) -> FlushReport:
@@ -585,8 +605,12 @@ class TieredStore:
                 "on_pressure": self.on_pressure.value}
 
     def tier(self, name: str) -> Level:
-        """The level named ``name`` (its ``backend``, ``capacity``, ``kind``)."""
-        return self._by_name[name]
+        """The level named ``name`` (its ``backend``, ``capacity``, ``kind``); an unknown name raises
+        :class:`~tierstore.InvalidInputError` naming the tiers there are."""
+        lv = self._by_name.get(name)
+        if lv is None:
+            raise InvalidInputError(f"no tier named {name!r} (tiers: {', '.join(self._by_name)})")
+        return lv
 
     def _count(self, **deltas: int) -> None:
         with self._lock:

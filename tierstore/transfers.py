@@ -31,7 +31,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from functools import partial
 from time import perf_counter
 from typing import Any, TypeVar, cast
@@ -48,6 +47,7 @@ from .errors import (
     UnsupportedObjectError,
 )
 from .keys import ChunkKey
+from .outcomes import Copied, Eviction
 from .residency import Hold, Residency, Slot, Victim
 from .telemetry import Failures, Latency
 from .tensors import TensorDict
@@ -105,16 +105,19 @@ class Level:
 
 
 # ---------------------------------------------------------------------- jobs
-@dataclass
 class Job:
-    """One transfer: what it does, where, and its future (done when the transfer is)."""
+    """One transfer: what it does, where, and — when it runs on a pool, where someone may wait for it — its
+    future (done when the transfer is). A transfer run on the caller's thread has none: nobody else waits."""
 
-    id: int
-    kind: str  # "read" | "put" | "write-back" | "write-down" | "promote" | "prefetch" | "probe"
-    level: str
-    keys: int
-    future: Future[Any] = field(default_factory=Future)
-    started: float = field(default_factory=time.monotonic)
+    __slots__ = ("future", "id", "keys", "kind", "level", "started")
+
+    def __init__(self, id: int, kind: str, level: str, keys: int, future: Future[Any] | None = None) -> None:  # noqa: A002
+        self.id = id
+        self.kind = kind  # "read" | "put" | "write-back" | "write-down" | "promote" | "prefetch" | "probe"
+        self.level = level
+        self.keys = keys
+        self.future = future
+        self.started = time.monotonic()
 
 
 class Jobs:
@@ -127,18 +130,22 @@ class Jobs:
         self.done = 0
 
     def run(self, kind: str, level: str, keys: int, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on this thread as a job."""
-        job = self._start(kind, level, keys)
+        """Run ``fn`` on this thread as a job (listed while it runs; no future: the caller has the result)."""
+        job = Job(next(self._ids), kind, level, keys)
+        running = self._running
+        with self._lock:
+            running[job.id] = job
         try:
-            result = fn()
-        except BaseException as exc:
-            self._finish(job, exc=exc)
-            raise
-        self._finish(job, result=result)
-        return result
+            return fn()
+        finally:
+            with self._lock:
+                del running[job.id]
+                self.done += 1
 
-    def submit(self, executor: ThreadPoolExecutor, kind: str, level: str, keys: int, fn: Callable[[], Any]) -> Job:
-        """Run ``fn`` on ``executor`` as a job; raises :class:`ClosedError` if the executor was shut down."""
+    def submit(self, executor: ThreadPoolExecutor, kind: str, level: str, keys: int, fn: Callable[[], Any]
+               ) -> Future[Any]:
+        """Run ``fn`` on ``executor`` as a job; its future. Raises :class:`ClosedError` if the executor was shut
+        down."""
         job = self._start(kind, level, keys)
 
         def body() -> None:
@@ -155,7 +162,8 @@ class Jobs:
             self._finish(job, exc=ClosedError("store is closed"))
             raise ClosedError("store is closed") from None
         queued.add_done_callback(partial(self._cancelled, job))
-        return job
+        assert job.future is not None
+        return job.future
 
     def _cancelled(self, job: Job, queued: Future[None]) -> None:
         """A job that close() took off its executor's queue before it ran ends with :class:`ClosedError`."""
@@ -163,7 +171,7 @@ class Jobs:
             self._finish(job, exc=ClosedError("store is closed"))
 
     def _start(self, kind: str, level: str, keys: int) -> Job:
-        job = Job(next(self._ids), kind, level, keys)
+        job = Job(next(self._ids), kind, level, keys, Future())
         with self._lock:
             self._running[job.id] = job
         return job
@@ -172,6 +180,7 @@ class Jobs:
         with self._lock:
             self._running.pop(job.id, None)
             self.done += 1
+        assert job.future is not None
         if exc is not None:
             job.future.set_exception(exc)
         else:
@@ -273,7 +282,7 @@ class Transfers:
             reserved: dict[int, int] = {}
             while queue:
                 i = queue[0]
-                got = self._make_room(items[i][0], level, prepared[i].size, deadline, wait=not wave)
+                got = self.make_room(items[i][0], level, prepared[i].size, deadline, wait=not wave)
                 if got is None and wave:
                     break
                 queue.popleft()
@@ -327,7 +336,7 @@ class Transfers:
         return res.wait_until(lambda: s if (s := res.begin_write(key, level, gen)) is not Slot.BUSY else None,
                               deadline)
 
-    def _make_room(self, key: ChunkKey, level: int, size: int, deadline: float, wait: bool = True) -> int | None:
+    def make_room(self, key: ChunkKey, level: int, size: int, deadline: float, wait: bool = True) -> int | None:
         """Reserve ``size`` bytes of ``level`` for ``key``, evicting as the residency says; ``None`` when there
         is no room (with ``wait``: by ``deadline``, while others free room or readers hold pins)."""
         res = self.res
@@ -341,8 +350,11 @@ class Transfers:
                 return None
             if room.reserved is not None:
                 return room.reserved
-            for victim in room.victims:
-                self.evict(victim, deadline)
+            # a victim that fails is set aside (the next reserve names another, or none); the deadline bounds
+            # the rounds even so
+            gone = [self.evict(victim, deadline) for victim in room.victims]
+            if Eviction.REMOVED not in gone and time.monotonic() >= deadline:
+                return None
 
     def _after_enospc(self, lv: Level) -> None:
         """The storage is full below the level's budget: hold at most what it holds now."""
@@ -361,18 +373,27 @@ class Transfers:
         """Remove ``key`` from ``level``'s storage (the caller holds the slot for it), then from the index."""
         lv = self.levels[level]
         (err,) = lv.backend.delete_many([key])
-        if err is not None:
-            lv.failures.report("drop", "could not remove %s: %s", key.hex(), err)
+        if err is not None and not isinstance(err, FileNotFoundError):
+            lv.failures.report("drop", "could not remove %s (kept, reported): %s", key.hex(), err)
+            self.res.removal_failed(level, key)
+            return
         self.res.removed(level, key)
 
     # ------------------------------------------------------------------ eviction
-    def evict(self, victim: Victim, deadline: float) -> bool:
+    def evict(self, victim: Victim, deadline: float) -> Eviction:
         """Carry out one eviction: write a dirty victim below first (trying each level the residency names),
-        then remove it unless it must stay. Whether it went."""
+        then remove it unless it must stay. A victim that cannot be read to save it, or cannot be removed, is
+        set aside (:meth:`~tierstore.residency.Residency.set_aside`): never removed unsaved, never named again
+        at once."""
         down, tried = victim.down, []
         try:
             while isinstance(down, int) and down is not False:
-                if self.jobs.run("write-down", self.levels[down].name, 1, partial(self._write_down, victim, down)):
+                copied = self.jobs.run("write-down", self.levels[down].name, 1,
+                                       partial(self._write_down, victim, down))
+                if copied is Copied.FAILED:  # its own copy could not be read: it stays, set aside
+                    self.res.set_aside(victim)
+                    return Eviction.FAILED
+                if copied is not Copied.REFUSED:
                     break
                 tried.append(down)
                 down = self.res.written_down_failed(victim, tried)
@@ -381,41 +402,58 @@ class Transfers:
             raise
         if down is False:
             self.res.keep(victim)
-            return False
+            return Eviction.KEPT
         if not self.res.may_evict(victim):
-            return False
+            return Eviction.KEPT
         lv = self.levels[victim.level]
         (err,) = lv.backend.delete_many([victim.key])
-        if err is not None:
-            lv.failures.report("drop", "could not remove %s: %s", victim.key.hex(), err)
-            self.res.keep(victim)
-            return False
+        if err is not None and not isinstance(err, FileNotFoundError):
+            lv.failures.report("drop", "could not remove %s (set aside): %s", victim.key.hex(), err)
+            self.res.set_aside(victim)
+            return Eviction.FAILED
         self.res.evicted(victim)
-        return True
+        return Eviction.REMOVED
 
-    def _write_down(self, victim: Victim, down: int) -> bool:
-        """Copy a dirty victim into level ``down``; whether it no longer needs saving there."""
+    def _write_down(self, victim: Victim, down: int) -> Copied:
+        """Copy a dirty victim into level ``down`` (see :class:`~tierstore.outcomes.Copied`)."""
         slot = self.res.begin_write(victim.key, down, victim.gen)
         if slot is not Slot.OK:
-            return slot is Slot.SUPERSEDED  # a newer value is below: this copy is not the one to save
+            # a newer value is below: this copy is not the one to save; busy: try the next level
+            return Copied.SAVED if slot is Slot.SUPERSEDED else Copied.REFUSED
         with ExitStack() as stack:
-            try:
-                data = self.read_for_copy(stack, victim.level, victim.key, down)
-            except Exception as exc:  # noqa: BLE001 - unreadable: nothing left to save
-                log.debug("write-down of %s: its copy cannot be read (%s)", victim.key.hex(), exc)
-                data = None
-            if data is None:
-                self.res.abort_write(victim.key, down, victim.gen)
-                return True  # it vanished or is damaged: nothing left to save (pending levels are given up)
-            (ok,) = self.land_many(down, [(victim.key, victim.gen, data)], slots_held=True, kind="write-down")
-        return ok is not False
+            data = self.read_copy(stack, victim.level, victim.key, down)
+            if not isinstance(data, Copied):
+                (ok,) = self.land_many(down, [(victim.key, victim.gen, data)], slots_held=True, kind="write-down")
+                return Copied.REFUSED if ok is False else Copied.SAVED
+        self.res.abort_write(victim.key, down, victim.gen)
+        return data  # GONE: it vanished or is damaged, nothing left to save (pending levels are given up)
+
+    def read_copy(self, stack: ExitStack, source: int, key: ChunkKey, target: int, *,
+                  raise_failed: bool = False) -> Chunk | Copied:
+        """:meth:`read_for_copy` with its outcome made explicit: the chunk, ``Copied.GONE`` (missing or
+        damaged: nothing to save) or ``Copied.FAILED`` (an I/O error, no memory, a closed tier: it is there but
+        could not be read now; logged and counted, and raised with ``raise_failed``)."""
+        lv = self.levels[source]
+        try:
+            data = self.read_for_copy(stack, source, key, target)
+        except (FileNotFoundError, CorruptObjectError, UnsupportedObjectError) as exc:
+            log.debug("copy of %s in tier %s is unusable (%s)", key.hex(), lv.name, exc)
+            return Copied.GONE
+        except Exception as exc:  # noqa: BLE001 - a read error: the copy stays
+            lv.count(errors=1)
+            lv.failures.report("read", "reading %s to copy it failed (%s: %s); it stays", key.hex(),
+                               type(exc).__name__, exc)
+            if raise_failed:
+                raise
+            return Copied.FAILED
+        return Copied.GONE if data is None else data
 
     def read_for_copy(self, stack: ExitStack, source: int, key: ChunkKey, target: int) -> Chunk | None:
         """``key``'s chunk in ``source``, to be written into ``target``: its object as it is when both hold
         objects with one codec (no decode, no re-encode), else its tensors (a memory backend lends its own for
         the life of ``stack``). ``None`` if it is gone; raises if it cannot be read."""
-        src, dst = self.levels[source], self.levels[target]
-        if src.caps.objects and dst.caps.objects and src.caps.codec == dst.caps.codec:
+        src = self.levels[source]
+        if self.moves_objects(source, target):
             (got,) = src.backend.read_objects([key])
         elif src.caps.zero_copy:
             tensors = stack.enter_context(src.backend.borrow(key))
@@ -429,6 +467,30 @@ class Transfers:
         if got.size:
             src.count(bytes_out=got.size)
         return got.value  # type: ignore[no-any-return]
+
+    def moves_objects(self, source: int, target: int) -> bool:
+        """Whether a copy from ``source`` into ``target`` moves the object as it is (both hold objects of one
+        codec: no decode, no re-encode)."""
+        src, dst = self.levels[source].caps, self.levels[target].caps
+        return src.objects and dst.objects and src.codec == dst.codec
+
+    def read_objects_for_copy(self, source: int, keys: Sequence[ChunkKey]) -> list[Chunk | BaseException | None]:
+        """:meth:`read_for_copy` of many keys as one batched read of ``source``'s objects (where
+        :meth:`moves_objects`): per key its object, ``None`` if gone, or the error reading it."""
+        src = self.levels[source]
+        try:
+            got = src.backend.read_objects(keys)
+        except Exception as exc:  # noqa: BLE001 - the batch failed (a closed tier too): each item's error
+            return [exc] * len(keys)
+        out: list[Chunk | BaseException | None] = []
+        for r in got:
+            if isinstance(r, Hit):
+                if r.size:
+                    src.count(bytes_out=r.size)
+                out.append(r.value)
+            else:
+                out.append(r)
+        return out
 
     # ------------------------------------------------------------------ reads
     def read(self, keys: Sequence[ChunkKey], outs: Sequence[Mapping[str, torch.Tensor]] | None,

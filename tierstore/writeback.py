@@ -24,6 +24,9 @@ from .transfers import Transfers
 
 log = logging.getLogger("tierstore")
 
+#: batches in flight per level: one reading its sources while another writes
+PIPELINE = 2
+
 @dataclass(frozen=True)
 class FlushReport:
     """What a :meth:`~tierstore.TieredStore.flush` that raised nothing has to say: the chunks the ``drop``
@@ -35,17 +38,22 @@ class FlushReport:
 
 class WriteBack:
     """Write-back of one store: a scheduler thread takes what the residency says is due into each level and
-    hands it, a batch at a time, to that level's writer thread (one batch in flight per level; a backend runs
-    a batch on its own parallelism)."""
+    hands it, a batch at a time, to that level's writers (:data:`PIPELINE` batches in flight per level, each
+    as large as the level's backend runs at once — its :attr:`~tierstore.backends.base.Backend.concurrency`,
+    at least ``batch`` — so one batch reads its sources while another writes)."""
 
     def __init__(self, transfers: Transfers, batch: int) -> None:
         self.t = transfers
         self.res = transfers.res
         self.batch = batch
         self._levels = [lv.index for lv in transfers.levels if lv.index > 0 and lv.writable]
-        self._writers = {j: ThreadPoolExecutor(1, thread_name_prefix=f"tierstore-writeback-{transfers.levels[j].name}")
+        self._batches = {j: max(batch, transfers.levels[j].backend.concurrency or 0) for j in self._levels}
+        self._writers = {j: ThreadPoolExecutor(PIPELINE,
+                                               thread_name_prefix=f"tierstore-writeback-{transfers.levels[j].name}")
                          for j in self._levels}
-        self._busy: set[int] = set()
+        self._lock = threading.Lock()
+        self._busy = dict.fromkeys(self._levels, 0)  # level -> batches in flight
+        self.pipeline = PIPELINE
         self._stopping = False
         self._thread = threading.Thread(target=self._run, daemon=True, name="tierstore-writeback")
         self._thread.start()
@@ -59,7 +67,7 @@ class WriteBack:
                 res.wait_for_change(seen, self._idle())
                 continue
             for j in due:
-                writes, stale = res.take_due(j, self.batch)
+                writes, stale = res.take_due(j, self._batches[j])
                 for key, level in stale:
                     self.t.remove_stale(key, [level])
                 if writes:
@@ -67,16 +75,17 @@ class WriteBack:
 
     def _due(self) -> list[int] | None:
         """Levels with write-backs due now and no batch in flight (``None``: none)."""
-        due = [j for j in self._levels if j not in self._busy and self.res.next_due(j) == 0.0]
+        due = [j for j in self._levels if self._busy[j] < self.pipeline and self.res.next_due(j) == 0.0]
         return due or None
 
     def _idle(self) -> float:
         """Seconds until the next retry falls due (at most one)."""
-        times = [t for j in self._levels if j not in self._busy and (t := self.res.next_due(j)) is not None]
+        times = [t for j in self._levels if self._busy[j] < self.pipeline and (t := self.res.next_due(j)) is not None]
         return 1.0 if not times else min(1.0, max(0.0, min(times) - self.res.clock()))
 
     def _submit(self, level: int, writes: list[Write]) -> None:
-        self._busy.add(level)
+        with self._lock:
+            self._busy[level] += 1
         try:
             self.t.jobs.submit(self._writers[level], "write-back", self.t.levels[level].name, len(writes),
                                lambda: self._write(level, writes))
@@ -84,7 +93,8 @@ class WriteBack:
             self._done(level)
 
     def _done(self, level: int) -> None:
-        self._busy.discard(level)
+        with self._lock:
+            self._busy[level] -= 1
         self.res.notify()
 
     def _write(self, level: int, writes: list[Write]) -> None:
@@ -92,9 +102,16 @@ class WriteBack:
         try:
             with ExitStack() as stack:
                 items: list[tuple[ChunkKey, int, Chunk]] = []
-                for w in writes:
+                read = self._read_objects(level, writes)
+                for i, w in enumerate(writes):
                     try:
-                        data = t.read_for_copy(stack, w.source, w.key, level)
+                        if i in read:
+                            got = read[i]
+                            if isinstance(got, BaseException):
+                                raise got
+                            data = got
+                        else:
+                            data = t.read_for_copy(stack, w.source, w.key, level)
                     except (CorruptObjectError, UnsupportedObjectError) as exc:
                         log.warning("write-back of %s: its copy in tier %s cannot be read (%s); forgetting it",
                                     w.key.hex(), t.levels[w.source].name, exc)
@@ -114,6 +131,18 @@ class WriteBack:
         finally:
             self._done(level)
 
+    def _read_objects(self, level: int, writes: list[Write]) -> dict[int, Chunk | BaseException | None]:
+        """The sources of ``writes`` that move as objects into ``level``, read in one batch per source level
+        (index in ``writes`` -> object, ``None`` or error)."""
+        by_source: dict[int, list[int]] = {}
+        for i, w in enumerate(writes):
+            if self.t.moves_objects(w.source, level):
+                by_source.setdefault(w.source, []).append(i)
+        read: dict[int, Chunk | BaseException | None] = {}
+        for source, idx in by_source.items():
+            read.update(zip(idx, self.t.read_objects_for_copy(source, [writes[i].key for i in idx]), strict=True))
+        return read
+
     def flush(self, timeout: float | None = None) -> FlushReport:
         """Wait until every chunk put so far reached every level below it, is failing there, or was dropped.
 
@@ -127,7 +156,7 @@ class WriteBack:
         state = res.flush_begin()
         deadline = None if timeout is None else time.monotonic() + timeout
         if res.wait_until(lambda: True if res.flush_settled(state) else None, deadline) is None:
-            raise TierTimeoutError(f"flush: {len(state.watched)} write-backs still pending after {timeout}s")
+            raise TierTimeoutError(f"flush: {res.flush_waits_for(state)} write-backs still pending after {timeout}s")
         failed, dropped = res.losses()
         report = FlushReport(self._named(dropped))
         if failed:
@@ -146,7 +175,7 @@ class WriteBack:
         for writer in self._writers.values():
             writer.shutdown(wait=False, cancel_futures=True)
         for job in self.t.jobs.running():
-            if job.kind == "write-back":
+            if job.kind == "write-back" and job.future is not None:
                 try:
                     job.future.exception(max(0.0, deadline - time.monotonic()))
                 except Exception:  # noqa: BLE001 - a timeout here: close goes on

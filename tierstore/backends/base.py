@@ -107,6 +107,9 @@ class Backend(ABC):
     capacity: int | None = None
     #: whether a store lists it at open to rebuild its index (a huge shared prefix may say no)
     list_on_open: bool = True
+    #: how many items a batched call runs at once (its own pool or request limit); ``None``: unknown. Write-back
+    #: sizes its batches into this backend from it
+    concurrency: int | None = None
 
     # ------------------------------------------------------------------ writes
     @abstractmethod

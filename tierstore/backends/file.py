@@ -121,7 +121,7 @@ class FileBackend(Backend):
         self.durable, self.read_only, self.codec = durable, read_only, codec
         self.capabilities = Capabilities(objects=True, persistent=True, shared=read_only, writable=not read_only,
                                          codec=codec)
-        self.io_threads = io_threads
+        self.io_threads = self.concurrency = io_threads
         self.permissions = permissions
         self.failures = Failures(log, f"tier {self.name}: ")
         self._dir_mode, self._file_mode = PERMISSIONS[permissions]

@@ -187,7 +187,7 @@ class FsspecBackend(Backend):
         self.capabilities = Capabilities(objects=True, shared=True, persistent=True, probe_on_read=True,
                                          codec=self.codec)
         self.list_on_open = list_on_open
-        self.max_in_flight = max_in_flight
+        self.max_in_flight = self.concurrency = max_in_flight
         self.timeout = float(timeout)
         options = with_client_defaults(self.url, storage_options or {}, connections=max_in_flight)
         try:

@@ -30,13 +30,15 @@ HOST = {"kind": "host", "capacity": "256KiB", "pinned": False}
 class Setup:
     """A tier layout under test. ``required`` tiers never evict here, so they must hold every acknowledged
     key. ``on_pressure`` is the store's pressure policy; with ``flaky_remote`` the writer's remote tier
-    refuses a share of its writes (so the drop policy really drops). A flush that fails is a finding,
-    except in a setup whose remote refuses writes on purpose."""
+    refuses a share of its writes (so the drop policy really drops); with ``faults`` the writer's disk tier
+    fails that share of its reads and removals (EIO), so write-downs and evictions meet errors. A flush that
+    fails is a finding, except in a setup whose tiers fail on purpose."""
 
     tiers: Callable[[str], list[dict[str, Any]]]
     required: tuple[str, ...]
     on_pressure: str = "keep"
     flaky_remote: float = 0.0
+    faults: float = 0.0
     #: writers put by reservation (``store.reserve`` -> fill -> commit): kills land between reserve and commit
     reserve: bool = False
 
@@ -51,6 +53,14 @@ SETUPS: dict[str, Setup] = {
     "drop:disk+remote": Setup(lambda d: [{"kind": "disk", "path": f"{d}/disk", "capacity": "256KiB"},
                                          {"kind": "remote", "url": f"file://{d}/remote"}], ("remote",),
                               on_pressure="drop", flaky_remote=0.3),
+    # a small disk that fails 20% of its reads and removals: write-downs and evictions meet read and delete
+    # errors (a chunk that cannot be read or removed must stay, never be lost), under both pressure policies
+    "faults:disk+remote": Setup(lambda d: [{"kind": "disk", "path": f"{d}/disk", "capacity": "256KiB"},
+                                           {"kind": "remote", "url": f"file://{d}/remote"}], ("remote",),
+                                faults=0.2),
+    "faults-drop:disk+remote": Setup(lambda d: [{"kind": "disk", "path": f"{d}/disk", "capacity": "256KiB"},
+                                                {"kind": "remote", "url": f"file://{d}/remote"}], ("remote",),
+                                     on_pressure="drop", faults=0.2),
     # puts by reservation into a pooled host tier (write_back only: the path reserves there)
     "reserve:host+disk": Setup(lambda d: [{**HOST, "pool": True}, {"kind": "disk", "path": f"{d}/disk"}], ("disk",),
                                reserve=True),
@@ -58,7 +68,7 @@ SETUPS: dict[str, Setup] = {
 POLICIES = ("write_back", "write_through")
 #: the drop setup under write_back only: a write_through put is acknowledged when it returns, drops or not
 COMBOS = tuple(f"{s}/{p}" for s in SETUPS for p in POLICIES
-               if not ((SETUPS[s].flaky_remote or SETUPS[s].reserve) and p == "write_through"))
+               if not ((SETUPS[s].flaky_remote or SETUPS[s].faults or SETUPS[s].reserve) and p == "write_through"))
 #: seconds a writer may take to open the store and report before the run counts it as an error
 OPEN_TIMEOUT = 120.0
 #: the run stops after this many writer failures (a writer that cannot open its store fails every time)
@@ -178,7 +188,7 @@ class CrashTest:
         spec = WorkerSpec(config=self._config(combo), journal=combo.journal.path, observed=combo.observed,
                           keys=self.keys, threads=self.threads, seed=self.rng.randrange(1 << 31),
                           start_seq=combo.journal.last_seq + 1, flaky_remote=combo.setup.flaky_remote,
-                          reserve=combo.setup.reserve, check_only=check_only,
+                          faults=combo.setup.faults, reserve=combo.setup.reserve, check_only=check_only,
                           switch_interval=self.rng.choice([None, 1e-6]), sabotage=self.sabotage)
         self._pid = fork_worker(spec, combo.log)
 
@@ -284,7 +294,8 @@ class CrashTest:
         totals = {k: sum(c[k] for c in configs.values()) for k in counters}
         totals["errors"] = sum(len(c["errors"]) for c in configs.values())
         # a failed flush where every tier works is a finding too: write-back lost track of a chunk
-        totals["bad_flushes"] = sum(c.report.flush_failures for c in self.combos if not c.setup.flaky_remote)
+        totals["bad_flushes"] = sum(c.report.flush_failures for c in self.combos
+                                    if not (c.setup.flaky_remote or c.setup.faults))
         ok = not any(totals[k] for k in ("lost", "wrong", "live_wrong", "errors", "bad_flushes"))
         return {"kills": self.kills, "elapsed_s": round(elapsed, 2), "seed": self.seed, "root": self.root,
                 "interrupted": interrupted, "ok": ok, "totals": totals, "configs": configs}

@@ -53,6 +53,7 @@ class WorkerSpec:
     seed: int
     start_seq: int  #: first sequence number of this incarnation's puts
     flaky_remote: float = 0.0  #: share of the remote tier's writes that fail (the drop policy's pressure)
+    faults: float = 0.0  #: share of the disk tier's reads and removals that fail (EIO) once the check is done
     max_batch: int = 24  #: write_back: a thread flushes after 1..max_batch of its puts
     check_only: bool = False
     #: ``sys.setswitchinterval`` for the writer: tiny values make thread switches (and races) far more frequent
@@ -130,6 +131,8 @@ def run_worker(spec: WorkerSpec) -> None:
     if spec.check_only:
         store.close()
         return
+    if spec.faults:
+        _fail_some_reads_and_removals(store.tier("disk"), spec.faults, random.Random(spec.seed + 1))
     _Writer(store, spec, keys).run()
 
 
@@ -157,6 +160,27 @@ def _refuse_some_writes(tier: Any, share: float, rng: random.Random) -> None:
         return [next(stored) if t else OSError("refused (crash test: a flaky remote)") for t in take]
 
     backend.write_many = flaky
+
+
+def _fail_some_reads_and_removals(tier: Any, share: float, rng: random.Random) -> None:
+    """Make ``tier``'s backend fail about ``share`` of the keys it is asked to read or remove with EIO (a disk
+    going bad): write-downs, write-back sources and evictions meet errors, and must keep every chunk."""
+    import errno
+
+    backend = tier.backend
+
+    def flaky(method: Any) -> Any:
+        def call(keys: Any, *args: Any, **kwargs: Any) -> list[Any]:
+            keys = list(keys)
+            fail = [rng.random() < share for _ in keys]
+            done = iter(method([k for k, f in zip(keys, fail, strict=True) if not f], *args, **kwargs)
+                        if not all(fail) else [])
+            return [OSError(errno.EIO, "Input/output error (crash test: a failing disk)") if f else next(done)
+                    for f in fail]
+        return call
+
+    for name in ("read_objects", "read_many", "delete_many"):
+        setattr(backend, name, flaky(getattr(backend, name)))
 
 
 class _Writer:

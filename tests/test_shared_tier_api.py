@@ -1,0 +1,54 @@
+"""Shared tiers in the API (review turn 4, #10 and #11): a delete a shared tier could not carry out is
+reported per key and not counted (the copy stays indexed, and reads agree with the answer); evict never
+removes a shared object; an unknown tier name is a named InvalidInputError."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+
+import tierstore
+from tierstore.testing.data import assert_same, chunk, key_of
+
+CHUNK = 8000
+
+
+def open_store(tmp_path: Path) -> tierstore.TieredStore:
+    return tierstore.open({"tiers": [{"kind": "host", "capacity": "1MiB", "pinned": False},
+                                     {"kind": "remote", "url": f"file://{tmp_path}/remote"}]})
+
+
+def test_a_delete_the_shared_tier_could_not_carry_out_is_reported_not_counted(tmp_path: Path) -> None:
+    k, v = key_of(0), chunk(0, CHUNK)
+    with open_store(tmp_path) as s:
+        assert s.put(k, v)
+        s.flush(timeout=30)
+        remote = s.tier("remote").backend
+        remote.delete_many = lambda keys: [OSError(errno.ECONNREFUSED, "Connection refused") for _ in keys]
+        assert s.delete(k) == 0, "the remote kept its copy: the key was not deleted"
+        assert s.delete_many([k]) == [False]
+        assert s.holders(k) == ["remote"]  # the index keeps the copy the remote kept
+        assert_same(s.get(k), v)  # reads agree with the answer: not deleted
+        del remote.delete_many
+        assert s.delete_many([k, key_of(1)]) == [True, True]
+        assert s.get(k) is None
+    with open_store(tmp_path) as other:
+        assert other.get(k) is None
+
+
+def test_evict_refuses_a_shared_tier_and_names_an_unknown_one(tmp_path: Path) -> None:
+    k, v = key_of(0), chunk(0, CHUNK)
+    with open_store(tmp_path) as a, open_store(tmp_path) as b:
+        assert a.put(k, v)
+        a.flush(timeout=30)
+        with pytest.raises(tierstore.InvalidInputError, match="shared"):
+            a.evict(k, tier="remote")
+        assert_same(b.get(k), v)  # every other process still reads it
+        with pytest.raises(tierstore.InvalidInputError, match="nope"):
+            a.evict(k, tier="nope")
+        with pytest.raises(tierstore.InvalidInputError, match="host"):
+            a.tier("nope")
+        assert a.evict(k, tier="host") == 1  # a demotion: the remote keeps it
+        assert_same(a.get(k), v)
