@@ -369,14 +369,18 @@ class Transfers:
             if self.res.claim_stale(key, j):
                 self._remove(key, j)
 
-    def _remove(self, key: ChunkKey, level: int) -> None:
-        """Remove ``key`` from ``level``'s storage (the caller holds the slot for it), then from the index."""
+    def _remove(self, key: ChunkKey, level: int, damaged: bool = False) -> None:
+        """Remove ``key`` from ``level``'s storage (the caller holds the slot for it), then from the index. A
+        ``damaged`` copy leaves the index even when its removal fails: it is never served (a restart that finds
+        it fails its check again), whereas an older value that stays in storage stays indexed and reported."""
         lv = self.levels[level]
         (err,) = lv.backend.delete_many([key])
         if err is not None and not isinstance(err, FileNotFoundError):
-            lv.failures.report("drop", "could not remove %s (kept, reported): %s", key.hex(), err)
-            self.res.removal_failed(level, key)
-            return
+            lv.failures.report("drop", "could not remove %s (%s): %s", key.hex(),
+                               "forgotten: damaged" if damaged else "kept, reported", err)
+            if not damaged:
+                self.res.removal_failed(level, key)
+                return
         self.res.removed(level, key)
 
     # ------------------------------------------------------------------ eviction
@@ -668,7 +672,7 @@ class Transfers:
             lv.failures.report("corrupt", "%s damaged object %s: %s", "removing" if remove else "skipping",
                                key.hex(), r)
             if self.res.lost(level, key, gen, remove=remove):
-                self._remove(key, level)
+                self._remove(key, level, damaged=True)
         elif isinstance(r, ClosedError):
             raise r
         else:  # an I/O error, or an object too large for memory right now: a miss, kept
