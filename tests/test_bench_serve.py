@@ -120,10 +120,12 @@ def _launch_args(*argv: str):
 
 
 def _launch_plan(env: dict, tmp_path) -> dict[str, list[str]]:
-    """Run launch.sh with ``env`` and a stand-in for ``vllm serve`` that prints its arguments and exits: each
-    instance's command line (the script then stops, its servers gone)."""
+    """Run launch.sh with ``env`` and a stand-in for ``vllm serve`` that writes its arguments and exits once both
+    instances have (so the script, stopping when one exits, cannot kill the other first): each instance's
+    command line."""
     import json
     import os
+    import shutil
     import subprocess
     import sys
 
@@ -131,17 +133,22 @@ def _launch_plan(env: dict, tmp_path) -> dict[str, list[str]]:
     from tierstore.testing.s3 import free_port
 
     fake = tmp_path / "fake_vllm.py"
-    fake.write_text("import json, sys\nprint('ARGS ' + json.dumps(sys.argv[1:]))\n")
+    out = tmp_path / "args"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    fake.write_text(f"import json, pathlib, sys, time\nout = pathlib.Path({str(out)!r})\n"
+                    "port = sys.argv[sys.argv.index('--port') + 1]\n"
+                    "(out / (port + '.tmp')).write_text(json.dumps(sys.argv[1:]))\n"
+                    "(out / (port + '.tmp')).rename(out / (port + '.json'))\n"
+                    "deadline = time.monotonic() + 20\n"
+                    "while len(list(out.glob('*.json'))) < 2 and time.monotonic() < deadline:\n    time.sleep(0.05)\n")
     state = tmp_path / "state"
+    ports = {"a": str(free_port()), "b": str(free_port())}
     full = {**os.environ, **env, "VLLM_SERVE": f"{sys.executable} {fake}", "STATE_DIR": str(state),
-            "PORT_A": str(free_port()), "PORT_B": str(free_port()), "READY_TIMEOUT": "30"}
+            "PORT_A": ports["a"], "PORT_B": ports["b"], "READY_TIMEOUT": "30"}
     proc = subprocess.run(["bash", str(LAUNCH)], env=full, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "exited" in proc.stderr, proc.stderr  # the stand-in does not serve
-    plans = {}
-    for name in ("a", "b"):
-        line = next(ln for ln in (state / f"{name}.log").read_text().splitlines() if ln.startswith("ARGS "))
-        plans[name] = json.loads(line[5:])
-    return plans
+    return {name: json.loads((out / f"{port}.json").read_text()) for name, port in ports.items()}
 
 
 def _offloading(argv: list[str]) -> dict:
