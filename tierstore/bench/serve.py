@@ -29,6 +29,14 @@ cache stays on except in ``recompute``):
 * ``tierstore-serve``: + one ``tierstore serve`` for the node, its host and disk tiers used by both instances;
 * ``lmcache-mp``: LMCache's multiprocess server instead (its ``LMCacheMPConnector``, host memory and a disk
   tier for the node; ``make lmcache-peer`` installs it).
+* ``vllm-fs-tier`` and ``tierstore-tier``: vLLM's own offloading (``OffloadingConnector``, a CPU tier of
+  ``--cpu-bytes``) with vLLM's ``fs`` secondary tier or tierstore's ``TierstoreTier``, both on one
+  ``file://`` directory behind the two instances (``--shared`` puts them elsewhere: an ``s3://`` URL for the
+  tierstore tier, its endpoint in ``S3_ENDPOINT``). Launched together they get a table of their own: TTFT of
+  rounds 2+ and of the other instance's prefix, chunk hit rates per tier, answers compared, bytes stored.
+
+``--repeats N`` runs the configurations N times in alternation (fresh tiers each time), so the machine's load
+falls on all of them alike; each configuration's figures pool its repeats.
 
 With ``--prefixes N`` the workload is vLLM's ``prefix_repetition`` dataset instead: ``N`` shared prefixes of
 ``--system-words`` words, and ``--users`` × ``--rounds`` independent requests released at ``qps``, each one of
@@ -56,6 +64,7 @@ import urllib.request
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -73,9 +82,14 @@ CONFIGS = {
     "tierstore-serve-whole": ({"KV": "tierstore-serve", "SHARED": "none",
                                "CONNECTOR_OPTIONS": '"layerwise":false'}, ""),  # loads not overlapped
     "lmcache-mp": ({"KV": "lmcache-mp", "SHARED": "none"}, ""),
+    "vllm-fs-tier": ({"KV": "vllm-fs-tier", "SHARED": "file://{workdir}/shared"}, ""),
+    "tierstore-tier": ({"KV": "tierstore-tier", "SHARED": "file://{workdir}/shared"}, ""),
 }
+#: the configurations of vLLM's offloading with a secondary tier: (vLLM's, ours)
+TIER_CONFIGS = ("vllm-fs-tier", "tierstore-tier")
 HIT_FAMILIES = ("tierstore_kv_lookup_tokens_total", "tierstore_kv_hit_tokens_total",
-                "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
+                "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                "vllm:kv_offload_tiering_chunk_queries_total", "vllm:kv_offload_tiering_chunk_hits_total")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -95,6 +109,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefix repetition (vLLM's prefix_repetition dataset) over this many shared prefixes of "
                         "--system-words words: --users x --rounds independent requests, each a prefix and a fresh "
                         "--question-words suffix (default 0: multi-round QA)")
+    p.add_argument("--cpu-bytes", default="1GiB", help="with --launch: the CPU tier (cpu_bytes_to_use) of the "
+                                                       "*-tier configurations (default 1GiB)")
+    p.add_argument("--shared", default=None, metavar="URL",
+                   help="with --launch: the shared tier of the configurations that have one (default a file:// "
+                        "directory under --workdir)")
+    p.add_argument("--repeats", type=int, default=1, help="with --launch: run the configurations this many times, "
+                                                           "in alternation (default 1)")
     p.add_argument("--users", type=int, default=4, help="conversations (default 4)")
     p.add_argument("--rounds", type=int, default=4, help="rounds per conversation (default 4)")
     p.add_argument("--system-words", type=int, default=1000, help="shared system prompt, in words (default 1000)")
@@ -316,6 +337,10 @@ def hit_rates(before: dict[str, dict[str, float]], after: dict[str, dict[str, fl
     queries = sum(delta("vllm:prefix_cache_queries_total").values())
     if queries:
         out["vllm prefix cache"] = sum(delta("vllm:prefix_cache_hits_total").values()) / queries
+    chunk_hits = delta("vllm:kv_offload_tiering_chunk_hits_total")
+    for tier, n in delta("vllm:kv_offload_tiering_chunk_queries_total").items():
+        if n:  # vLLM's offloading tiers ("0:primary", "1:fs" ...): chunks found of chunks looked up
+            out[f"offload {tier}"] = chunk_hits.get(tier, 0.0) / n
     return out
 
 
@@ -354,16 +379,33 @@ class Result:
     hit_rates: dict[float, dict[str, float]] = field(default_factory=dict)
     #: TTFTs on one instance of prompts whose long prefix only the other instance computed (--launch)
     cross: list[float] = field(default_factory=list)
+    #: bytes in the shared ``file://`` tier's directory after the run, per repeat (--launch)
+    stored_bytes: list[int] = field(default_factory=list)
+    repeats: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {"workload": asdict(self.workload), "url": self.url, "model": self.model,
                 "summary": summarize(self.records), "hit_rates": {str(k): v for k, v in self.hit_rates.items()},
-                "cross_instance_ttft_s": self.cross, "records": [asdict(r) for r in self.records]}
+                "cross_instance_ttft_s": self.cross, "stored_bytes": self.stored_bytes,
+                "records": [asdict(r) for r in self.records]}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Result:
         return cls(Workload(**d["workload"]), d["url"], d["model"], [Record(**r) for r in d["records"]],
-                   {float(k): v for k, v in d.get("hit_rates", {}).items()}, list(d.get("cross_instance_ttft_s", [])))
+                   {float(k): v for k, v in d.get("hit_rates", {}).items()}, list(d.get("cross_instance_ttft_s", [])),
+                   list(d.get("stored_bytes", [])))
+
+    def pool(self, other: Result) -> None:
+        """Add a repeat's figures: its requests, probes and stored bytes; hit rates averaged over repeats."""
+        self.repeats += 1
+        n = self.repeats
+        self.records += other.records
+        self.cross += other.cross
+        self.stored_bytes += other.stored_bytes
+        for rate, rates in other.hit_rates.items():
+            mine = self.hit_rates.setdefault(rate, {})
+            for k in set(mine) | set(rates):
+                mine[k] = ((n - 1) * mine.get(k, 0.0) + rates.get(k, 0.0)) / n
 
 
 def measure(url: str, model: str, w: Workload, qps: Sequence[float], metrics_urls: Sequence[str] = (),
@@ -442,6 +484,45 @@ def compare(results: dict[str, Result]) -> str:
     return "\n".join(lines)
 
 
+def round_p90(res: Result, round_: str) -> float | None:
+    vals = [r["p90"] for r in summarize(res.records) if r["round"] == round_ and r["p90"] is not None]
+    return statistics.median(vals) if vals else None
+
+
+def tier_table(results: Mapping[str, Result]) -> str:
+    """vLLM's ``fs`` secondary tier against tierstore's (:data:`TIER_CONFIGS`): TTFT of rounds 2+ (P50, P90)
+    and of the other instance's prefix (median), the ratios tierstore/fs (< 1: tierstore faster), the chunk
+    hit rates of vLLM's offloading tiers, the answers of one that differ from the other's, bytes stored."""
+    fs, ours = (results[n] for n in TIER_CONFIGS)
+    theirs = answers(fs)
+    lines = ["| secondary tier | TTFT P50 rounds 2+ ms | P90 ms | other instance's prefix ms | chunk hits | "
+             "stored MiB | errors |", "|---|---|---|---|---|---|---|"]
+    for name, res in zip(TIER_CONFIGS, (fs, ours), strict=True):
+        cross = statistics.median(res.cross) if res.cross else None
+        hits = ", ".join(f"{k.removeprefix('offload ')} {100 * statistics.mean(v):.0f}%" for k, v in sorted(
+            _rates_by_key(res).items()) if k.startswith("offload ")) or "-"
+        stored = f"{statistics.median(res.stored_bytes) / 2**20:.0f}" if res.stored_bytes else "-"
+        lines.append(f"| {name} | {_ms(round_p50(res, '2+'))} | {_ms(round_p90(res, '2+'))} | {_ms(cross)} | {hits} | "
+                     f"{stored} | {sum(r.error is not None for r in res.records)} |")
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}" if a and b else "-"
+    compared = [(k, t) for k, t in answers(ours).items() if k in theirs]
+    lines.append(f"\ntierstore/fs: TTFT P50 rounds 2+ {ratio(round_p50(ours, '2+'), round_p50(fs, '2+'))}, P90 "
+                 f"{ratio(round_p90(ours, '2+'), round_p90(fs, '2+'))}, other instance's prefix "
+                 f"{ratio(*(statistics.median(r.cross) if r.cross else None for r in (ours, fs)))}; answers "
+                 f"differing: {sum(theirs[k] != t for k, t in compared)} of {len(compared)}")
+    return "\n".join(lines)
+
+
+def _rates_by_key(res: Result) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = defaultdict(list)
+    for rates in res.hit_rates.values():
+        for k, v in rates.items():
+            out[k].append(v)
+    return out
+
+
 def deployment_targets(results: Mapping[str, Result]) -> list[tuple[str, str, float, float]]:
     """Issue 22's targets as ``(what, measured, ratio, target)`` rows (ratio ≥ target: met), each for the best
     tierstore configuration of ``results`` (those of a launch with ``recompute`` and ``prefix-cache``)."""
@@ -500,17 +581,58 @@ def plot(summaries: Mapping[str, Sequence[Mapping[str, Any]]], path: str) -> boo
     return True
 
 
-def launch_and_measure(args: argparse.Namespace, w: Workload, rates: list[float]) -> dict[str, Result]:
-    """Each configuration of ``--launch`` in turn on a fresh deployment; the results by name."""
-    import tempfile
-    from pathlib import Path
-
-    from .deploy import CPU_ENGINE_ARGS, Deployment
-
+def launch_names(args: argparse.Namespace) -> list[str]:
+    """The configurations of ``--launch``, checked (``SystemExit`` naming what is wrong)."""
     names = [c.strip() for c in args.launch.split(",") if c.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown or not names:
         raise SystemExit(f"--launch: unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
+    if len(set(names)) != len(names):
+        raise SystemExit("--launch: a configuration is named twice (--repeats runs them again)")
+    if args.repeats < 1:
+        raise SystemExit("--repeats: at least 1")
+    if args.shared is not None and not args.shared.startswith(("file://", "s3://")):
+        raise SystemExit(f"--shared: a file:// or s3:// URL, got {args.shared!r}")
+    if args.shared and args.shared.startswith("s3://") and "vllm-fs-tier" in names:
+        raise SystemExit("--shared: vLLM's fs tier (vllm-fs-tier) needs a file:// directory, not S3")
+    return names
+
+
+def deployment_env(name: str, args: argparse.Namespace, model: str, state: Path) -> dict[str, str]:
+    """``launch.sh``'s settings for configuration ``name`` with its state (and file:// tiers) under ``state``."""
+    from ..sizes import parse_size
+    from .deploy import CPU_ENGINE_ARGS
+
+    settings, extra = CONFIGS[name]
+    env = {k: v.format(workdir=state) for k, v in settings.items()}
+    if args.shared is not None and env["SHARED"] != "none":
+        env["SHARED"] = args.shared
+    try:
+        cpu_bytes = parse_size(args.cpu_bytes, key="--cpu-bytes")
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    env.update(MODEL=model, VLLM_CPU_KVCACHE_SPACE=str(args.kv_space), HOST_CAPACITY="4GiB",
+               DISK_CAPACITY="16GiB", CPU_BYTES_TO_USE=str(cpu_bytes),
+               ENGINE_ARGS=f"{CPU_ENGINE_ARGS} {args.engine_args} {extra}".strip())
+    return env
+
+
+def stored_bytes(shared: str) -> int | None:
+    """The bytes of every file under a ``file://`` tier's directory (None for another URL)."""
+    if not shared.startswith("file://"):
+        return None
+    root = Path(shared[len("file://"):])
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0
+
+
+def launch_and_measure(args: argparse.Namespace, w: Workload, rates: list[float]) -> dict[str, Result]:
+    """Each configuration of ``--launch`` in turn on a fresh deployment, ``--repeats`` times in alternation;
+    the results by name (the repeats pooled)."""
+    import tempfile
+
+    from .deploy import Deployment
+
+    names = launch_names(args)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="tierstore-serve-"))
     model = args.model
     if model is None:
@@ -519,21 +641,27 @@ def launch_and_measure(args: argparse.Namespace, w: Workload, rates: list[float]
         heads = max(1, args.hidden // 64)  # head_dim 64: what vLLM's CPU attention supports
         model = str(build_llama(workdir / "model", hidden=args.hidden, layers=args.layers, heads=heads,
                                 kv_heads=heads, intermediate=3 * args.hidden))
-    results = {}
-    for name in names:
-        settings, extra = CONFIGS[name]
-        env = {k: v.format(workdir=workdir / name) for k, v in settings.items()}
-        env.update(MODEL=model, VLLM_CPU_KVCACHE_SPACE=str(args.kv_space), HOST_CAPACITY="4GiB",
-                   DISK_CAPACITY="16GiB", ENGINE_ARGS=f"{CPU_ENGINE_ARGS} {args.engine_args} {extra}".strip())
-        print(f"  serve: {name}: starting two instances and the router ...", flush=True)
-        with Deployment(env, workdir / name) as dep:
-            try:
-                results[name] = measure(dep.url("router"), model, w, rates, [dep.url("a") + "/metrics",
-                                                                              dep.url("b") + "/metrics"], args.timeout)
-                results[name].cross = cross_instance(dep.url("a"), dep.url("b"), model, w, timeout=args.timeout)
-            except OSError as exc:  # an engine went away (its /metrics no longer answers)
-                raise SystemExit(f"{name}: {exc}\n{dep.logs()}") from None
-        print(table(results[name]), flush=True)
+    results: dict[str, Result] = {}
+    for rep in range(args.repeats):
+        for name in names:
+            state = workdir / (name if rep == 0 else f"{name}.{rep}")  # fresh tiers each repeat
+            env = deployment_env(name, args, model, state)
+            print(f"  serve: {name}{f' (repeat {rep + 1})' if rep else ''}: starting two instances and the "
+                  "router ...", flush=True)
+            with Deployment(env, state) as dep:
+                try:
+                    res = measure(dep.url("router"), model, w, rates, [dep.url("a") + "/metrics",
+                                                                       dep.url("b") + "/metrics"], args.timeout)
+                    res.cross = cross_instance(dep.url("a"), dep.url("b"), model, w, timeout=args.timeout)
+                except OSError as exc:  # an engine went away (its /metrics no longer answers)
+                    raise SystemExit(f"{name}: {exc}\n{dep.logs()}") from None
+            stored = stored_bytes(env["SHARED"])
+            res.stored_bytes = [] if stored is None else [stored]
+            print(table(res), flush=True)
+            if name in results:
+                results[name].pool(res)
+            else:
+                results[name] = res
     return results
 
 
@@ -552,6 +680,8 @@ def run(args: argparse.Namespace) -> int:
     if args.launch:
         results = launch_and_measure(args, w, rates)
         print("\n" + compare(results))
+        if all(n in results for n in TIER_CONFIGS):
+            print("\n" + tier_table(results))
         if args.plot and not plot({n: summarize(r.records) for n, r in results.items()}, args.plot):
             print("--plot: matplotlib is not installed; no plot written")
         if args.json:
