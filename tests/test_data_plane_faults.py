@@ -182,3 +182,21 @@ def test_a_drop_never_leaves_an_older_value_readable_below(tmp_path: Path, list_
 
 def torch_equal(a: Any, b: Any) -> bool:
     return a is not None and a.keys() == b.keys() and all(bool((a[n] == b[n]).all()) for n in a)
+
+
+def test_no_memory_writing_a_shared_tier_never_evicts_other_objects_from_it(tmp_path: Path) -> None:
+    """ENOMEM from a write makes room by evicting neighbours (a fragmented memory pool); from a shared tier it
+    evicted (deleted) other chunks' objects, every process's copies (found by tests/test_residency.py's machine)."""
+    enomem = lambda: OSError(errno.ENOMEM, "Cannot allocate memory")  # noqa: E731
+    with remote_store(tmp_path, "keep") as s:
+        remote = s.tier("remote")
+        assert s.put(key_of(0), chunk(0, CHUNK))
+        s.flush(timeout=30)
+        assert remote.backend.stat_many([key_of(0)]) != [None]
+        with failing(remote.backend, "write_many", enomem):
+            assert s.put(key_of(1), chunk(1, CHUNK))
+            wait_for(lambda: s.stats()["tiers"]["remote"]["writeback_failed"] >= 1)
+        assert remote.backend.stat_many([key_of(0)]) != [None], "another chunk's shared object was evicted"
+        assert s.stats()["tiers"]["remote"]["evictions"] == 0
+        s.flush(timeout=30)
+        assert "remote" in s.holders(key_of(0)) and "remote" in s.holders(key_of(1))

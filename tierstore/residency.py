@@ -753,7 +753,10 @@ class Residency:
 
     def reclaim(self, key: ChunkKey, level: int, size: int) -> list[Victim]:
         """Victims worth ``size`` more bytes of ``level`` for a write of ``key`` that has its bytes reserved but
-        found no contiguous room (a fragmented memory pool): evicting neighbours frees runs that merge."""
+        found no contiguous room (a fragmented memory pool): evicting neighbours frees runs that merge. None on a
+        shared level: its objects are every process's, never this store's to evict."""
+        if self.levels[level].spec.shared:
+            return []
         with self._lock:
             return self._select_victims(level, size, key)
 
