@@ -658,8 +658,11 @@ class Residency:
                         blocked: list[bool] | None = None) -> list[Victim]:
         """Victims worth ``deficit`` bytes, least recently used first. A candidate whose write below is in flight
         is passed over with ``blocked[0]`` set (room comes when the write ends: wait), and no newer candidate is
-        dropped in its place: past it, a dirty chunk goes only if it can be written below."""
+        dropped in its place: past it, a dirty chunk goes only if it can be written below. None on a shared
+        level (out of space, out of memory): its objects are every process's, never this store's to evict."""
         lv = self.levels[level]
+        if lv.spec.shared:
+            return []
         victims: list[Victim] = []
         freed = 0
         may_drop = True
@@ -753,10 +756,7 @@ class Residency:
 
     def reclaim(self, key: ChunkKey, level: int, size: int) -> list[Victim]:
         """Victims worth ``size`` more bytes of ``level`` for a write of ``key`` that has its bytes reserved but
-        found no contiguous room (a fragmented memory pool): evicting neighbours frees runs that merge. None on a
-        shared level: its objects are every process's, never this store's to evict."""
-        if self.levels[level].spec.shared:
-            return []
+        found no contiguous room (a fragmented memory pool): evicting neighbours frees runs that merge."""
         with self._lock:
             return self._select_victims(level, size, key)
 
