@@ -553,13 +553,19 @@ def test_a_probe_that_began_before_a_delete_ended_indexes_nothing():
     assert res.found(2, KEYS[0], UNIT, res.deletes) == 0
 
 
-def test_pinned_copies_are_never_victims():
+@contextmanager
+def a_pinned_victim() -> Iterator[tuple[Residency, Hold]]:
+    """A store whose host is full of one pinned chunk, and a write of ``KEYS[1]`` holding its slot there."""
     with store() as s:
         res = s.residency
         assert put(s, KEYS[0], 1, 2)
         (hold,) = res.pin([KEYS[0]])
-        gen = res.next_gen()
-        assert res.begin_write(KEYS[1], 0, gen) is Slot.OK
+        assert hold is not None and res.begin_write(KEYS[1], 0, res.next_gen()) is Slot.OK
+        yield res, hold
+
+
+def test_pinned_copies_are_never_victims():
+    with a_pinned_victim() as (res, hold):
         room = res.reserve(KEYS[1], 0, UNIT)
         assert room.reserved is None and not room.victims and room.wait
         res.unpin([hold])
@@ -571,14 +577,8 @@ def test_a_pin_release_wakes_a_waiter_for_room_but_not_the_write_back_scheduler(
     """A read pins and releases its copies: that must wake whoever waits for room (a pinned victim), but not
     the write-back scheduler, which never waits for a pin (it woke once per read: a GIL hand-off per get)."""
     import threading
-    import time
 
-    with store() as s:
-        res = s.residency
-        assert put(s, KEYS[0], 1, 2)
-        (hold,) = res.pin([KEYS[0]])
-        gen = res.next_gen()
-        assert res.begin_write(KEYS[1], 0, gen) is Slot.OK
+    with a_pinned_victim() as (res, hold):
         got, scheduler_woke = [], threading.Event()
 
         def wait_for_room():
