@@ -5,6 +5,7 @@ is written down (review turn 4, #2 and #3). Faults are injected into real backen
 from __future__ import annotations
 
 import errno
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -182,3 +183,25 @@ def test_a_drop_never_leaves_an_older_value_readable_below(tmp_path: Path, list_
 
 def torch_equal(a: Any, b: Any) -> bool:
     return a is not None and a.keys() == b.keys() and all(bool((a[n] == b[n]).all()) for n in a)
+
+
+@pytest.mark.parametrize("code", [errno.ENOMEM, errno.ENOSPC], ids=["ENOMEM", "ENOSPC"])
+def test_a_full_shared_tier_never_evicts_other_objects_from_it(tmp_path: Path, code: int) -> None:
+    """A write that fails with ENOMEM (neighbours are evicted to defragment a memory pool) or ENOSPC (the tier
+    holds at most what it holds now) made room in a shared tier by evicting, that is deleting, other chunks'
+    objects: every process's copies (found by tests/test_residency.py's machine)."""
+    full = lambda: OSError(code, os.strerror(code))  # noqa: E731
+    with remote_store(tmp_path, "keep") as s:
+        remote = s.tier("remote")
+        s.residency.enospc_recheck = 0.05  # free space is probed again soon after the fault
+        assert s.put(key_of(0), chunk(0, CHUNK))
+        s.flush(timeout=30)
+        assert remote.backend.stat_many([key_of(0)]) != [None]
+        with failing(remote.backend, "write_many", full):
+            assert s.put(key_of(1), chunk(1, CHUNK))
+            wait_for(lambda: s.stats()["tiers"]["remote"]["writeback_failed"] >= 1)
+        assert remote.backend.stat_many([key_of(0)]) != [None], "another chunk's shared object was evicted"
+        assert s.stats()["tiers"]["remote"]["evictions"] == 0
+        time.sleep(0.1)
+        s.flush(timeout=30)
+        assert "remote" in s.holders(key_of(0)) and "remote" in s.holders(key_of(1))

@@ -593,16 +593,18 @@ class Residency:
             return stale_above
 
     def abort_write(self, key: ChunkKey, level: int, gen: int, reserved: int = 0, failed: bool = False) -> bool:
-        """The write of ``gen`` into ``level`` stored nothing: release its slot and bytes. ``failed``: a
-        pending level's write failed (it is retried with back-off, counted). Returns whether this failure made
-        the level *failing*, when it was not already (worth one log line, until a write to it succeeds)."""
+        """The write of ``gen`` into ``level`` stored nothing: release its slot (if it held it) and bytes.
+        ``failed``: a pending level's write failed (it is retried with back-off, counted). Returns whether this
+        failure made the level *failing*, when it was not already (worth one log line, until a write to it
+        succeeds)."""
         first_failing = False
         with self._lock:
             lv = self.levels[level]
             lv.reserved -= reserved
             rec = self._keys.get(key)
             if rec is not None:
-                rec.busy.pop(level, None)
+                if rec.busy.get(level) == gen:  # (a write that never got the slot leaves its holder's alone)
+                    del rec.busy[level]
                 if failed and gen == rec.gen and level in rec.pending:
                     attempts = rec.pending[level] = rec.pending[level] + 1
                     lv.counts["writeback_failed"] += 1
@@ -658,8 +660,11 @@ class Residency:
                         blocked: list[bool] | None = None) -> list[Victim]:
         """Victims worth ``deficit`` bytes, least recently used first. A candidate whose write below is in flight
         is passed over with ``blocked[0]`` set (room comes when the write ends: wait), and no newer candidate is
-        dropped in its place: past it, a dirty chunk goes only if it can be written below."""
+        dropped in its place: past it, a dirty chunk goes only if it can be written below. None on a shared
+        level (out of space, out of memory): its objects are every process's, never this store's to evict."""
         lv = self.levels[level]
+        if lv.spec.shared:
+            return []
         victims: list[Victim] = []
         freed = 0
         may_drop = True

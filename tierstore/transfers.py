@@ -252,8 +252,9 @@ class Transfers:
                     held.append(i)
                 elif slot is Slot.SUPERSEDED:
                     outcome[i] = None
-                else:
+                else:  # the slot stayed busy: a write_through put's pending level is retried by write-back
                     lv.count(skipped=1)
+                    self.abort(lv.index, items[i][0], items[i][1])
             self._land_held(lv, items, held, outcome, put, queue_below, deadline)
             todo = busy
         return outcome
