@@ -13,6 +13,7 @@ thread-safe on its own: the residency calls it under its lock.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .keys import ChunkKey
@@ -37,6 +38,8 @@ class FlushTracker:
         self.failing: dict[ChunkKey, set[int]] = {}
         self.given_up: OrderedDict[ChunkKey, set[int]] = OrderedDict()
         self.dropped: OrderedDict[ChunkKey, set[int]] = OrderedDict()
+        #: given-up levels that only keep an older copy they could not remove: reported while it is there
+        self.kept_stale: dict[ChunkKey, set[int]] = {}
 
     def opened(self, epoch: int, n: int = 1) -> None:
         """``n`` writes counted under ``epoch`` became outstanding."""
@@ -78,6 +81,12 @@ class FlushTracker:
     def give_up(self, key: ChunkKey, level: int) -> None:
         _remember(self.given_up, key, level)
 
+    def keep_stale(self, key: ChunkKey, level: int) -> None:
+        """``level`` could not remove an older copy of ``key``: given up while that copy stays (see
+        :meth:`losses`)."""
+        self.give_up(key, level)
+        self.kept_stale.setdefault(key, set()).add(level)
+
     def drop(self, key: ChunkKey, level: int) -> None:
         _remember(self.dropped, key, level)
 
@@ -85,10 +94,24 @@ class FlushTracker:
         """The key was put again or deleted: its losses are history."""
         self.given_up.pop(key, None)
         self.dropped.pop(key, None)
+        self.kept_stale.pop(key, None)
 
-    def losses(self) -> tuple[dict[ChunkKey, set[int]], dict[ChunkKey, set[int]]]:
+    def losses(self, stale_gone: Callable[[ChunkKey, int], bool] = lambda key, level: False,
+               ) -> tuple[dict[ChunkKey, set[int]], dict[ChunkKey, set[int]]]:
         """``(failed, dropped)``: per key the levels it could not reach (given up, or failing now) and those
-        the pressure policy dropped."""
+        the pressure policy dropped. A level given up only for an older copy it kept is no longer named once
+        ``stale_gone(key, level)`` says that copy went (evicted or removed since, or replaced by the current
+        value)."""
+        for key, levels in list(self.kept_stale.items()):
+            for level in [j for j in levels if stale_gone(key, j)]:
+                levels.discard(level)
+                given = self.given_up.get(key)
+                if given is not None:
+                    given.discard(level)
+                    if not given:
+                        del self.given_up[key]
+            if not levels:
+                del self.kept_stale[key]
         failed = {k: set(v) for k, v in self.given_up.items()}
         for key, levels in self.failing.items():
             failed.setdefault(key, set()).update(levels)

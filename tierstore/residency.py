@@ -397,7 +397,7 @@ class Residency:
                 rec.busy.pop(level, None)
                 packed = self.levels[level].copies.get(key)
                 if packed is not None and packed >> _SIZE_BITS != rec.gen:
-                    self._flushes.give_up(key, level)
+                    self._flushes.keep_stale(key, level)
             self._tidy(key)
             self._changed()
 
@@ -1068,7 +1068,13 @@ class Residency:
         """``(failed, dropped)``: per key the levels it could not reach (given up, or failing now) and those
         the pressure policy dropped."""
         with self._lock:
-            return self._flushes.losses()
+            return self._flushes.losses(self._stale_gone)
+
+    def _stale_gone(self, key: ChunkKey, level: int) -> bool:
+        """Whether the older copy of ``key`` that ``level`` could not remove has gone since (under the lock)."""
+        packed = self.levels[level].copies.get(key)
+        rec = self._keys.get(key)
+        return packed is None or rec is None or packed >> _SIZE_BITS == rec.gen
 
     # ------------------------------------------------------------------ stats
     def level_stats(self, level: int) -> dict[str, float | int | None]:
