@@ -96,7 +96,7 @@ class FlushTracker:
         self.dropped.pop(key, None)
         self.kept_stale.pop(key, None)
 
-    def losses(self, stale_gone: Callable[[ChunkKey, int], bool] = lambda key, level: False,
+    def losses(self, stale_gone: Callable[[ChunkKey, int], bool],
                ) -> tuple[dict[ChunkKey, set[int]], dict[ChunkKey, set[int]]]:
         """``(failed, dropped)``: per key the levels it could not reach (given up, or failing now) and those
         the pressure policy dropped. A level given up only for an older copy it kept is no longer named once
