@@ -1,0 +1,191 @@
+"""The residency's state under its one lock, and what every part of it shares: waiting for a change, the
+generations of values, the per-key records (current generation, pending levels) and the per-level index of
+copies. The parts built on it (copies, writes, eviction, write-back) are mixins over this state;
+:class:`~tierstore.residency.Residency` joins them."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+from ..flushes import FlushTracker
+from ..keys import ChunkKey
+from .model import SIZE_BITS, SIZE_MASK, UNKNOWN, LevelSpec, Pressure, pack
+from .state import KeyState, LevelIndex
+
+T = TypeVar("T")
+
+
+class Core:
+    """The state of one store's residency over ``levels`` (fastest first), and the helpers its parts share."""
+
+    #: failures after which a pending level counts as failing (reported by a flush); retries go on meanwhile
+    fast_retries = 4
+    retry_delay = 0.05
+    max_retry_delay = 5.0
+    #: seconds after ENOSPC before free space is probed again (doubling while the storage stays full)
+    enospc_recheck = 1.0
+    max_enospc_recheck = 60.0
+    #: seconds a victim that could not be evicted is set aside (doubling while it keeps failing)
+    aside_delay = 1.0
+    max_aside_delay = 60.0
+
+    def __init__(self, levels: Sequence[LevelSpec], pressure: Pressure = Pressure.DROP,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.levels = [LevelIndex(spec) for spec in levels]
+        self.pressure = Pressure(pressure)
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        #: what :meth:`wait_for_change` waits on (the write-back scheduler): every change but a pin's release,
+        #: which only waiters for room care about (a read releases its pins: no scheduler wake-up per read)
+        self._scheduler = threading.Condition(self._lock)
+        self._keys: dict[ChunkKey, KeyState] = {}
+        #: bumped by every change of state that may let a waiter go on (see :meth:`wait_for_change`)
+        self.changes = 0
+        self._gens = itertools.count(1)
+        self._seq = itertools.count()
+        self.deletes = 0  #: deletes finished so far (a probe indexes what it found only if none ended meanwhile)
+        self._flushes = FlushTracker()
+        self._dirty = 0  # keys with pending levels (counted as they change)
+        self._writable = [i for i, lv in enumerate(self.levels) if lv.spec.writable]
+
+    # ------------------------------------------------------------------ waiting (for the data plane)
+    def wait_until(self, attempt: Callable[[], T | None], deadline: float | None = None,
+                   poll: float = 0.05) -> T | None:
+        """Call ``attempt()`` under the lock until it returns something other than ``None`` (every change of
+        state wakes it, and it looks again every ``poll`` s) or ``deadline`` (``time.monotonic``) passes."""
+        with self._cond:
+            while True:
+                result = attempt()
+                if result is not None:
+                    return result
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._cond.wait(poll if remaining is None else min(poll, remaining))
+
+    def notify(self) -> None:
+        """Wake whoever waits on a change of state (a caller changed something the residency does not see)."""
+        with self._cond:
+            self._changed()
+
+    def _changed(self) -> None:
+        self.changes += 1
+        self._cond.notify_all()
+        self._scheduler.notify_all()
+
+    def wait_for_change(self, seen: int, timeout: float) -> None:
+        """Wait until :attr:`changes` differs from ``seen`` (read before looking at the state), or ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._scheduler:
+            while self.changes == seen:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._scheduler.wait(remaining)
+
+    # ------------------------------------------------------------------ generations and copies
+    def next_gen(self) -> int:
+        """A generation for a new value (every put takes one when it begins)."""
+        with self._lock:
+            return next(self._gens)
+
+    def _gen_of(self, key: ChunkKey) -> int:
+        """The key's current generation: its record's, else that of any copy (a key with no record holds one
+        value everywhere), else :data:`UNKNOWN`."""
+        rec = self._keys.get(key)
+        if rec is not None:
+            return rec.gen
+        for lv in self.levels:
+            packed = lv.copies.get(key)
+            if packed is not None:
+                return packed >> SIZE_BITS
+        return UNKNOWN
+
+    def _current(self, key: ChunkKey, packed: int) -> bool:
+        rec = self._keys.get(key)
+        return rec is None or (packed >> SIZE_BITS == rec.gen and not rec.deleting)
+
+    def _record(self, key: ChunkKey) -> KeyState:
+        rec = self._keys.get(key)
+        if rec is None:
+            rec = self._keys[key] = KeyState(self._gen_of(key))
+        return rec
+
+    def _tidy(self, key: ChunkKey) -> None:
+        """Forget the key's record once nothing is going on and every copy holds its current value."""
+        rec = self._keys.get(key)
+        if rec is None or rec.pending or rec.busy or rec.deleting or rec.tomb:
+            return
+        for lv in self.levels:
+            packed = lv.copies.get(key)
+            if packed is not None and packed >> SIZE_BITS != rec.gen:
+                return
+        del self._keys[key]
+
+    def adopt(self, level: int, items: Iterable[tuple[ChunkKey, int]]) -> None:
+        """Register copies found in ``level``'s storage (an index rebuilt at open), least recently used first.
+        Capacity is not enforced here (the store trims what is over)."""
+        with self._lock:
+            lv = self.levels[level]
+            for key, size in items:
+                self._put_copy(lv, key, pack(self._gen_of(key), size))
+
+    def _put_copy(self, lv: LevelIndex, key: ChunkKey, packed: int) -> None:
+        old = lv.copies.pop(key, None)
+        if old is not None:
+            lv.used -= old & SIZE_MASK
+        lv.copies[key] = packed
+        lv.used += packed & SIZE_MASK
+
+    def _drop_copy(self, lv: LevelIndex, key: ChunkKey) -> bool:
+        old = lv.copies.pop(key, None)
+        if old is None:
+            return False
+        lv.used -= old & SIZE_MASK
+        lv.aside.pop(key, None)
+        return True
+
+    def _pend(self, rec: KeyState, level: int) -> None:
+        """``level`` is to receive the key's current value (a write a flush waits for)."""
+        if not rec.pending:
+            rec.epoch = self._flushes.epoch
+            self._dirty += 1
+        rec.pending[level] = 0
+        self._flushes.opened(rec.epoch)
+
+    def _unpend(self, key: ChunkKey, rec: KeyState, level: int) -> None:
+        """``level`` no longer waits for the key's value (written, superseded, given up, dropped, deleted)."""
+        if rec.pending.pop(level) >= self.fast_retries:
+            self._flushes.unfail(key, level)
+        else:
+            self._flushes.settled(rec.epoch)
+        if not rec.pending:
+            self._dirty -= 1
+
+    def _retry_later(self, lv: LevelIndex, key: ChunkKey, at: float, replace: bool = False) -> None:
+        if replace or lv.retry_at.get(key, float("inf")) > at:
+            lv.retry_at[key] = at
+            heapq.heappush(lv.retry_heap, (at, next(self._seq), key))
+            lv.ready.pop(key, None)
+
+    def _clear_retry(self, lv: LevelIndex, key: ChunkKey) -> None:
+        lv.retry_at.pop(key, None)
+        lv.ready.pop(key, None)
+
+    def _backing_off(self, rec: KeyState, key: ChunkKey, level: int) -> bool:
+        return rec.pending.get(level, 0) > 0 and key in self.levels[level].retry_at
+
+    def _limit(self, lv: LevelIndex) -> int | None:
+        cap, space = lv.spec.capacity, lv.space.bytes
+        if space is None:
+            return cap
+        return space if cap is None else min(space, cap)
+
+
+__all__ = ["Core"]

@@ -1,0 +1,155 @@
+"""Writes and deletes of a key: the ``(key, level)`` slot, the generation a write lands with, what
+becomes pending below a put, and deletes that win over writes in flight."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from ..keys import ChunkKey
+from .core import Core
+from .model import REMOVING, SIZE_BITS, SIZE_MASK, Slot, pack
+
+
+class Writes(Core):
+    """Writes and deletes of a key: the ``(key, level)`` slot, the generation a write lands with, what"""
+
+    # ------------------------------------------------------------------ writes
+    def begin_write(self, key: ChunkKey, level: int, gen: int) -> Slot:
+        """Take the ``(key, level)`` slot to write generation ``gen`` there (see :class:`Slot`)."""
+        with self._lock:
+            rec = self._record(key)
+            lv = self.levels[level]
+            if rec.deleting:
+                if gen < rec.deleting:
+                    self._tidy(key)
+                    return Slot.SUPERSEDED
+                return Slot.BUSY
+            if level in rec.busy:
+                return Slot.BUSY
+            packed = lv.copies.get(key)
+            if gen < rec.gen or (packed is not None and packed >> SIZE_BITS > gen):
+                self._tidy(key)
+                return Slot.SUPERSEDED
+            rec.busy[level] = gen
+            return Slot.OK
+
+    def commit_write(self, key: ChunkKey, level: int, gen: int, size: int, reserved: int, *,
+                     put: bool = False, queue: bool = True) -> list[int]:
+        """The write of generation ``gen`` into ``level`` is stored (``size`` bytes, ``reserved`` of them set
+        aside): index the copy and release the slot.
+
+        A ``put`` that makes ``gen`` the current value records the writable levels below as pending (queued
+        for write-back unless ``queue`` is false: a ``write_through`` put writes them itself). Returns the
+        levels above ``level`` whose copies now hold an older value (the put removes them)."""
+        with self._lock:
+            lv = self.levels[level]
+            rec = self._record(key)
+            rec.busy.pop(level, None)
+            lv.reserved -= reserved
+            lv.failing = False
+            self._put_copy(lv, key, pack(gen, size))
+            stale_above: list[int] = []
+            if gen > rec.gen and put:
+                rec.gen, rec.tomb = gen, False
+                for j in list(rec.pending):
+                    self._unpend(key, rec, j)
+                rec.since = self.clock()
+                for j in self._writable:
+                    if j > level:
+                        self._pend(rec, j)
+                        self._clear_retry(self.levels[j], key)
+                        if queue:
+                            self.levels[j].ready[key] = None
+                self._flushes.forget(key)
+                stale_above = [j for j in range(level) if key in self.levels[j].copies and self.levels[j].spec.writable]
+            elif gen == rec.gen and level in rec.pending:
+                self._unpend(key, rec, level)
+                self._clear_retry(lv, key)
+                lv.counts["writeback_done"] += 1
+            self._tidy(key)
+            self._changed()
+            return stale_above
+
+    def abort_write(self, key: ChunkKey, level: int, gen: int, reserved: int = 0, failed: bool = False) -> bool:
+        """The write of ``gen`` into ``level`` stored nothing: release its slot (if it held it) and bytes.
+        ``failed``: a pending level's write failed (it is retried with back-off, counted). Returns whether this
+        failure made the level *failing*, when it was not already (worth one log line, until a write to it
+        succeeds)."""
+        first_failing = False
+        with self._lock:
+            lv = self.levels[level]
+            lv.reserved -= reserved
+            rec = self._keys.get(key)
+            if rec is not None:
+                if rec.busy.get(level) == gen:  # (a write that never got the slot leaves its holder's alone)
+                    del rec.busy[level]
+                if failed and gen == rec.gen and level in rec.pending:
+                    attempts = rec.pending[level] = rec.pending[level] + 1
+                    lv.counts["writeback_failed"] += 1
+                    delay = min(self.retry_delay * 2 ** (attempts - 1), self.max_retry_delay)
+                    self._retry_later(lv, key, self.clock() + delay, replace=True)
+                    first_failing = attempts == self.fast_retries and not lv.failing
+                    if attempts == self.fast_retries:
+                        self._flushes.settled(rec.epoch)
+                        self._flushes.fail(key, level)
+                    lv.failing = lv.failing or attempts >= self.fast_retries
+                self._tidy(key)
+            self._changed()
+        return first_failing
+
+    # ------------------------------------------------------------------ deletes
+    def begin_delete(self, key: ChunkKey) -> bool:
+        """Start deleting ``key``: writes of older generations are refused from now on. ``False`` while another
+        delete of it runs (wait, then ask again)."""
+        with self._lock:
+            rec = self._record(key)
+            if rec.deleting:
+                return False
+            rec.deleting = next(self._gens)
+            return True
+
+    def delete_ready(self, key: ChunkKey) -> list[int] | None:
+        """Once no mutation of ``key`` is in flight: take every slot and return the levels whose storage to
+        clear (those holding a copy, and every shared writable level, whose index may not know it); ``None``
+        while mutations are still in flight."""
+        with self._lock:
+            rec = self._keys[key]
+            if rec.busy:
+                return None
+            levels = [i for i, lv in enumerate(self.levels) if lv.spec.writable
+                      and (key in lv.copies or lv.spec.shared)]
+            for i in levels:
+                rec.busy[i] = REMOVING
+            return levels
+
+    def end_delete(self, key: ChunkKey, kept: Collection[int] = ()) -> int:
+        """The delete's storage work is done: every copy is forgotten, but in ``kept``, the levels whose storage
+        could not remove it. A kept copy of the current value stays indexed as the current value (the delete
+        did not happen there); a kept copy of an older value is forgotten and the key's record stays as a
+        tombstone (no probe finds it) until it is put or deleted again. Returns how many levels held one."""
+        with self._lock:
+            rec = self._keys[key]
+            held = 0
+            for i, lv in enumerate(self.levels):
+                packed = lv.copies.get(key)
+                if lv.spec.writable and packed is not None:
+                    held += 1
+                    if i in kept and packed >> SIZE_BITS == rec.gen:
+                        self._put_copy(lv, key, pack(rec.deleting, packed & SIZE_MASK))
+                    else:
+                        self._drop_copy(lv, key)
+                        rec.tomb = rec.tomb or i in kept
+                self._clear_retry(lv, key)
+            tomb = rec.tomb and bool(kept)
+            rec.gen, rec.deleting, rec.tomb = rec.deleting, 0, tomb
+            for j in list(rec.pending):
+                self._unpend(key, rec, j)
+            rec.busy.clear()
+            self._flushes.forget(key)
+            self.deletes += 1
+            self._tidy(key)
+            self._changed()
+            return held
+
+
+__all__ = ["Writes"]
