@@ -58,21 +58,20 @@ class Residency(Copies, Writes, Eviction, WriteBack):
 
     # ------------------------------------------------------------------ stats
     def level_stats(self, level: int) -> dict[str, float | int | None]:
+        """``level``'s figures for ``stats()``, from counters kept as they change (no walk of the keys; the
+        set-aside count walks only the victims set aside, which failed eviction)."""
         now = self.clock()
         with self._lock:
             lv = self.levels[level]
-            pending, oldest = 0, now
-            for rec in self._keys.values():
-                if level in rec.pending:
-                    pending += 1
-                    oldest = min(oldest, rec.since)
+            pending = lv.pending
+            oldest = next(iter(pending.values())) if pending else now
             return {"used_bytes": lv.used, "capacity_bytes": lv.spec.capacity, "objects": len(lv.copies),
                     "reserved_bytes": lv.reserved, "pinned": len(lv.pins), "space_limit_bytes": lv.space.bytes,
                     "set_aside": sum(1 for until, _ in lv.aside.values() if until > now),
-                    "writeback_pending": pending, "writeback_lag_s": now - oldest, **lv.counts}
+                    "writeback_pending": len(pending), "writeback_lag_s": now - oldest, **lv.counts}
 
     def keys(self, level: int) -> list[ChunkKey]:
-        """The keys ``level`` holds, least recently used first."""
+        """The keys ``level`` holds, least recently used first (a copy of the index: admin and tests only)."""
         with self._lock:
             return list(self.levels[level].copies)
 

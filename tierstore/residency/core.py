@@ -151,16 +151,18 @@ class Core:
         lv.aside.pop(key, None)
         return True
 
-    def _pend(self, rec: KeyState, level: int) -> None:
+    def _pend(self, key: ChunkKey, rec: KeyState, level: int) -> None:
         """``level`` is to receive the key's current value (a write a flush waits for)."""
         if not rec.pending:
             rec.epoch = self._flushes.epoch
             self._dirty += 1
         rec.pending[level] = 0
+        self.levels[level].pending[key] = self.clock()
         self._flushes.opened(rec.epoch)
 
     def _unpend(self, key: ChunkKey, rec: KeyState, level: int) -> None:
         """``level`` no longer waits for the key's value (written, superseded, given up, dropped, deleted)."""
+        del self.levels[level].pending[key]
         if rec.pending.pop(level) >= self.fast_retries:
             self._flushes.unfail(key, level)
         else:

@@ -71,7 +71,10 @@ class Eviction(Core):
         """Victims worth ``deficit`` bytes, least recently used first. A candidate whose write below is in flight
         is passed over with ``blocked[0]`` set (room comes when the write ends: wait), and no newer candidate is
         dropped in its place: past it, a dirty chunk goes only if it can be written below. None on a shared
-        level (out of space, out of memory): its objects are every process's, never this store's to evict."""
+        level (out of space, out of memory): its objects are every process's, never this store's to evict.
+
+        It walks the LRU from its cold end until it has enough: its cost is the copies passed over there
+        (pinned, busy, set aside, or dirty and kept by the policy), not the number of keys."""
         lv = self.levels[level]
         if lv.spec.shared:
             return []

@@ -107,15 +107,12 @@ class WriteBack(Core):
             if rec.gen != gen or rec.deleting:
                 self._tidy(key)
                 return
-            now = self.clock()
             for j in levels:
                 lv = self.levels[j]
                 packed = lv.copies.get(key)
                 if j in rec.pending or not lv.spec.writable or (packed is not None and packed >> SIZE_BITS == gen):
                     continue
-                if not rec.pending:
-                    rec.since = now
-                self._pend(rec, j)
+                self._pend(key, rec, j)
                 lv.ready[key] = None
             self._tidy(key)
             self._changed()
@@ -123,7 +120,7 @@ class WriteBack(Core):
     # ------------------------------------------------------------------ flush
     def flush_begin(self) -> FlushState:
         """What a flush that begins now waits for (see :mod:`tierstore.flushes`); failing levels get a fresh
-        round of retries."""
+        round of retries (a walk of the failing pairs only, not of the keys)."""
         with self._lock:
             state = self._flushes.begin()
             for key, levels in self._flushes.take_failing().items():
@@ -149,7 +146,8 @@ class WriteBack(Core):
 
     def losses(self) -> tuple[dict[ChunkKey, set[int]], dict[ChunkKey, set[int]]]:
         """``(failed, dropped)``: per key the levels it could not reach (given up, or failing now) and those
-        the pressure policy dropped."""
+        the pressure policy dropped (a walk of the losses kept, at most ``LOSSES_KEPT`` keys, and of the failing
+        pairs: once per flush, never per write)."""
         with self._lock:
             return self._flushes.losses(self._stale_gone)
 

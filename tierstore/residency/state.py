@@ -17,14 +17,13 @@ NOT_ASIDE = (0.0, 0.0)
 class KeyState:
     """Per-key state while anything is going on (see the module docstring)."""
 
-    __slots__ = ("busy", "deleting", "epoch", "gen", "pending", "since", "tomb")
+    __slots__ = ("busy", "deleting", "epoch", "gen", "pending", "tomb")
 
     def __init__(self, gen: int) -> None:
         self.gen = gen
         self.pending: dict[int, int] = {}  # level -> failed attempts since the last success
         self.busy: dict[int, int] = {}  # level -> generation being written there, or REMOVING
         self.deleting = 0  # generation of a delete in progress (0: none)
-        self.since = 0.0  # when the current pending levels became pending (write-back lag)
         self.epoch = 0  # the flush epoch its pending writes are counted under (see tierstore.flushes)
         #: its value was dropped before reaching a shared level, which may hold an older value this store
         #: never indexed: the record stays (no probe, nothing found indexed) until the key is put or deleted
@@ -34,8 +33,8 @@ class KeyState:
 class LevelIndex:
     """One level's index: its copies (LRU first) and budget, and what goes on there."""
 
-    __slots__ = ("aside", "copies", "counts", "evicting", "evicting_bytes", "failing", "pins", "ready",
-                 "reserved", "retry_at", "retry_heap", "space", "spec", "used")
+    __slots__ = ("aside", "copies", "counts", "evicting", "evicting_bytes", "failing", "pending", "pins",
+                 "ready", "reserved", "retry_at", "retry_heap", "space", "spec", "used")
 
     def __init__(self, spec: LevelSpec) -> None:
         self.spec = spec
@@ -46,6 +45,9 @@ class LevelIndex:
         self.evicting_bytes = 0
         self.pins: dict[ChunkKey, int] = {}
         self.ready: dict[ChunkKey, None] = {}  # write-backs due now, in order
+        #: keys pending for this level -> when they became pending, oldest first (its backlog and lag, counted
+        #: as they change: stats never walk the keys)
+        self.pending: OrderedDict[ChunkKey, float] = OrderedDict()
         self.retry_at: dict[ChunkKey, float] = {}
         self.retry_heap: list[tuple[float, int, ChunkKey]] = []
         self.space = SpaceLimit()

@@ -53,10 +53,9 @@ class Writes(Core):
                 rec.gen, rec.tomb = gen, False
                 for j in list(rec.pending):
                     self._unpend(key, rec, j)
-                rec.since = self.clock()
                 for j in self._writable:
                     if j > level:
-                        self._pend(rec, j)
+                        self._pend(key, rec, j)
                         self._clear_retry(self.levels[j], key)
                         if queue:
                             self.levels[j].ready[key] = None
