@@ -231,7 +231,7 @@ class ResidencyMachine(RuleBasedStateMachine):
         self.finish_writes(k)  # a delete waits for the key's writes in flight
         if self.s.delete_many([k]) == [True]:
             self.acked[k] = None
-        else:  # a tier kept its copy: it reads back, or a miss, but its write-back was given up with the delete
+        else:  # not deleted: the latest value reads back (a miss where only an older copy was kept, no newer one)
             self.undeleted.add(k)
 
     @rule(k=st.sampled_from(KEYS), tier=st.sampled_from(LEVELS[:2]))

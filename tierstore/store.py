@@ -252,9 +252,12 @@ class TieredStore:
             return sum(held and gone for held, gone in map(self._delete_one, dict.fromkeys(keys)))
 
     def delete_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        """Remove each key from every tier this store writes; per key whether no tier holds a copy of it now
-        (``False``: some tier could not remove its copy, which stays readable and indexed: the key was not
-        deleted there; try again later)."""
+        """Remove each key from every tier this store writes; per key whether no tier holds a copy of it now.
+
+        ``False``: some tier could not remove its copy (a shared tier that cannot be reached): the key is not
+        deleted. Tiers are cleared slowest first, and the one that failed and every tier above it keep their
+        copies, so readers (here, in other processes, after a restart) find the key's latest value, never an
+        older one that tier held; a write-back of that value still owed goes on. Try again later."""
         keys = check_keys(keys)
         with self._life.call():
             gone = {k: self._delete_one(k)[1] for k in dict.fromkeys(keys)}
@@ -266,13 +269,15 @@ class TieredStore:
         res.wait_until(partial(_true_or_none, res.begin_delete, k))
         levels = res.wait_until(partial(res.delete_ready, k))
         assert levels is not None
-        kept = []
-        for level in levels:
+        kept: list[int] = []
+        for n, level in enumerate(reversed(levels)):  # slowest first: a tier that keeps its copy keeps those above
             lv = self.tiers[level]
             (err,) = lv.backend.delete_many([k])
             if err is not None and not isinstance(err, FileNotFoundError):
-                lv.failures.report("delete", "could not delete %s (kept): %s", k.hex(), err)
-                kept.append(level)
+                lv.failures.report("delete", "could not delete %s (kept, and the tiers above keep theirs): %s",
+                                   k.hex(), err)
+                kept = levels[:len(levels) - n]
+                break
         return res.end_delete(k, kept) > 0, not kept
 
     def evict(self, keys: ChunkKey | Sequence[ChunkKey], tier: str) -> int:

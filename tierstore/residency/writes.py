@@ -123,18 +123,21 @@ class Writes(Core):
 
     def end_delete(self, key: ChunkKey, kept: Collection[int] = ()) -> int:
         """The delete's storage work is done: every copy is forgotten, but in ``kept``, the levels whose storage
-        could not remove it. A kept copy of the current value stays indexed as the current value (the delete
-        did not happen there); a kept copy of an older value is forgotten and the key's record stays as a
-        tombstone (no probe finds it) until it is put or deleted again. Returns how many levels held one."""
+        did not remove it. A kept copy of the current value stays indexed as the current value (the delete did
+        not happen there), and so do the key's pending levels: its write-back goes on, so no level is left
+        with an older value. A kept copy of an older value is forgotten (its level, if pending, is written
+        over); with no current copy kept, the key's record stays as a tombstone (no probe finds it) until it is
+        put or deleted again. Returns how many levels held one."""
         with self._lock:
             rec = self._keys[key]
-            held = 0
+            held, current_kept = 0, False
             for i, lv in enumerate(self.levels):
                 packed = lv.copies.get(key)
                 if lv.spec.writable and packed is not None:
                     held += 1
                     if i in kept and packed >> SIZE_BITS == rec.gen:
                         self._put_copy(lv, key, pack(rec.deleting, packed & SIZE_MASK))
+                        current_kept = True
                     else:
                         self._drop_copy(lv, key)
                         rec.tomb = rec.tomb or i in kept
@@ -142,7 +145,10 @@ class Writes(Core):
             tomb = rec.tomb and bool(kept)
             rec.gen, rec.deleting, rec.tomb = rec.deleting, 0, tomb
             for j in list(rec.pending):
-                self._unpend(key, rec, j)
+                if current_kept:
+                    self.levels[j].ready[key] = None  # still owed: due now
+                else:
+                    self._unpend(key, rec, j)
             rec.busy.clear()
             self._flushes.forget(key)
             self.deletes += 1
