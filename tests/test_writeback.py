@@ -398,3 +398,27 @@ def test_write_back_batches_follow_the_target_tiers_own_concurrency_and_overlap(
         s.flush(timeout=60)
         assert max(sizes) == 32 and sum(sizes) == 128
         assert most[0] == 2
+
+
+def test_close_writes_a_backlog_that_drains_slower_than_its_timeout(tmp_path):
+    """A healthy tier below that needs longer than ``close_timeout`` to take the backlog (here ~2-4 s against
+    1 s; 30,000 chunks host->disk take ~12 s against the default 10 s): close() waits on while chunks are being
+    written and abandons none. It gives up only once ``close_timeout`` passes with none written."""
+    s = open_store(tmp_path, host="4MiB", lower="disk")
+    s.close_timeout = 1.0
+    lower = s.tier("lower")
+    original = lower.backend.write_many
+
+    def slow(items):
+        time.sleep(0.05 * len(items))  # slow, not stuck: a batch of 8 lands every 0.4 s
+        return original(items)
+
+    n = 80
+    lower.backend.write_many = slow
+    assert all(s.put_many([(key_of(i), chunk(i, CHUNK)) for i in range(n)]))
+    start = time.monotonic()
+    s.close()
+    assert time.monotonic() - start > s.close_timeout  # (the backlog did outlast the timeout)
+    with tierstore.open({"tiers": [{"kind": "disk", "path": str(tmp_path / "disk")}]}) as again:
+        assert again.stats()["tiers"]["disk"]["objects"] == n
+        assert_same(again.get(key_of(n - 1)), chunk(n - 1, CHUNK))

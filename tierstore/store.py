@@ -623,8 +623,11 @@ class TieredStore:
                 self._counts[k] += v
 
     def close(self, timeout: float | None = None) -> None:
-        """Refuse new calls, wait for running ones, flush for up to ``timeout`` seconds in all (default
-        ``close_timeout``), then stop and close the tiers.
+        """Refuse new calls, wait for running ones, flush, then stop and close the tiers.
+
+        The flush goes on while write-back makes progress: it gives up once ``timeout`` seconds (default
+        ``close_timeout``) pass with no chunk written, so a healthy tier below that is slower than the timeout
+        still receives every chunk; waiting for running calls and promotions is bounded by ``timeout`` in all.
 
         Never raises for write-back failures or the deadline: it logs one warning naming what it abandoned
         (a write still running past the deadline raises :class:`~tierstore.ClosedError` to its caller instead
@@ -639,8 +642,8 @@ class TieredStore:
             return
         try:
             self._promoter.stop(deadline)
-            self._flush_for_close(deadline)
-            self._writeback.stop(max(0.1, deadline - time.monotonic()))
+            settled = self._flush_for_close(timeout)
+            self._writeback.stop(max(0.1, timeout if settled else 0.0))
             self._async_pool.shutdown(wait=False, cancel_futures=True)
             for lv in self.tiers:
                 try:
@@ -653,15 +656,18 @@ class TieredStore:
             untrack(self)
             self._closed.set()
 
-    def _flush_for_close(self, deadline: float) -> None:
+    def _flush_for_close(self, timeout: float) -> bool:
+        """Flush while write-back makes progress (``timeout`` s without any: give up); whether it settled."""
         try:
-            report = self._writeback.flush(max(0.0, deadline - time.monotonic()))
+            report = self._writeback.flush(timeout, stall=True)
             if report.dropped:
                 log.info("close: %d chunks were dropped under pressure since the last flush", len(report.dropped))
         except WriteBackError as exc:
             log.warning("close: abandoning write-back of %d chunks: %s", len(exc.failed), exc)
         except TierTimeoutError as exc:
-            log.warning("close: deadline passed; abandoning pending write-back (%s)", exc)
+            log.warning("close: write-back made no progress for %ss; abandoning what is pending (%s)", timeout, exc)
+            return False
+        return True
 
     def __enter__(self) -> TieredStore:
         return self

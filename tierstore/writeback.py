@@ -143,20 +143,33 @@ class WriteBack:
             read.update(zip(idx, self.t.read_objects_for_copy(source, [writes[i].key for i in idx]), strict=True))
         return read
 
-    def flush(self, timeout: float | None = None) -> FlushReport:
+    def flush(self, timeout: float | None = None, *, stall: bool = False) -> FlushReport:
         """Wait until every chunk put so far reached every level below it, is failing there, or was dropped.
 
         Failing levels first get a fresh round of retries. Raises :class:`~tierstore.WriteBackError` naming
         the keys and tiers that could not be written (with ``dropped`` as in the report), and
-        :class:`~tierstore.TierTimeoutError` if ``timeout`` passed first.
+        :class:`~tierstore.TierTimeoutError` if ``timeout`` passed first: in all, or with ``stall`` (close)
+        with no write settled (a slow tier that keeps taking chunks is waited for; a stuck one is not).
         """
         from .errors import TierTimeoutError, WriteBackError
 
         res = self.res
         state = res.flush_begin()
+        left = res.flush_waits_for(state)
         deadline = None if timeout is None else time.monotonic() + timeout
-        if res.wait_until(lambda: True if res.flush_settled(state) else None, deadline) is None:
-            raise TierTimeoutError(f"flush: {res.flush_waits_for(state)} write-backs still pending after {timeout}s")
+
+        def progress() -> int | None:
+            n = res.flush_waits_for(state)
+            return n if n != left else None
+
+        while left:
+            n = res.wait_until(progress, deadline)
+            if n is None:
+                how = "with none written in the last" if stall else "after"
+                raise TierTimeoutError(f"flush: {left} write-backs still pending {how} {timeout}s")
+            left = n
+            if stall and timeout is not None:
+                deadline = time.monotonic() + timeout
         failed, dropped = res.losses()
         report = FlushReport(self._named(dropped))
         if failed:
