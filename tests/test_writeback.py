@@ -24,7 +24,7 @@ from tierstore import errors
 from tierstore.backends.file import FileBackend
 from tierstore.backends.fsspec import FsspecBackend
 from tierstore.testing.data import assert_same, chunk, key_of
-from tierstore.transfers import Level
+from tierstore.transfers import Tier
 
 REPO = Path(__file__).resolve().parents[1]
 CHUNK = 8000  # bytes per test chunk (two float32 tensors)
@@ -43,7 +43,7 @@ def in_writer() -> bool:
 
 
 @contextmanager
-def writer_stalled(tier: Level) -> Iterator[tuple[threading.Event, threading.Event]]:
+def writer_stalled(tier: Tier) -> Iterator[tuple[threading.Event, threading.Event]]:
     """The background writer into ``tier`` stops at its backend's ``write_many`` until released; other callers
     pass. Yields ``(arrived, release)``: ``arrived`` is set once the writer holds a batch (already read)."""
     arrived, release = threading.Event(), threading.Event()
@@ -74,7 +74,7 @@ def writer_paused(store: tierstore.TieredStore) -> Iterator[threading.Event]:
         store.residency.notify()
 
 
-def refusing(tier: Level, unless=lambda: False):
+def refusing(tier: Tier, unless=lambda: False):
     """``tier``'s backend refuses every write (unless ``unless()``); ``del tier.backend.write_many`` undoes it."""
     original = tier.backend.write_many
     tier.backend.write_many = lambda items: original(items) if unless() else [OSError("refused") for _ in items]
@@ -318,7 +318,7 @@ def test_prefetch_surfaces_failures(tmp_path):
     with open_store(tmp_path) as s:
         s.put(key_of(1), chunk(1, CHUNK))
 
-        def broken(keys, levels=None):
+        def broken(keys, tiers=None):
             raise RuntimeError("injected control plane bug")
 
         s.residency.locate = broken

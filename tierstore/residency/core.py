@@ -1,5 +1,5 @@
 """The residency's state under its one lock, and what every part of it shares: waiting for a change, the
-generations of values, the per-key records (current generation, pending levels) and the per-level index of
+generations of values, the per-key records (current generation, pending tiers) and the per-tier index of
 copies. The parts built on it (copies, writes, eviction, write-back) are mixins over this state;
 :class:`~tierstore.residency.Residency` joins them."""
 
@@ -14,16 +14,16 @@ from typing import TypeVar
 
 from ..flushes import FlushTracker
 from ..keys import ChunkKey
-from .model import SIZE_BITS, SIZE_MASK, UNKNOWN, LevelSpec, Pressure, pack
-from .state import KeyState, LevelIndex
+from .model import SIZE_BITS, SIZE_MASK, UNKNOWN, Pressure, TierSpec, pack
+from .state import KeyState, TierIndex
 
 T = TypeVar("T")
 
 
 class Core:
-    """The state of one store's residency over ``levels`` (fastest first), and the helpers its parts share."""
+    """The state of one store's residency over ``tiers`` (fastest first), and the helpers its parts share."""
 
-    #: failures after which a pending level counts as failing (reported by a flush); retries go on meanwhile
+    #: failures after which a pending tier counts as failing (reported by a flush); retries go on meanwhile
     fast_retries = 4
     retry_delay = 0.05
     max_retry_delay = 5.0
@@ -34,9 +34,9 @@ class Core:
     aside_delay = 1.0
     max_aside_delay = 60.0
 
-    def __init__(self, levels: Sequence[LevelSpec], pressure: Pressure = Pressure.DROP,
+    def __init__(self, tiers: Sequence[TierSpec], pressure: Pressure = Pressure.DROP,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.levels = [LevelIndex(spec) for spec in levels]
+        self.tiers = [TierIndex(spec) for spec in tiers]
         self.pressure = Pressure(pressure)
         self.clock = clock
         self._lock = threading.RLock()
@@ -51,8 +51,13 @@ class Core:
         self._seq = itertools.count()
         self.deletes = 0  #: deletes finished so far (a probe indexes what it found only if none ended meanwhile)
         self._flushes = FlushTracker()
-        self._dirty = 0  # keys with pending levels (counted as they change)
-        self._writable = [i for i, lv in enumerate(self.levels) if lv.spec.writable]
+        self._dirty = 0  # keys with pending tiers (counted as they change)
+        self._writable = [i for i, tr in enumerate(self.tiers) if tr.spec.writable]
+
+    @property
+    def levels(self) -> list[TierIndex]:
+        """:attr:`tiers` by its former name (callers outside the residency family)."""
+        return self.tiers
 
     # ------------------------------------------------------------------ waiting (for the data plane)
     def wait_until(self, attempt: Callable[[], T | None], deadline: float | None = None,
@@ -101,8 +106,8 @@ class Core:
         rec = self._keys.get(key)
         if rec is not None:
             return rec.gen
-        for lv in self.levels:
-            packed = lv.copies.get(key)
+        for tr in self.tiers:
+            packed = tr.copies.get(key)
             if packed is not None:
                 return packed >> SIZE_BITS
         return UNKNOWN
@@ -122,69 +127,69 @@ class Core:
         rec = self._keys.get(key)
         if rec is None or rec.pending or rec.busy or rec.deleting or rec.tomb:
             return
-        for lv in self.levels:
-            packed = lv.copies.get(key)
+        for tr in self.tiers:
+            packed = tr.copies.get(key)
             if packed is not None and packed >> SIZE_BITS != rec.gen:
                 return
         del self._keys[key]
 
-    def adopt(self, level: int, items: Iterable[tuple[ChunkKey, int]]) -> None:
-        """Register copies found in ``level``'s storage (an index rebuilt at open), least recently used first.
+    def adopt(self, tier: int, items: Iterable[tuple[ChunkKey, int]]) -> None:
+        """Register copies found in ``tier``'s storage (an index rebuilt at open), least recently used first.
         Capacity is not enforced here (the store trims what is over)."""
         with self._lock:
-            lv = self.levels[level]
+            tr = self.tiers[tier]
             for key, size in items:
-                self._put_copy(lv, key, pack(self._gen_of(key), size))
+                self._put_copy(tr, key, pack(self._gen_of(key), size))
 
-    def _put_copy(self, lv: LevelIndex, key: ChunkKey, packed: int) -> None:
-        old = lv.copies.pop(key, None)
+    def _put_copy(self, tr: TierIndex, key: ChunkKey, packed: int) -> None:
+        old = tr.copies.pop(key, None)
         if old is not None:
-            lv.used -= old & SIZE_MASK
-        lv.copies[key] = packed
-        lv.used += packed & SIZE_MASK
+            tr.used -= old & SIZE_MASK
+        tr.copies[key] = packed
+        tr.used += packed & SIZE_MASK
 
-    def _drop_copy(self, lv: LevelIndex, key: ChunkKey) -> bool:
-        old = lv.copies.pop(key, None)
+    def _drop_copy(self, tr: TierIndex, key: ChunkKey) -> bool:
+        old = tr.copies.pop(key, None)
         if old is None:
             return False
-        lv.used -= old & SIZE_MASK
-        lv.aside.pop(key, None)
+        tr.used -= old & SIZE_MASK
+        tr.aside.pop(key, None)
         return True
 
-    def _pend(self, key: ChunkKey, rec: KeyState, level: int) -> None:
-        """``level`` is to receive the key's current value (a write a flush waits for)."""
+    def _pend(self, key: ChunkKey, rec: KeyState, tier: int) -> None:
+        """``tier`` is to receive the key's current value (a write a flush waits for)."""
         if not rec.pending:
             rec.epoch = self._flushes.epoch
             self._dirty += 1
-        rec.pending[level] = 0
-        self.levels[level].pending[key] = self.clock()
+        rec.pending[tier] = 0
+        self.tiers[tier].pending[key] = self.clock()
         self._flushes.opened(rec.epoch)
 
-    def _unpend(self, key: ChunkKey, rec: KeyState, level: int) -> None:
-        """``level`` no longer waits for the key's value (written, superseded, given up, dropped, deleted)."""
-        del self.levels[level].pending[key]
-        if rec.pending.pop(level) >= self.fast_retries:
-            self._flushes.unfail(key, level)
+    def _unpend(self, key: ChunkKey, rec: KeyState, tier: int) -> None:
+        """``tier`` no longer waits for the key's value (written, superseded, given up, dropped, deleted)."""
+        del self.tiers[tier].pending[key]
+        if rec.pending.pop(tier) >= self.fast_retries:
+            self._flushes.unfail(key, tier)
         else:
             self._flushes.settled(rec.epoch)
         if not rec.pending:
             self._dirty -= 1
 
-    def _retry_later(self, lv: LevelIndex, key: ChunkKey, at: float, replace: bool = False) -> None:
-        if replace or lv.retry_at.get(key, float("inf")) > at:
-            lv.retry_at[key] = at
-            heapq.heappush(lv.retry_heap, (at, next(self._seq), key))
-            lv.ready.pop(key, None)
+    def _retry_later(self, tr: TierIndex, key: ChunkKey, at: float, replace: bool = False) -> None:
+        if replace or tr.retry_at.get(key, float("inf")) > at:
+            tr.retry_at[key] = at
+            heapq.heappush(tr.retry_heap, (at, next(self._seq), key))
+            tr.ready.pop(key, None)
 
-    def _clear_retry(self, lv: LevelIndex, key: ChunkKey) -> None:
-        lv.retry_at.pop(key, None)
-        lv.ready.pop(key, None)
+    def _clear_retry(self, tr: TierIndex, key: ChunkKey) -> None:
+        tr.retry_at.pop(key, None)
+        tr.ready.pop(key, None)
 
-    def _backing_off(self, rec: KeyState, key: ChunkKey, level: int) -> bool:
-        return rec.pending.get(level, 0) > 0 and key in self.levels[level].retry_at
+    def _backing_off(self, rec: KeyState, key: ChunkKey, tier: int) -> bool:
+        return rec.pending.get(tier, 0) > 0 and key in self.tiers[tier].retry_at
 
-    def _limit(self, lv: LevelIndex) -> int | None:
-        cap, space = lv.spec.capacity, lv.space.bytes
+    def _limit(self, tr: TierIndex) -> int | None:
+        cap, space = tr.spec.capacity, tr.space.bytes
         if space is None:
             return cap
         return space if cap is None else min(space, cap)

@@ -1,4 +1,4 @@
-"""What the residency's callers see: the description of a level, its answers (slots, room, victims,
+"""What the residency's callers see: the description of a tier, its answers (slots, room, victims,
 write-backs, holds) and the markers a copy's generation can carry. No state, no lock."""
 
 from __future__ import annotations
@@ -25,23 +25,23 @@ def pack(gen: int, size: int) -> int:
     return gen << SIZE_BITS | size if gen else size
 
 class Pressure(str, enum.Enum):
-    """What a full level does with a dirty victim that no level below can take now (``on_pressure``)."""
+    """What a full tier does with a dirty victim that no tier below can take now (``on_pressure``)."""
 
     DROP = "drop"  #: evict it and count it (a cache: KV can be recomputed, weights fetched again)
-    KEEP = "keep"  #: keep it; the write that needed the room skips the level
+    KEEP = "keep"  #: keep it; the write that needed the room skips the tier
 
 
 class Slot(enum.Enum):
     """Answer of :meth:`Residency.begin_write`."""
 
-    OK = "ok"  #: the caller holds the (key, level) slot: write, then commit or abort
-    BUSY = "busy"  #: another mutation of the key at that level (or a delete) is in flight: wait, ask again
+    OK = "ok"  #: the caller holds the (key, tier) slot: write, then commit or abort
+    BUSY = "busy"  #: another mutation of the key at that tier (or a delete) is in flight: wait, ask again
     SUPERSEDED = "superseded"  #: a newer value is there or was put: nothing to write
 
 
 @dataclass(frozen=True)
-class LevelSpec:
-    """What the control plane knows of a level: its name, byte budget (``None``: unbounded), whether the store
+class TierSpec:
+    """What the control plane knows of a tier: its name, byte budget (``None``: unbounded), whether the store
     writes it, and whether other processes share it (its index is partial: misses are probed)."""
 
     name: str
@@ -54,22 +54,22 @@ class Hold(NamedTuple):
     """A copy a read may use: pinned until :meth:`Residency.unpin` (a tuple: one is made per key read)."""
 
     key: ChunkKey
-    level: int
+    tier: int
     size: int
     gen: int
 
 
 @dataclass(frozen=True)
 class Victim:
-    """A copy chosen for eviction; its ``(key, level)`` slot is held for the eviction. ``down``: the level to
+    """A copy chosen for eviction; its ``(key, tier)`` slot is held for the eviction. ``down``: the tier to
     write it to before it goes (it is dirty), ``None``: it may simply go."""
 
     key: ChunkKey
-    level: int
+    tier: int
     size: int
     gen: int
     down: int | None
-    #: whether the pressure policy may drop it when no level below takes it (not past a chunk being written)
+    #: whether the pressure policy may drop it when no tier below takes it (not past a chunk being written)
     droppable: bool = True
 
 
@@ -86,14 +86,17 @@ class Room:
 @dataclass(frozen=True)
 class Write:
     """A write-back planned by :meth:`Residency.take_due`: copy generation ``gen`` of ``key`` from ``source``
-    (pinned) into ``level`` (whose slot is held)."""
+    (pinned) into ``tier`` (whose slot is held)."""
 
     key: ChunkKey
-    level: int
+    tier: int
     gen: int
     source: int
     source_size: int
 
 
-__all__ = ["REMOVING", "SIZE_BITS", "SIZE_MASK", "UNKNOWN", "Hold", "LevelSpec", "Pressure", "Room", "Slot", "Victim",
-           "Write", "pack"]
+#: its former name
+LevelSpec = TierSpec
+
+__all__ = ["REMOVING", "SIZE_BITS", "SIZE_MASK", "UNKNOWN", "Hold", "LevelSpec", "Pressure", "Room", "Slot", "TierSpec",
+           "Victim", "Write", "pack"]

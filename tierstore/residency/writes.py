@@ -1,4 +1,4 @@
-"""Writes and deletes of a key: the ``(key, level)`` slot, the generation a write lands with, what
+"""Writes and deletes of a key: the ``(key, tier)`` slot, the generation a write lands with, what
 becomes pending below a put, and deletes that win over writes in flight."""
 
 from __future__ import annotations
@@ -11,87 +11,87 @@ from .model import REMOVING, SIZE_BITS, SIZE_MASK, Slot, pack
 
 
 class Writes(Core):
-    """Writes and deletes of a key: the ``(key, level)`` slot, the generation a write lands with, what"""
+    """Writes and deletes of a key: the ``(key, tier)`` slot, the generation a write lands with, what"""
 
     # ------------------------------------------------------------------ writes
-    def begin_write(self, key: ChunkKey, level: int, gen: int) -> Slot:
-        """Take the ``(key, level)`` slot to write generation ``gen`` there (see :class:`Slot`)."""
+    def begin_write(self, key: ChunkKey, tier: int, gen: int) -> Slot:
+        """Take the ``(key, tier)`` slot to write generation ``gen`` there (see :class:`Slot`)."""
         with self._lock:
             rec = self._record(key)
-            lv = self.levels[level]
+            tr = self.tiers[tier]
             if rec.deleting:
                 if gen < rec.deleting:
                     self._tidy(key)
                     return Slot.SUPERSEDED
                 return Slot.BUSY
-            if level in rec.busy:
+            if tier in rec.busy:
                 return Slot.BUSY
-            packed = lv.copies.get(key)
+            packed = tr.copies.get(key)
             if gen < rec.gen or (packed is not None and packed >> SIZE_BITS > gen):
                 self._tidy(key)
                 return Slot.SUPERSEDED
-            rec.busy[level] = gen
+            rec.busy[tier] = gen
             return Slot.OK
 
-    def commit_write(self, key: ChunkKey, level: int, gen: int, size: int, reserved: int, *,
+    def commit_write(self, key: ChunkKey, tier: int, gen: int, size: int, reserved: int, *,
                      put: bool = False, queue: bool = True) -> list[int]:
-        """The write of generation ``gen`` into ``level`` is stored (``size`` bytes, ``reserved`` of them set
+        """The write of generation ``gen`` into ``tier`` is stored (``size`` bytes, ``reserved`` of them set
         aside): index the copy and release the slot.
 
-        A ``put`` that makes ``gen`` the current value records the writable levels below as pending (queued
+        A ``put`` that makes ``gen`` the current value records the writable tiers below as pending (queued
         for write-back unless ``queue`` is false: a ``write_through`` put writes them itself). Returns the
-        levels above ``level`` whose copies now hold an older value (the put removes them)."""
+        tiers above ``tier`` whose copies now hold an older value (the put removes them)."""
         with self._lock:
-            lv = self.levels[level]
+            tr = self.tiers[tier]
             rec = self._record(key)
-            rec.busy.pop(level, None)
-            lv.reserved -= reserved
-            lv.failing = False
-            self._put_copy(lv, key, pack(gen, size))
+            rec.busy.pop(tier, None)
+            tr.reserved -= reserved
+            tr.failing = False
+            self._put_copy(tr, key, pack(gen, size))
             stale_above: list[int] = []
             if gen > rec.gen and put:
                 rec.gen, rec.tomb = gen, False
                 for j in list(rec.pending):
                     self._unpend(key, rec, j)
                 for j in self._writable:
-                    if j > level:
+                    if j > tier:
                         self._pend(key, rec, j)
-                        self._clear_retry(self.levels[j], key)
+                        self._clear_retry(self.tiers[j], key)
                         if queue:
-                            self.levels[j].ready[key] = None
+                            self.tiers[j].ready[key] = None
                 self._flushes.forget(key)
-                stale_above = [j for j in range(level) if key in self.levels[j].copies and self.levels[j].spec.writable]
-            elif gen == rec.gen and level in rec.pending:
-                self._unpend(key, rec, level)
-                self._clear_retry(lv, key)
-                lv.counts["writeback_done"] += 1
+                stale_above = [j for j in range(tier) if key in self.tiers[j].copies and self.tiers[j].spec.writable]
+            elif gen == rec.gen and tier in rec.pending:
+                self._unpend(key, rec, tier)
+                self._clear_retry(tr, key)
+                tr.counts["writeback_done"] += 1
             self._tidy(key)
             self._changed()
             return stale_above
 
-    def abort_write(self, key: ChunkKey, level: int, gen: int, reserved: int = 0, failed: bool = False) -> bool:
-        """The write of ``gen`` into ``level`` stored nothing: release its slot (if it held it) and bytes.
-        ``failed``: a pending level's write failed (it is retried with back-off, counted). Returns whether this
-        failure made the level *failing*, when it was not already (worth one log line, until a write to it
+    def abort_write(self, key: ChunkKey, tier: int, gen: int, reserved: int = 0, failed: bool = False) -> bool:
+        """The write of ``gen`` into ``tier`` stored nothing: release its slot (if it held it) and bytes.
+        ``failed``: a pending tier's write failed (it is retried with back-off, counted). Returns whether this
+        failure made the tier *failing*, when it was not already (worth one log line, until a write to it
         succeeds)."""
         first_failing = False
         with self._lock:
-            lv = self.levels[level]
-            lv.reserved -= reserved
+            tr = self.tiers[tier]
+            tr.reserved -= reserved
             rec = self._keys.get(key)
             if rec is not None:
-                if rec.busy.get(level) == gen:  # (a write that never got the slot leaves its holder's alone)
-                    del rec.busy[level]
-                if failed and gen == rec.gen and level in rec.pending:
-                    attempts = rec.pending[level] = rec.pending[level] + 1
-                    lv.counts["writeback_failed"] += 1
+                if rec.busy.get(tier) == gen:  # (a write that never got the slot leaves its holder's alone)
+                    del rec.busy[tier]
+                if failed and gen == rec.gen and tier in rec.pending:
+                    attempts = rec.pending[tier] = rec.pending[tier] + 1
+                    tr.counts["writeback_failed"] += 1
                     delay = min(self.retry_delay * 2 ** (attempts - 1), self.max_retry_delay)
-                    self._retry_later(lv, key, self.clock() + delay, replace=True)
-                    first_failing = attempts == self.fast_retries and not lv.failing
+                    self._retry_later(tr, key, self.clock() + delay, replace=True)
+                    first_failing = attempts == self.fast_retries and not tr.failing
                     if attempts == self.fast_retries:
                         self._flushes.settled(rec.epoch)
-                        self._flushes.fail(key, level)
-                    lv.failing = lv.failing or attempts >= self.fast_retries
+                        self._flushes.fail(key, tier)
+                    tr.failing = tr.failing or attempts >= self.fast_retries
                 self._tidy(key)
             self._changed()
         return first_failing
@@ -108,45 +108,45 @@ class Writes(Core):
             return True
 
     def delete_ready(self, key: ChunkKey) -> list[int] | None:
-        """Once no mutation of ``key`` is in flight: take every slot and return the levels whose storage to
-        clear (those holding a copy, and every shared writable level, whose index may not know it); ``None``
+        """Once no mutation of ``key`` is in flight: take every slot and return the tiers whose storage to
+        clear (those holding a copy, and every shared writable tier, whose index may not know it); ``None``
         while mutations are still in flight."""
         with self._lock:
             rec = self._keys[key]
             if rec.busy:
                 return None
-            levels = [i for i, lv in enumerate(self.levels) if lv.spec.writable
-                      and (key in lv.copies or lv.spec.shared)]
-            for i in levels:
+            tiers = [i for i, tr in enumerate(self.tiers) if tr.spec.writable
+                      and (key in tr.copies or tr.spec.shared)]
+            for i in tiers:
                 rec.busy[i] = REMOVING
-            return levels
+            return tiers
 
     def end_delete(self, key: ChunkKey, kept: Collection[int] = ()) -> int:
-        """The delete's storage work is done: every copy is forgotten, but in ``kept``, the levels whose storage
+        """The delete's storage work is done: every copy is forgotten, but in ``kept``, the tiers whose storage
         did not remove it. A kept copy of the current value stays indexed as the current value (the delete did
-        not happen there), and so do the key's pending levels: its write-back goes on, so no level is left
-        with an older value. A kept copy of an older value is forgotten (its level, if pending, is written
+        not happen there), and so do the key's pending tiers: its write-back goes on, so no tier is left
+        with an older value. A kept copy of an older value is forgotten (its tier, if pending, is written
         over); with no current copy kept, the key's record stays as a tombstone (no probe finds it) until it is
-        put or deleted again. Returns how many levels held one."""
+        put or deleted again. Returns how many tiers held one."""
         with self._lock:
             rec = self._keys[key]
             held, current_kept = 0, False
-            for i, lv in enumerate(self.levels):
-                packed = lv.copies.get(key)
-                if lv.spec.writable and packed is not None:
+            for i, tr in enumerate(self.tiers):
+                packed = tr.copies.get(key)
+                if tr.spec.writable and packed is not None:
                     held += 1
                     if i in kept and packed >> SIZE_BITS == rec.gen:
-                        self._put_copy(lv, key, pack(rec.deleting, packed & SIZE_MASK))
+                        self._put_copy(tr, key, pack(rec.deleting, packed & SIZE_MASK))
                         current_kept = True
                     else:
-                        self._drop_copy(lv, key)
+                        self._drop_copy(tr, key)
                         rec.tomb = rec.tomb or i in kept
-                self._clear_retry(lv, key)
+                self._clear_retry(tr, key)
             tomb = rec.tomb and bool(kept)
             rec.gen, rec.deleting, rec.tomb = rec.deleting, 0, tomb
             for j in list(rec.pending):
                 if current_kept:
-                    self.levels[j].ready[key] = None  # still owed: due now
+                    self.tiers[j].ready[key] = None  # still owed: due now
                 else:
                     self._unpend(key, rec, j)
             rec.busy.clear()
