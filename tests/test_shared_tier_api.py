@@ -76,3 +76,23 @@ def test_a_delete_the_shared_tier_refused_leaves_the_latest_value_never_an_older
         assert_same(s.get(k), v2)
     with open_store(tmp_path) as other:
         assert_same(other.get(k), v2)
+
+
+def test_a_delete_a_middle_tier_refused_restores_the_tiers_below_it(tmp_path: Path) -> None:
+    """Tiers are cleared slowest first: when the disk refuses (after the remote removed its copy), the key is
+    not deleted, and the remote gets its value back by write-back: it stays readable everywhere, and the host's
+    copy is never mistaken for a clean one (evicting it would lose the only copy)."""
+    k, v = key_of(0), chunk(0, CHUNK)
+    tiers = [{"kind": "host", "capacity": 3 * CHUNK, "pinned": False},
+             {"kind": "disk", "path": str(tmp_path / "disk")},
+             {"kind": "remote", "url": f"file://{tmp_path}/remote"}]
+    with tierstore.open({"tiers": tiers}) as s:
+        assert s.put(k, v)
+        s.flush(timeout=30)
+        with failing(s.tier("disk").backend, "delete_many", refused):
+            assert s.delete_many([k]) == [False]
+        assert s.holders(k) == ["host", "disk"]
+        s.flush(timeout=30)
+        assert s.holders(k) == ["host", "disk", "remote"]
+    with open_store(tmp_path) as other:
+        assert_same(other.get(k), v)

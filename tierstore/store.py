@@ -256,8 +256,8 @@ class TieredStore:
 
         ``False``: some tier could not remove its copy (a shared tier that cannot be reached): the key is not
         deleted. Tiers are cleared slowest first, and the one that failed and every tier above it keep their
-        copies, so readers (here, in other processes, after a restart) find the key's latest value, never an
-        older one that tier held; a write-back of that value still owed goes on. Try again later."""
+        copies, and write-back restores the tiers below it, so readers (here, in other processes, after a
+        restart) find the key's latest value, never an older one that tier held. Try again later."""
         keys = check_keys(keys)
         with self._life.call():
             gone = {k: self._delete_one(k)[1] for k in dict.fromkeys(keys)}

@@ -124,31 +124,36 @@ class Writes(Core):
     def end_delete(self, key: ChunkKey, kept: Collection[int] = ()) -> int:
         """The delete's storage work is done: every copy is forgotten, but in ``kept``, the tiers whose storage
         did not remove it. A kept copy of the current value stays indexed as the current value (the delete did
-        not happen there), and so do the key's pending tiers: its write-back goes on, so no tier is left
-        with an older value. A kept copy of an older value is forgotten (its tier, if pending, is written
-        over); with no current copy kept, the key's record stays as a tombstone (no probe finds it) until it is
-        put or deleted again. Returns how many tiers held one."""
+        not happen there) and the key is not deleted: every writable tier below the fastest such copy that
+        lacks the value now is pending again (write-back restores what the delete removed below, and writes
+        over an older value), so it is never the only copy of a value evictions take for clean. A kept copy of
+        an older value is forgotten; with no current copy kept, the key's record stays as a tombstone (no
+        probe finds it) until it is put or deleted again. Returns how many tiers held one."""
         with self._lock:
             rec = self._keys[key]
-            held, current_kept = 0, False
+            held, top = 0, None
             for i, tr in enumerate(self.tiers):
                 packed = tr.copies.get(key)
                 if tr.spec.writable and packed is not None:
                     held += 1
                     if i in kept and packed >> SIZE_BITS == rec.gen:
                         self._put_copy(tr, key, pack(rec.deleting, packed & SIZE_MASK))
-                        current_kept = True
+                        top = i if top is None else top
                     else:
                         self._drop_copy(tr, key)
                         rec.tomb = rec.tomb or i in kept
                 self._clear_retry(tr, key)
             tomb = rec.tomb and bool(kept)
             rec.gen, rec.deleting, rec.tomb = rec.deleting, 0, tomb
-            for j in list(rec.pending):
-                if current_kept:
-                    self.tiers[j].ready[key] = None  # still owed: due now
-                else:
+            if top is None:
+                for j in list(rec.pending):
                     self._unpend(key, rec, j)
+            else:
+                for j in self._writable:
+                    if j > top and j not in rec.pending and key not in self.tiers[j].copies:
+                        self._pend(key, rec, j)
+                for j in rec.pending:
+                    self.tiers[j].ready[key] = None  # owed: due now
             rec.busy.clear()
             self._flushes.forget(key)
             self.deletes += 1
