@@ -24,7 +24,7 @@ from tierstore import errors
 from tierstore.backends.file import FileBackend
 from tierstore.backends.fsspec import FsspecBackend
 from tierstore.testing.data import assert_same, chunk, key_of
-from tierstore.transfers import Level
+from tierstore.transfers import Tier
 
 REPO = Path(__file__).resolve().parents[1]
 CHUNK = 8000  # bytes per test chunk (two float32 tensors)
@@ -43,7 +43,7 @@ def in_writer() -> bool:
 
 
 @contextmanager
-def writer_stalled(tier: Level) -> Iterator[tuple[threading.Event, threading.Event]]:
+def writer_stalled(tier: Tier) -> Iterator[tuple[threading.Event, threading.Event]]:
     """The background writer into ``tier`` stops at its backend's ``write_many`` until released; other callers
     pass. Yields ``(arrived, release)``: ``arrived`` is set once the writer holds a batch (already read)."""
     arrived, release = threading.Event(), threading.Event()
@@ -74,7 +74,7 @@ def writer_paused(store: tierstore.TieredStore) -> Iterator[threading.Event]:
         store.residency.notify()
 
 
-def refusing(tier: Level, unless=lambda: False):
+def refusing(tier: Tier, unless=lambda: False):
     """``tier``'s backend refuses every write (unless ``unless()``); ``del tier.backend.write_many`` undoes it."""
     original = tier.backend.write_many
     tier.backend.write_many = lambda items: original(items) if unless() else [OSError("refused") for _ in items]
@@ -318,7 +318,7 @@ def test_prefetch_surfaces_failures(tmp_path):
     with open_store(tmp_path) as s:
         s.put(key_of(1), chunk(1, CHUNK))
 
-        def broken(keys, levels=None):
+        def broken(keys, tiers=None):
             raise RuntimeError("injected control plane bug")
 
         s.residency.locate = broken
@@ -398,3 +398,27 @@ def test_write_back_batches_follow_the_target_tiers_own_concurrency_and_overlap(
         s.flush(timeout=60)
         assert max(sizes) == 32 and sum(sizes) == 128
         assert most[0] == 2
+
+
+def test_close_writes_a_backlog_that_drains_slower_than_its_timeout(tmp_path):
+    """A healthy tier below that needs longer than ``close_timeout`` to take the backlog (here ~2-4 s against
+    1 s; 30,000 chunks host->disk take ~12 s against the default 10 s): close() waits on while chunks are being
+    written and abandons none. It gives up only once ``close_timeout`` passes with none written."""
+    s = open_store(tmp_path, host="4MiB", lower="disk")
+    s.close_timeout = 1.0
+    lower = s.tier("lower")
+    original = lower.backend.write_many
+
+    def slow(items):
+        time.sleep(0.05 * len(items))  # slow, not stuck: a batch of 8 lands every 0.4 s
+        return original(items)
+
+    n = 80
+    lower.backend.write_many = slow
+    assert all(s.put_many([(key_of(i), chunk(i, CHUNK)) for i in range(n)]))
+    start = time.monotonic()
+    s.close()
+    assert time.monotonic() - start > s.close_timeout  # (the backlog did outlast the timeout)
+    with tierstore.open({"tiers": [{"kind": "disk", "path": str(tmp_path / "disk")}]}) as again:
+        assert again.stats()["tiers"]["disk"]["objects"] == n
+        assert_same(again.get(key_of(n - 1)), chunk(n - 1, CHUNK))

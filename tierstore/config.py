@@ -54,7 +54,7 @@ class StoreConfig:
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
     prefetch_policy: PrefetchPolicy = PrefetchPolicy.RETAIN
     max_in_flight: int = 8
-    close_timeout: float = 10.0  # seconds close() (and the flush at exit) waits for write-back
+    close_timeout: float = 10.0  # seconds close() (and the flush at exit) waits for write-back with no progress
     on_pressure: Pressure = Pressure.DROP
     metrics: MetricsConfig | None = None  # serve Prometheus /metrics
 

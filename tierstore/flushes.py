@@ -1,12 +1,12 @@
 """Flush accounting of the residency: what a flush waits for, counted as it changes, and what it reports.
 
-Every write that must still happen — a ``(key, level)`` pending for the key's value and not *failing* — is
-counted under the *epoch* in which its key's pending levels were recorded. A flush that begins takes the
+Every write that must still happen — a ``(key, tier)`` pending for the key's value and not *failing* — is
+counted under the *epoch* in which its key's pending tiers were recorded. A flush that begins takes the
 current epoch (later writes count under the next one) and is done once no write of its epoch or an earlier
 one is counted: each is uncounted as it settles (written, superseded by a newer put, given up, dropped,
 deleted, or failing). So a flush looks at a few counters on each change, never at the keys.
 
-Failing writes and the losses a flush reports (levels given up, chunks dropped) are kept here too. Not
+Failing writes and the losses a flush reports (tiers given up, chunks dropped) are kept here too. Not
 thread-safe on its own: the residency calls it under its lock.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from .keys import ChunkKey
 
-#: keys whose losses (levels given up, chunks dropped) a flush keeps naming; older ones are only counted
+#: keys whose losses (tiers given up, chunks dropped) a flush keeps naming; older ones are only counted
 LOSSES_KEPT = 1 << 16
 
 
@@ -30,7 +30,7 @@ class FlushState:
 
 
 class FlushTracker:
-    """Counters of outstanding writes per epoch, the failing ``(key, level)`` pairs, and the losses."""
+    """Counters of outstanding writes per epoch, the failing ``(key, tier)`` pairs, and the losses."""
 
     def __init__(self) -> None:
         self.epoch = 0  #: the epoch writes that become pending now are counted under
@@ -38,7 +38,7 @@ class FlushTracker:
         self.failing: dict[ChunkKey, set[int]] = {}
         self.given_up: OrderedDict[ChunkKey, set[int]] = OrderedDict()
         self.dropped: OrderedDict[ChunkKey, set[int]] = OrderedDict()
-        #: given-up levels that only keep an older copy they could not remove: reported while it is there
+        #: given-up tiers that only keep an older copy they could not remove: reported while it is there
         self.kept_stale: dict[ChunkKey, set[int]] = {}
 
     def opened(self, epoch: int, n: int = 1) -> None:
@@ -63,14 +63,14 @@ class FlushTracker:
         """Writes ``state``'s flush still waits for (one entry per epoch that has some: a short walk)."""
         return sum(n for epoch, n in self._open.items() if epoch <= state.epoch)
 
-    def fail(self, key: ChunkKey, level: int) -> None:
-        self.failing.setdefault(key, set()).add(level)
+    def fail(self, key: ChunkKey, tier: int) -> None:
+        self.failing.setdefault(key, set()).add(tier)
 
-    def unfail(self, key: ChunkKey, level: int) -> None:
-        levels = self.failing.get(key)
-        if levels is not None:
-            levels.discard(level)
-            if not levels:
+    def unfail(self, key: ChunkKey, tier: int) -> None:
+        tiers = self.failing.get(key)
+        if tiers is not None:
+            tiers.discard(tier)
+            if not tiers:
                 del self.failing[key]
 
     def take_failing(self) -> dict[ChunkKey, set[int]]:
@@ -78,17 +78,17 @@ class FlushTracker:
         failing, self.failing = self.failing, {}
         return failing
 
-    def give_up(self, key: ChunkKey, level: int) -> None:
-        _remember(self.given_up, key, level)
+    def give_up(self, key: ChunkKey, tier: int) -> None:
+        _remember(self.given_up, key, tier)
 
-    def keep_stale(self, key: ChunkKey, level: int) -> None:
-        """``level`` could not remove an older copy of ``key``: given up while that copy stays (see
+    def keep_stale(self, key: ChunkKey, tier: int) -> None:
+        """``tier`` could not remove an older copy of ``key``: given up while that copy stays (see
         :meth:`losses`)."""
-        self.give_up(key, level)
-        self.kept_stale.setdefault(key, set()).add(level)
+        self.give_up(key, tier)
+        self.kept_stale.setdefault(key, set()).add(tier)
 
-    def drop(self, key: ChunkKey, level: int) -> None:
-        _remember(self.dropped, key, level)
+    def drop(self, key: ChunkKey, tier: int) -> None:
+        _remember(self.dropped, key, tier)
 
     def forget(self, key: ChunkKey) -> None:
         """The key was put again or deleted: its losses are history."""
@@ -98,28 +98,28 @@ class FlushTracker:
 
     def losses(self, stale_gone: Callable[[ChunkKey, int], bool],
                ) -> tuple[dict[ChunkKey, set[int]], dict[ChunkKey, set[int]]]:
-        """``(failed, dropped)``: per key the levels it could not reach (given up, or failing now) and those
-        the pressure policy dropped. A level given up only for an older copy it kept is no longer named once
-        ``stale_gone(key, level)`` says that copy went (evicted or removed since, or replaced by the current
+        """``(failed, dropped)``: per key the tiers it could not reach (given up, or failing now) and those
+        the pressure policy dropped. A tier given up only for an older copy it kept is no longer named once
+        ``stale_gone(key, tier)`` says that copy went (evicted or removed since, or replaced by the current
         value)."""
-        for key, levels in list(self.kept_stale.items()):
-            for level in [j for j in levels if stale_gone(key, j)]:
-                levels.discard(level)
+        for key, tiers in list(self.kept_stale.items()):
+            for tier in [j for j in tiers if stale_gone(key, j)]:
+                tiers.discard(tier)
                 given = self.given_up.get(key)
                 if given is not None:
-                    given.discard(level)
+                    given.discard(tier)
                     if not given:
                         del self.given_up[key]
-            if not levels:
+            if not tiers:
                 del self.kept_stale[key]
         failed = {k: set(v) for k, v in self.given_up.items()}
-        for key, levels in self.failing.items():
-            failed.setdefault(key, set()).update(levels)
+        for key, tiers in self.failing.items():
+            failed.setdefault(key, set()).update(tiers)
         return failed, {k: set(v) for k, v in self.dropped.items()}
 
 
-def _remember(losses: OrderedDict[ChunkKey, set[int]], key: ChunkKey, level: int) -> None:
-    losses.setdefault(key, set()).add(level)
+def _remember(losses: OrderedDict[ChunkKey, set[int]], key: ChunkKey, tier: int) -> None:
+    losses.setdefault(key, set()).add(tier)
     losses.move_to_end(key)
     while len(losses) > LOSSES_KEPT:
         losses.popitem(last=False)

@@ -1,4 +1,4 @@
-"""Promotion: the part of the data plane (:mod:`tierstore.transfers`) that copies chunks up to the top level.
+"""Promotion: the part of the data plane (:mod:`tierstore.transfers`) that copies chunks up to the top tier.
 
 Jobs on a small pool, never on a reader's thread: the hits a read found below the top (``retain``),
 ``prefetch``, and the background promotion behind ``readiness``. A key being promoted is *pending* until its
@@ -46,9 +46,9 @@ class Promoter:
         self.counts = {"promotions": 0, "promotions_skipped": 0, "prefetch_errors": 0}
 
     def admit(self, hits: list[tuple[ChunkKey, int, int, objformat.Encoded | None]]) -> None:
-        """Promote ``(key, level read from, generation, object in hand or None)`` in the background, each only
+        """Promote ``(key, tier read from, generation, object in hand or None)`` in the background, each only
         if it is still the key's current value then. Bounded and deduplicated: a key already admitted is not
-        admitted again, and nothing is when :attr:`max_admitted` jobs are queued or running or the top level
+        admitted again, and nothing is when :attr:`max_admitted` jobs are queued or running or the top tier
         could only wait for room (its copies pinned): those reads just do not promote (counted)."""
         top = self.t.top
         if top is None:
@@ -77,7 +77,7 @@ class Promoter:
                 self._admitted_done(fresh)
 
         try:
-            self.t.jobs.submit(self._pool, "promote", self.t.levels[top].name, len(fresh), job)
+            self.t.jobs.submit(self._pool, "promote", self.t.tiers[top].name, len(fresh), job)
         except ClosedError:
             self._admitted_done(fresh)
 
@@ -93,11 +93,11 @@ class Promoter:
 
     def promote(self, key: ChunkKey, source: int, gen: int, data: Chunk | None = None, *,
                 raise_errors: bool = False) -> bool:
-        """Copy generation ``gen`` of ``key`` from level ``source`` into the top level (re-reading it unless
-        ``data`` is at hand) and have write-back fill the levels between; whether the top holds it now.
+        """Copy generation ``gen`` of ``key`` from tier ``source`` into the top tier (re-reading it unless
+        ``data`` is at hand) and have write-back fill the tiers between; whether the top holds it now.
 
         The source is read first (not pinned: its eviction may need the room this promotion makes), and the
-        top's ``(key, level)`` slot is taken only once the bytes are at hand: a put of the key never waits
+        top's ``(key, tier)`` slot is taken only once the bytes are at hand: a put of the key never waits
         behind a promotion's read. A read error is logged and counted (``raise_errors``: also raised, for a
         caller that reports it)."""
         t, res, top = self.t, self.res, self.t.top
@@ -118,29 +118,29 @@ class Promoter:
                 return res.current_gen(key, top) is not None
             (ok,) = t.land_many(top, [(key, gen, data)], slots_held=True, kind="promote")
         if ok:
-            res.fill(key, gen, [j for j in range(top + 1, source) if t.levels[j].writable])
+            res.fill(key, gen, [j for j in range(top + 1, source) if t.tiers[j].writable])
             with self._lock:
                 self.counts["promotions"] += 1
         return bool(ok)
 
     def promote_current(self, key: ChunkKey) -> bool:
-        """Copy ``key``'s current value toward the top from wherever it is (indexed, or found on a shared level
+        """Copy ``key``'s current value toward the top from wherever it is (indexed, or found on a shared tier
         now); whether the top holds it then."""
         t, res = self.t, self.res
-        (level,) = res.locate([key])
-        if level is None:
+        (tier,) = res.locate([key])
+        if tier is None:
             token = res.deletes
-            for lv in t.levels:
-                if lv.shared and lv.index in res.probe_levels(key):
-                    (size,) = lv.backend.stat_many([key])
-                    if size is not None and res.found(lv.index, key, size, token) is not None:
-                        level = lv.index
+            for tr in t.tiers:
+                if tr.shared and tr.index in res.probe_tiers(key):
+                    (size,) = tr.backend.stat_many([key])
+                    if size is not None and res.found(tr.index, key, size, token) is not None:
+                        tier = tr.index
                         break
-        gen = None if level is None else res.current_gen(key, level)
-        return level is not None and gen is not None and self.promote(key, level, gen, raise_errors=True)
+        gen = None if tier is None else res.current_gen(key, tier)
+        return tier is not None and gen is not None and self.promote(key, tier, gen, raise_errors=True)
 
     def prefetch(self, keys: Sequence[ChunkKey]) -> Future[int]:
-        """Promote ``keys`` in the background; the future resolves to how many the top level then holds (or
+        """Promote ``keys`` in the background; the future resolves to how many the top tier then holds (or
         raises the first error once every key is done)."""
         done: Future[int] = Future()
         if not keys:
@@ -168,14 +168,14 @@ class Promoter:
                 else:
                     done.set_result(held[0])
 
-        name = self.t.levels[self.t.top].name if self.t.top is not None else ""
+        name = self.t.tiers[self.t.top].name if self.t.top is not None else ""
         for k in keys:
             self.t.jobs.submit(self._pool, "prefetch", name, 1, partial(self.promote_current, k)
                                ).add_done_callback(finished)
         return done
 
     def promote_shared(self, keys: Sequence[ChunkKey], lookup: Callable[[Sequence[ChunkKey]], int]) -> None:
-        """In the background: find the leading run of ``keys`` the levels hold (``lookup``, which probes the
+        """In the background: find the leading run of ``keys`` the tiers hold (``lookup``, which probes the
         shared ones) and promote it. The keys count as pending from now until that is done."""
         future: Future[int] = Future()
         with self._lock:
@@ -197,7 +197,7 @@ class Promoter:
             finally:
                 self._landed(keys, future)
 
-        name = self.t.levels[self.t.top].name if self.t.top is not None else ""
+        name = self.t.tiers[self.t.top].name if self.t.top is not None else ""
         try:
             self.t.jobs.submit(self._pool, "prefetch", name, len(keys), job)
         except ClosedError:
@@ -228,7 +228,7 @@ class Promoter:
                     return
 
     def stop(self, deadline: float) -> None:
-        """Cancel queued jobs and wait (until ``deadline``) for the running ones: they write into the levels
+        """Cancel queued jobs and wait (until ``deadline``) for the running ones: they write into the tiers
         close() is about to shut."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.wait(deadline)

@@ -2,9 +2,9 @@
 
 Four parts, each one concept (``docs/design.md`` draws who may call whom):
 
-* :mod:`tierstore.residency` — *where every chunk lives*: copies per level with their generations, LRU order,
-  byte budgets, pins, pending write-backs, one storage mutation per key and level. Pure, no I/O.
-* :mod:`tierstore.backends` — *plain storage* per level (memory, a disk directory, any fsspec URL), registered
+* :mod:`tierstore.residency` — *where every chunk lives*: copies per tier with their generations, LRU order,
+  byte budgets, pins, pending write-backs, one storage mutation per key and tier. Pure, no I/O.
+* :mod:`tierstore.backends` — *plain storage* per tier (memory, a disk directory, any fsspec URL), registered
   by kind, described by capability flags.
 * :mod:`tierstore.transfers` — *every move of bytes* as a job: batched reads, landings with their evictions,
   write-back, promotion.
@@ -13,14 +13,14 @@ Four parts, each one concept (``docs/design.md`` draws who may call whom):
 
 What a call does:
 
-* **put**: ``write_back`` lands a chunk in the highest level that takes it, and the levels below it are
-  written in the background; ``write_through`` writes every level before returning (one that refuses is
-  retried by write-back). ``put`` says whether some level took the chunk.
-* **get**: each key from the highest level holding its current value, never an older one; under ``retain``
+* **put**: ``write_back`` lands a chunk in the highest tier that takes it, and the tiers below it are
+  written in the background; ``write_through`` writes every tier before returning (one that refuses is
+  retried by write-back). ``put`` says whether some tier took the chunk.
+* **get**: each key from the highest tier holding its current value, never an older one; under ``retain``
   what came from below is promoted to the top by a job once the caller has its bytes.
-* **pressure**: a level full of chunks that are not yet written below evicts them after writing them down;
-  when no level below can take them (a remote outage), ``on_pressure: drop`` drops them (counted, named by
-  ``flush``) and ``keep`` keeps them (the put that needed the room skips the level).
+* **pressure**: a tier full of chunks that are not yet written below evicts them after writing them down;
+  when no tier below can take them (a remote outage), ``on_pressure: drop`` drops them (counted, named by
+  ``flush``) and ``keep`` keeps them (the put that needed the room skips the tier).
 * **close**: refuses new calls, waits for running ones, flushes with a deadline and never raises for write-back
   failures; a store still open at interpreter exit is closed then.
 """
@@ -51,10 +51,10 @@ from .lifecycle import Lifecycle, track, untrack
 from .objformat import Encoded, validate_chunk
 from .outcomes import Eviction
 from .promotion import Promoter
-from .residency import Hold, LevelSpec, Pressure, Residency
+from .residency import Hold, Pressure, Residency
 from .telemetry import Counters, Latency
 from .tensors import TensorDict, check_device, check_outs
-from .transfers import Level, Transfers
+from .transfers import Tier, Transfers
 from .writeback import FlushReport, WriteBack
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ log = logging.getLogger("tierstore")
 
 #: seconds ``close()`` (and the flush at interpreter exit) waits for write-back by default
 CLOSE_TIMEOUT = 10.0
-#: first window of keys past the local run that ``lookup`` probes on shared levels at once (doubles per round)
+#: first window of keys past the local run that ``lookup`` probes on shared tiers at once (doubles per round)
 LOOKUP_WINDOW = 32
 #: threads of the executor behind the ``*_async`` methods (each call fans out further on the backends' pools)
 ASYNC_WORKERS = 4
@@ -117,28 +117,28 @@ class TieredStore:
     ``None``/``False``; only a malformed call or a closed store raises.
 
     Attributes:
-        tiers: the levels, fastest first (:class:`~tierstore.transfers.Level`: ``name``, ``kind``,
+        tiers: the tiers, fastest first (:class:`~tierstore.transfers.Tier`: ``name``, ``kind``,
             ``backend``, ``capacity``).
         residency: the control plane (:class:`~tierstore.residency.Residency`).
     """
 
-    def __init__(self, levels: Sequence[Level], write_policy: WritePolicy = WritePolicy.WRITE_BACK,
+    def __init__(self, tiers: Sequence[Tier], write_policy: WritePolicy = WritePolicy.WRITE_BACK,
                  prefetch_policy: PrefetchPolicy = PrefetchPolicy.RETAIN, max_in_flight: int = 8,
                  close_timeout: float = CLOSE_TIMEOUT, on_pressure: Pressure = Pressure.DROP,
                  metrics: MetricsConfig | None = None):
-        self.tiers: tuple[Level, ...] = tuple(levels)
+        self.tiers: tuple[Tier, ...] = tuple(tiers)
         self.write_policy = WritePolicy(write_policy)
         self.prefetch_policy = PrefetchPolicy(prefetch_policy)
         self.on_pressure = Pressure(on_pressure)
         self.max_in_flight = max_in_flight
         self.close_timeout = close_timeout
-        self._by_name = {lv.name: lv for lv in self.tiers}
-        self._shared = [lv.index for lv in self.tiers if lv.index and lv.shared]
+        self._by_name = {tr.name: tr for tr in self.tiers}
+        self._shared = [tr.index for tr in self.tiers if tr.index and tr.shared]
         self._lock = threading.Lock()
         self._counts = {"puts": 0, "gets": 0, "hits": 0, "misses": 0}
         self.latency = Latency()  # seconds per get_many / put_many / locate call, as the caller sees them
         self.counters = Counters()  # what the layers above count in this store (KV tokens, weight bytes)
-        self.residency = Residency([LevelSpec(lv.name, lv.capacity, lv.writable, lv.shared) for lv in self.tiers],
+        self.residency = Residency([tr.spec for tr in self.tiers],
                                    self.on_pressure)
         self._transfers = Transfers(self.tiers, self.residency)
         self._adopt()
@@ -165,7 +165,7 @@ class TieredStore:
         """A store over backends opened by the caller, fastest first: each a backend, or ``(backend,
         capacity)``; tiers are named after the backends' ``name`` (else their ``kind``). ``options`` are the
         constructor's (``write_policy``, ``prefetch_policy``, ``on_pressure`` …). The store closes them."""
-        levels = []
+        tiers = []
         for i, entry in enumerate(backends):
             backend, capacity = entry if isinstance(entry, tuple) else (entry, None)
             if capacity is not None and backend.capabilities.shared and backend.capabilities.writable:
@@ -174,18 +174,18 @@ class TieredStore:
                 raise ConfigError(f"tier {getattr(backend, 'name', backend.kind)!r}: {REMOTE_CAPACITY_REFUSED}")
             if backend.capacity is not None:
                 capacity = backend.capacity if capacity is None else min(capacity, backend.capacity)
-            levels.append(Level(i, getattr(backend, "name", None) or backend.kind, backend.kind, backend, capacity))
-        return cls(levels, **options)
+            tiers.append(Tier(i, getattr(backend, "name", None) or backend.kind, backend.kind, backend, capacity))
+        return cls(tiers, **options)
 
     def _adopt(self) -> None:
-        """Index what the persistent levels hold (least recently used first) and trim any that holds more than
+        """Index what the persistent tiers hold (least recently used first) and trim any that holds more than
         its budget (a capacity lowered since, or files placed there by hand)."""
-        for lv in self.tiers:
-            if lv.caps.persistent and lv.backend.list_on_open:
-                self.residency.adopt(lv.index, ((f.key, f.size) for f in lv.backend.list()))
-            if lv.writable:
+        for tr in self.tiers:
+            if tr.caps.persistent and tr.backend.list_on_open:
+                self.residency.adopt(tr.index, ((f.key, f.size) for f in tr.backend.list()))
+            if tr.writable:
                 deadline = time.monotonic() + 60.0
-                for victim in self.residency.trim(lv.index):
+                for victim in self.residency.trim(tr.index):
                     self._transfers.evict(victim, deadline)
 
     # ------------------------------------------------------------------ writes
@@ -220,18 +220,18 @@ class TieredStore:
         return ok
 
     def _land_puts(self, items: list[Item], valid: list[int]) -> list[bool]:
-        """Each valid item into the highest level that takes it (``write_back``) or into every level
-        (``write_through``); per item whether some level holds it (or a newer put of its key superseded it)."""
+        """Each valid item into the highest tier that takes it (``write_back``) or into every tier
+        (``write_through``); per item whether some tier holds it (or a newer put of its key superseded it)."""
         through = self.write_policy is WritePolicy.WRITE_THROUGH
         gens = {i: self.residency.next_gen() for i in valid}
         ok = [False] * len(items)
         todo = list(valid)
-        for lv in self.tiers:
+        for tr in self.tiers:
             if not todo:
                 break
-            if not lv.writable:
+            if not tr.writable:
                 continue
-            landed = self._transfers.land_many(lv.index, [(items[i][0], gens[i], items[i][1]) for i in todo],
+            landed = self._transfers.land_many(tr.index, [(items[i][0], gens[i], items[i][1]) for i in todo],
                                                put=True, queue=not through)
             rest = []
             for i, outcome in zip(todo, landed, strict=True):
@@ -252,9 +252,12 @@ class TieredStore:
             return sum(held and gone for held, gone in map(self._delete_one, dict.fromkeys(keys)))
 
     def delete_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        """Remove each key from every tier this store writes; per key whether no tier holds a copy of it now
-        (``False``: some tier could not remove its copy, which stays readable and indexed: the key was not
-        deleted there; try again later)."""
+        """Remove each key from every tier this store writes; per key whether no tier holds a copy of it now.
+
+        ``False``: some tier could not remove its copy (a shared tier that cannot be reached): the key is not
+        deleted. Tiers are cleared slowest first, and the one that failed and every tier above it keep their
+        copies, and write-back restores the tiers below it, so readers (here, in other processes, after a
+        restart) find the key's latest value, never an older one that tier held. Try again later."""
         keys = check_keys(keys)
         with self._life.call():
             gone = {k: self._delete_one(k)[1] for k in dict.fromkeys(keys)}
@@ -264,15 +267,17 @@ class TieredStore:
         """Delete ``k``: ``(whether some tier held it, whether every tier that was asked removed it)``."""
         res = self.residency
         res.wait_until(partial(_true_or_none, res.begin_delete, k))
-        levels = res.wait_until(partial(res.delete_ready, k))
-        assert levels is not None
-        kept = []
-        for level in levels:
-            lv = self.tiers[level]
-            (err,) = lv.backend.delete_many([k])
+        tiers = res.wait_until(partial(res.delete_ready, k))
+        assert tiers is not None
+        kept: list[int] = []
+        for n, tier in enumerate(reversed(tiers)):  # slowest first: a tier that keeps its copy keeps those above
+            tr = self.tiers[tier]
+            (err,) = tr.backend.delete_many([k])
             if err is not None and not isinstance(err, FileNotFoundError):
-                lv.failures.report("delete", "could not delete %s (kept): %s", k.hex(), err)
-                kept.append(level)
+                tr.failures.report("delete", "could not delete %s (kept, and the tiers above keep theirs): %s",
+                                   k.hex(), err)
+                kept = tiers[:len(tiers) - n]
+                break
         return res.end_delete(k, kept) > 0, not kept
 
     def evict(self, keys: ChunkKey | Sequence[ChunkKey], tier: str) -> int:
@@ -281,16 +286,16 @@ class TieredStore:
         theirs: a demotion, not a delete. A shared tier is refused (:class:`~tierstore.InvalidInputError`):
         its objects are every process's (remove them with :meth:`delete`, or ``tierstore gc``)."""
         keys = check_keys([keys] if isinstance(keys, ChunkKey) else keys)
-        lv = self.tier(tier)
-        if lv.shared:
+        tr = self.tier(tier)
+        if tr.shared:
             raise InvalidInputError(f"tier {tier!r} is shared with other processes: evict only demotes from "
                                     "this store's own tiers (delete() removes a key everywhere)")
-        level = lv.index
+        index = tr.index
         with self._life.call():
             n = 0
             deadline = time.monotonic() + self._transfers.pin_wait
             for k in dict.fromkeys(keys):
-                victim = self.residency.choose(k, level)
+                victim = self.residency.choose(k, index)
                 if victim is not None:
                     n += self._transfers.evict(victim, deadline) is Eviction.REMOVED
             return n
@@ -365,15 +370,15 @@ class TieredStore:
                 raise InvalidInputError(f"out has {len(out)} entries for {len(keys)} keys")
             check_outs(out)
         top = self._transfers.top if self._transfers.top is not None else len(self.tiers)
-        retain = self.prefetch_policy is PrefetchPolicy.RETAIN and top < len(self.tiers) - 1  # a level below top
-        # objects read from a shared level are decoded here, so a promotion writes them without reading again
-        objects = [lv.index for lv in self.tiers if retain and lv.shared and lv.caps.objects and lv.index > top]
+        retain = self.prefetch_policy is PrefetchPolicy.RETAIN and top < len(self.tiers) - 1  # a tier below top
+        # objects read from a shared tier are decoded here, so a promotion writes them without reading again
+        objects = [tr.index for tr in self.tiers if retain and tr.shared and tr.caps.objects and tr.index > top]
         with self._life.call():
             results, source = self._transfers.read(keys, out, device, objects_from=objects)
             if retain:
                 results = self._admit_below(keys, results, source, top)
             self._note_use_below(keys, source)
-        hits = len(keys) - source.count(None)  # a key read from no level missed (or its out did not fit)
+        hits = len(keys) - source.count(None)  # a key read from no tier missed (or its out did not fit)
         self._count(gets=len(keys), hits=hits, misses=len(keys) - hits)
         return results
 
@@ -397,45 +402,45 @@ class TieredStore:
         return results
 
     def _note_use_below(self, keys: list[ChunkKey], source: list[tuple[int, int] | None]) -> None:
-        """Tell each shared level which keys a level above it served: their objects there are in use too."""
-        for level in self._shared:
-            above = [k for k, s in zip(keys, source, strict=True) if s is not None and s[0] < level]
+        """Tell each shared tier which keys a tier above it served: their objects there are in use too."""
+        for tier in self._shared:
+            above = [k for k, s in zip(keys, source, strict=True) if s is not None and s[0] < tier]
             if above:
-                self.tiers[level].backend.note_use(above)
+                self.tiers[tier].backend.note_use(above)
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         """Whether some tier holds each key; shared tiers are probed concurrently for keys the index lacks."""
         keys = check_keys(keys)
         with self._life.call():
-            return [f is not None for f in self._levels(keys, probe=True)]
+            return [f is not None for f in self._tiers(keys, probe=True)]
 
     def contains(self, key: ChunkKey) -> bool:
         return self.contains_many([check_key(key)])[0]
 
-    def _levels(self, keys: list[ChunkKey], probe: bool, local: bool = False) -> list[int | None]:
-        """Per key, the first level holding its current value, or ``None``: from the index, then (``probe``)
-        asking the shared levels about the keys it lacks. ``local``: levels that are not shared only."""
+    def _tiers(self, keys: list[ChunkKey], probe: bool, local: bool = False) -> list[int | None]:
+        """Per key, the first tier holding its current value, or ``None``: from the index, then (``probe``)
+        asking the shared tiers about the keys it lacks. ``local``: tiers that are not shared only."""
         res = self.residency
-        levels = [lv.index for lv in self.tiers if not (local and lv.shared)]
-        found = res.locate(keys, levels)
+        tiers = [tr.index for tr in self.tiers if not (local and tr.shared)]
+        found = res.locate(keys, tiers)
         if not probe or local:
             return found
         token = res.deletes
-        for level in self._shared_levels():
-            lv = self.tiers[level]
-            ask = [i for i, f in enumerate(found) if f is None and level in res.probe_levels(keys[i])]
+        for tier in self._shared_tiers():
+            tr = self.tiers[tier]
+            ask = [i for i, f in enumerate(found) if f is None and tier in res.probe_tiers(keys[i])]
             if not ask:
                 continue
             start = perf_counter()
-            sizes = lv.backend.stat_many([keys[i] for i in ask])
-            lv.latency.since("lookup", start)
+            sizes = tr.backend.stat_many([keys[i] for i in ask])
+            tr.latency.since("lookup", start)
             for i, size in zip(ask, sizes, strict=True):
-                if size is not None and res.found(level, keys[i], size, token) is not None:
-                    found[i] = level
+                if size is not None and res.found(tier, keys[i], size, token) is not None:
+                    found[i] = tier
         return found
 
-    def _shared_levels(self) -> list[int]:
-        return [lv.index for lv in self.tiers if lv.shared]
+    def _shared_tiers(self) -> list[int]:
+        return [tr.index for tr in self.tiers if tr.shared]
 
     def lookup(self, keys: Sequence[ChunkKey], *, probe: bool = True) -> int:
         """Length of the leading run of ``keys`` held by some tier (see :meth:`locate`)."""
@@ -453,20 +458,20 @@ class TieredStore:
         start = perf_counter()
         keys = check_keys(keys)
         with self._life.call():
-            found = self._levels(keys, probe=False, local=local)
+            found = self._tiers(keys, probe=False, local=local)
             n = _leading(found)
             window = LOOKUP_WINDOW
             while probe and not local and n < len(keys):
                 end = min(len(keys), n + window)
                 missing = [i for i in range(n, end) if found[i] is None]
-                for i, level in zip(missing, self._levels([keys[i] for i in missing], probe=True), strict=True):
-                    found[i] = level
+                for i, tier in zip(missing, self._tiers([keys[i] for i in missing], probe=True), strict=True):
+                    found[i] = tier
                 n = _leading(found, n)
                 if n < end:
                     break
                 window *= 2
             self.latency.since("lookup", start)
-            return [self.tiers[level].name for level in found[:n] if level is not None]
+            return [self.tiers[tier].name for tier in found[:n] if tier is not None]
 
     def readiness(self, keys: Sequence[ChunkKey], *, promote: bool = True) -> Readiness:
         """How much of ``keys`` can be loaded now, without any I/O on the caller's thread.
@@ -479,7 +484,7 @@ class TieredStore:
         with self._life.call():
             ready = len(self.locate(keys, local=True))
             rest = keys[ready:]
-            if promote and rest and self._shared_levels():
+            if promote and rest and self._shared_tiers():
                 self._promoter.promote_shared(rest, self.lookup)
             return Readiness(ready, self._promoter.pending(rest) if rest else 0)
 
@@ -487,14 +492,14 @@ class TieredStore:
         """Name of the highest tier holding ``key``'s current value, or ``None``."""
         check_key(key)
         with self._life.call():
-            (level,) = self._levels([key], probe=True)
-            return None if level is None else self.tiers[level].name
+            (tier,) = self._tiers([key], probe=True)
+            return None if tier is None else self.tiers[tier].name
 
     def holders(self, key: ChunkKey) -> list[str]:
         """Names of every tier whose index holds ``key``'s current value, fastest first (no I/O)."""
         check_key(key)
         with self._life.call():
-            return [lv.name for lv in self.tiers if self.residency.current_gen(key, lv.index) is not None]
+            return [tr.name for tr in self.tiers if self.residency.current_gen(key, tr.index) is not None]
 
     def prefetch(self, keys: Iterable[ChunkKey]) -> Future[int]:
         """Promote ``keys`` toward the top tier in the background, at most ``max_in_flight`` at a time.
@@ -596,7 +601,7 @@ class TieredStore:
     def stats(self) -> dict[str, Any]:
         """Per-tier counters and sizes plus the store's own totals (what a dashboard needs)."""
         self._life.check_fork()  # the parent's threads may have held the locks at the fork
-        tiers = {lv.name: {**lv.snapshot(), **self.residency.level_stats(lv.index)} for lv in self.tiers}
+        tiers = {tr.name: {**tr.snapshot(), **self.residency.tier_stats(tr.index)} for tr in self.tiers}
         with self._lock:
             counts = {**self._counts, **self._promoter.counts}
         return {"tiers": tiers, "pending_writeback": self.residency.dirty(), **counts,
@@ -604,13 +609,13 @@ class TieredStore:
                 "write_policy": self.write_policy.value, "prefetch_policy": self.prefetch_policy.value,
                 "on_pressure": self.on_pressure.value}
 
-    def tier(self, name: str) -> Level:
-        """The level named ``name`` (its ``backend``, ``capacity``, ``kind``); an unknown name raises
+    def tier(self, name: str) -> Tier:
+        """The tier named ``name`` (its ``backend``, ``capacity``, ``kind``); an unknown name raises
         :class:`~tierstore.InvalidInputError` naming the tiers there are."""
-        lv = self._by_name.get(name)
-        if lv is None:
+        tr = self._by_name.get(name)
+        if tr is None:
             raise InvalidInputError(f"no tier named {name!r} (tiers: {', '.join(self._by_name)})")
-        return lv
+        return tr
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -618,8 +623,11 @@ class TieredStore:
                 self._counts[k] += v
 
     def close(self, timeout: float | None = None) -> None:
-        """Refuse new calls, wait for running ones, flush for up to ``timeout`` seconds in all (default
-        ``close_timeout``), then stop and close the tiers.
+        """Refuse new calls, wait for running ones, flush, then stop and close the tiers.
+
+        The flush goes on while write-back makes progress: it gives up once ``timeout`` seconds (default
+        ``close_timeout``) pass with no chunk written, so a healthy tier below that is slower than the timeout
+        still receives every chunk; waiting for running calls and promotions is bounded by ``timeout`` in all.
 
         Never raises for write-back failures or the deadline: it logs one warning naming what it abandoned
         (a write still running past the deadline raises :class:`~tierstore.ClosedError` to its caller instead
@@ -634,29 +642,32 @@ class TieredStore:
             return
         try:
             self._promoter.stop(deadline)
-            self._flush_for_close(deadline)
-            self._writeback.stop(max(0.1, deadline - time.monotonic()))
+            settled = self._flush_for_close(timeout)
+            self._writeback.stop(max(0.1, timeout if settled else 0.0))
             self._async_pool.shutdown(wait=False, cancel_futures=True)
-            for lv in self.tiers:
+            for tr in self.tiers:
                 try:
-                    lv.backend.close()
+                    tr.backend.close()
                 except Exception as exc:  # noqa: BLE001 - close the others anyway
-                    log.warning("close: tier %s: %s", lv.name, exc)
+                    log.warning("close: tier %s: %s", tr.name, exc)
         finally:
             if self.metrics is not None:
                 self.metrics.close()
             untrack(self)
             self._closed.set()
 
-    def _flush_for_close(self, deadline: float) -> None:
+    def _flush_for_close(self, timeout: float) -> bool:
+        """Flush while write-back makes progress (``timeout`` s without any: give up); whether it settled."""
         try:
-            report = self._writeback.flush(max(0.0, deadline - time.monotonic()))
+            report = self._writeback.flush(timeout, stall=True)
             if report.dropped:
                 log.info("close: %d chunks were dropped under pressure since the last flush", len(report.dropped))
         except WriteBackError as exc:
             log.warning("close: abandoning write-back of %d chunks: %s", len(exc.failed), exc)
         except TierTimeoutError as exc:
-            log.warning("close: deadline passed; abandoning pending write-back (%s)", exc)
+            log.warning("close: write-back made no progress for %ss; abandoning what is pending (%s)", timeout, exc)
+            return False
+        return True
 
     def __enter__(self) -> TieredStore:
         return self
@@ -710,9 +721,9 @@ def _leading(found: Sequence[object], start: int = 0) -> int:
     return len(found)
 
 
-def build_levels(config: StoreConfig) -> list[Level]:
-    """One :class:`~tierstore.transfers.Level` per tier entry, its backend opened (closed again on failure)."""
-    levels: list[Level] = []
+def build_tiers(config: StoreConfig) -> list[Tier]:
+    """One :class:`~tierstore.transfers.Tier` per tier entry, its backend opened (closed again on failure)."""
+    tiers: list[Tier] = []
     try:
         for i, tc in enumerate(config.tiers):
             cls = backend_class(tc.kind)
@@ -722,12 +733,12 @@ def build_levels(config: StoreConfig) -> list[Level]:
                 options["capacity"] = capacity
             backend = cls(name=tc.name, **options)  # type: ignore[call-arg]  # every backend takes a name
             cap = backend.capacity if backend.capacity is not None else capacity
-            levels.append(Level(i, tc.name, tc.kind, backend, cap))
+            tiers.append(Tier(i, tc.name, tc.kind, backend, cap))
     except BaseException:
-        for lv in levels:
-            lv.backend.close()
+        for tr in tiers:
+            tr.backend.close()
         raise
-    return levels
+    return tiers
 
 
 def open(config: Mapping[str, Any] | str | os.PathLike[str] | None = None) -> Store:  # noqa: A001 - public name
@@ -756,11 +767,11 @@ def open_tiered(config: Mapping[str, Any] | str | os.PathLike[str] | None = None
     if "server" in raw:
         raise ConfigError("server: this needs an embedded store (tiers); tierstore.open() opens a server's client")
     cfg = parse_config(raw)
-    levels = build_levels(cfg)
+    tiers = build_tiers(cfg)
     try:
-        return TieredStore(levels, cfg.write_policy, cfg.prefetch_policy, cfg.max_in_flight, cfg.close_timeout,
+        return TieredStore(tiers, cfg.write_policy, cfg.prefetch_policy, cfg.max_in_flight, cfg.close_timeout,
                            cfg.on_pressure, cfg.metrics)
     except BaseException:
-        for lv in levels:
-            lv.backend.close()
+        for tr in tiers:
+            tr.backend.close()
         raise

@@ -1,7 +1,7 @@
 """Write-back: the part of the data plane (:mod:`tierstore.transfers`) that copies what the residency says is
-due into each level below the one a put landed in.
+due into each tier below the one a put landed in.
 
-A scheduler thread takes the due writes per level and hands them, a batch at a time, to that level's writer
+A scheduler thread takes the due writes per tier and hands them, a batch at a time, to that tier's writer
 thread; a batch reads its sources (an object's bytes as they are between backends of the same codec) and
 lands them (:meth:`~tierstore.transfers.Transfers.land_many`). A failure is retried with back-off (the
 residency keeps the schedule) and reported by :meth:`WriteBack.flush` once it keeps failing.
@@ -24,7 +24,7 @@ from .transfers import Transfers
 
 log = logging.getLogger("tierstore")
 
-#: batches in flight per level: one reading its sources while another writes
+#: batches in flight per tier: one reading its sources while another writes
 PIPELINE = 2
 
 @dataclass(frozen=True)
@@ -37,22 +37,22 @@ class FlushReport:
 
 
 class WriteBack:
-    """Write-back of one store: a scheduler thread takes what the residency says is due into each level and
-    hands it, a batch at a time, to that level's writers (:data:`PIPELINE` batches in flight per level, each
-    as large as the level's backend runs at once — its :attr:`~tierstore.backends.base.Backend.concurrency`,
+    """Write-back of one store: a scheduler thread takes what the residency says is due into each tier and
+    hands it, a batch at a time, to that tier's writers (:data:`PIPELINE` batches in flight per tier, each
+    as large as the tier's backend runs at once — its :attr:`~tierstore.backends.base.Backend.concurrency`,
     at least ``batch`` — so one batch reads its sources while another writes)."""
 
     def __init__(self, transfers: Transfers, batch: int) -> None:
         self.t = transfers
         self.res = transfers.res
         self.batch = batch
-        self._levels = [lv.index for lv in transfers.levels if lv.index > 0 and lv.writable]
-        self._batches = {j: max(batch, transfers.levels[j].backend.concurrency or 0) for j in self._levels}
+        self._tiers = [tr.index for tr in transfers.tiers if tr.index > 0 and tr.writable]
+        self._batches = {j: max(batch, transfers.tiers[j].backend.concurrency or 0) for j in self._tiers}
         self._writers = {j: ThreadPoolExecutor(PIPELINE,
-                                               thread_name_prefix=f"tierstore-writeback-{transfers.levels[j].name}")
-                         for j in self._levels}
+                                               thread_name_prefix=f"tierstore-writeback-{transfers.tiers[j].name}")
+                         for j in self._tiers}
         self._lock = threading.Lock()
-        self._busy = dict.fromkeys(self._levels, 0)  # level -> batches in flight
+        self._busy = dict.fromkeys(self._tiers, 0)  # tier -> batches in flight
         self.pipeline = PIPELINE
         self._stopping = False
         self._thread = threading.Thread(target=self._run, daemon=True, name="tierstore-writeback")
@@ -68,41 +68,41 @@ class WriteBack:
                 continue
             for j in due:
                 writes, stale = res.take_due(j, self._batches[j])
-                for key, level in stale:
-                    self.t.remove_stale(key, [level])
+                for key, tier in stale:
+                    self.t.remove_stale(key, [tier])
                 if writes:
                     self._submit(j, writes)
 
     def _due(self) -> list[int] | None:
-        """Levels with write-backs due now and no batch in flight (``None``: none)."""
-        due = [j for j in self._levels if self._busy[j] < self.pipeline and self.res.next_due(j) == 0.0]
+        """Tiers with write-backs due now and no batch in flight (``None``: none)."""
+        due = [j for j in self._tiers if self._busy[j] < self.pipeline and self.res.next_due(j) == 0.0]
         return due or None
 
     def _idle(self) -> float:
         """Seconds until the next retry falls due (at most one)."""
-        times = [t for j in self._levels if self._busy[j] < self.pipeline and (t := self.res.next_due(j)) is not None]
+        times = [t for j in self._tiers if self._busy[j] < self.pipeline and (t := self.res.next_due(j)) is not None]
         return 1.0 if not times else min(1.0, max(0.0, min(times) - self.res.clock()))
 
-    def _submit(self, level: int, writes: list[Write]) -> None:
+    def _submit(self, tier: int, writes: list[Write]) -> None:
         with self._lock:
-            self._busy[level] += 1
+            self._busy[tier] += 1
         try:
-            self.t.jobs.submit(self._writers[level], "write-back", self.t.levels[level].name, len(writes),
-                               lambda: self._write(level, writes))
+            self.t.jobs.submit(self._writers[tier], "write-back", self.t.tiers[tier].name, len(writes),
+                               lambda: self._write(tier, writes))
         except ClosedError:
-            self._done(level)
+            self._done(tier)
 
-    def _done(self, level: int) -> None:
+    def _done(self, tier: int) -> None:
         with self._lock:
-            self._busy[level] -= 1
+            self._busy[tier] -= 1
         self.res.notify()
 
-    def _write(self, level: int, writes: list[Write]) -> None:
+    def _write(self, tier: int, writes: list[Write]) -> None:
         t, res = self.t, self.res
         try:
             with ExitStack() as stack:
                 items: list[tuple[ChunkKey, int, Chunk]] = []
-                read = self._read_objects(level, writes)
+                read = self._read_objects(tier, writes)
                 for i, w in enumerate(writes):
                     try:
                         if i in read:
@@ -111,60 +111,73 @@ class WriteBack:
                                 raise got
                             data = got
                         else:
-                            data = t.read_for_copy(stack, w.source, w.key, level)
+                            data = t.read_for_copy(stack, w.source, w.key, tier)
                     except (CorruptObjectError, UnsupportedObjectError) as exc:
                         log.warning("write-back of %s: its copy in tier %s cannot be read (%s); forgetting it",
-                                    w.key.hex(), t.levels[w.source].name, exc)
+                                    w.key.hex(), t.tiers[w.source].name, exc)
                         res.lost(w.source, w.key, w.gen, remove=False)
                         data = None
                     except Exception as exc:  # noqa: BLE001 - an I/O error: retried with back-off
                         log.debug("write-back of %s: reading tier %s failed: %s", w.key.hex(),
-                                  t.levels[w.source].name, exc)
+                                  t.tiers[w.source].name, exc)
                         data = None
                     finally:
                         res.unpin([Hold(w.key, w.source, w.source_size, w.gen)])
                     if data is None:
-                        t.abort(level, w.key, w.gen)
+                        t.abort(tier, w.key, w.gen)
                     else:
                         items.append((w.key, w.gen, data))
-                t.land_many(level, items, slots_held=True, kind="write-back")
+                t.land_many(tier, items, slots_held=True, kind="write-back")
         finally:
-            self._done(level)
+            self._done(tier)
 
-    def _read_objects(self, level: int, writes: list[Write]) -> dict[int, Chunk | BaseException | None]:
-        """The sources of ``writes`` that move as objects into ``level``, read in one batch per source level
+    def _read_objects(self, tier: int, writes: list[Write]) -> dict[int, Chunk | BaseException | None]:
+        """The sources of ``writes`` that move as objects into ``tier``, read in one batch per source tier
         (index in ``writes`` -> object, ``None`` or error)."""
         by_source: dict[int, list[int]] = {}
         for i, w in enumerate(writes):
-            if self.t.moves_objects(w.source, level):
+            if self.t.moves_objects(w.source, tier):
                 by_source.setdefault(w.source, []).append(i)
         read: dict[int, Chunk | BaseException | None] = {}
         for source, idx in by_source.items():
             read.update(zip(idx, self.t.read_objects_for_copy(source, [writes[i].key for i in idx]), strict=True))
         return read
 
-    def flush(self, timeout: float | None = None) -> FlushReport:
-        """Wait until every chunk put so far reached every level below it, is failing there, or was dropped.
+    def flush(self, timeout: float | None = None, *, stall: bool = False) -> FlushReport:
+        """Wait until every chunk put so far reached every tier below it, is failing there, or was dropped.
 
-        Failing levels first get a fresh round of retries. Raises :class:`~tierstore.WriteBackError` naming
+        Failing tiers first get a fresh round of retries. Raises :class:`~tierstore.WriteBackError` naming
         the keys and tiers that could not be written (with ``dropped`` as in the report), and
-        :class:`~tierstore.TierTimeoutError` if ``timeout`` passed first.
+        :class:`~tierstore.TierTimeoutError` if ``timeout`` passed first: in all, or with ``stall`` (close)
+        with no write settled (a slow tier that keeps taking chunks is waited for; a stuck one is not).
         """
         from .errors import TierTimeoutError, WriteBackError
 
         res = self.res
         state = res.flush_begin()
+        left = res.flush_waits_for(state)
         deadline = None if timeout is None else time.monotonic() + timeout
-        if res.wait_until(lambda: True if res.flush_settled(state) else None, deadline) is None:
-            raise TierTimeoutError(f"flush: {res.flush_waits_for(state)} write-backs still pending after {timeout}s")
+
+        def progress() -> int | None:
+            n = res.flush_waits_for(state)
+            return n if n != left else None
+
+        while left:
+            n = res.wait_until(progress, deadline)
+            if n is None:
+                how = "with none written in the last" if stall else "after"
+                raise TierTimeoutError(f"flush: {left} write-backs still pending {how} {timeout}s")
+            left = n
+            if stall and timeout is not None:
+                deadline = time.monotonic() + timeout
         failed, dropped = res.losses()
         report = FlushReport(self._named(dropped))
         if failed:
             raise WriteBackError(self._named(failed), report.dropped)
         return report
 
-    def _named(self, levels: dict[ChunkKey, set[int]]) -> dict[ChunkKey, tuple[str, ...]]:
-        return {k: tuple(self.t.levels[j].name for j in sorted(js)) for k, js in levels.items()}
+    def _named(self, tiers: dict[ChunkKey, set[int]]) -> dict[ChunkKey, tuple[str, ...]]:
+        return {k: tuple(self.t.tiers[j].name for j in sorted(js)) for k, js in tiers.items()}
 
     def stop(self, timeout: float) -> None:
         """Stop scheduling; let the batches in flight finish, waiting up to ``timeout`` s in all."""

@@ -26,12 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="also write the results as JSON here")
 
 
-def _run_with_future(self: Any, kind: str, level: str, keys: int, fn: Callable[[], T]) -> T:
+def _run_with_future(self: Any, kind: str, tier: str, keys: int, fn: Callable[[], T]) -> T:
     """``Jobs.run`` as it was: a job with its own future, resolved when ``fn`` returns."""
     from ..transfers import Job
 
     future: Future[T] = Future()
-    job = Job(next(self._ids), kind, level, keys, future)
+    job = Job(next(self._ids), kind, tier, keys, future)
     with self._lock:
         self._running[job.id] = job
     try:

@@ -140,8 +140,8 @@ def _evict_without_writing_down(store: TieredStore) -> None:
     """Sabotage: victims are evicted as if clean, dirty or not (their write-downs never happen)."""
     reserve = store.residency.reserve
 
-    def sabotaged(key: ChunkKey, level: int, size: int) -> Room:
-        room = reserve(key, level, size)
+    def sabotaged(key: ChunkKey, tier: int, size: int) -> Room:
+        room = reserve(key, tier, size)
         return replace(room, victims=tuple(replace(v, down=None) for v in room.victims))
 
     store.residency.reserve = sabotaged  # type: ignore[method-assign]
