@@ -22,6 +22,7 @@ child opens its own).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pwd
@@ -43,9 +44,9 @@ from ..sizes import parse_seconds
 from ..store import Item, Readiness, check_items, check_keys
 from ..telemetry import Counters
 from ..tensors import TensorDict, byte_alias, check_device, check_outs, copy_tensors, dtype_name, wait_for_copies
-from . import access, shm
+from . import access, lending, shm
 from .link import Link, TierInfo
-from .places import OutSpec, Places, copy_out
+from .places import OutSpec, Places, copy_out, stamp_holds
 from .protocol import (
     MAX_KEYS,
     ProtocolError,
@@ -118,8 +119,9 @@ class ServerStore:
         self._pools: dict[str, torch.Tensor] = {}
         self._slots = threading.BoundedSemaphore(connections)
         self._down_until = 0.0
+        self._staging_bytes = 0
         self._closed = False
-        self._counts = {"unavailable": 0, "reconnects": 0, "untrusted": 0}
+        self._counts = {"unavailable": 0, "reconnects": 0, "untrusted": 0, "lent_chunks": 0, "reserved_chunks": 0}
         #: per server id, puts it acknowledged that no flush has confirmed yet
         self._unflushed: dict[str, int] = {}
         self._places = Places()
@@ -159,6 +161,7 @@ class ServerStore:
             raise _Unavailable from None
         with self._lock:
             self.tiers = conn.tiers
+            self._staging_bytes = conn.staging.numel()
             self._counts["reconnects"] += 1
             for gone in [sid for sid in self._pools if sid != conn.server]:
                 # a restarted server's old pool: unmapped once the last view of it goes
@@ -302,7 +305,7 @@ class ServerStore:
             if out is not None and any(o.device.type == "cuda" for i in asked for o in out[i].values()):
                 wait_for_copies(*(o for i in asked for o in out[i].values()))
             for i, spec_, item in leased:  # copied out of the pool under a lease: was it still that chunk?
-                if _stamp_holds(conn.words, item):
+                if stamp_holds(conn.words, item[1], item[2]):
                     self._places.learn(conn.server, keys[i], spec_, item)
                 else:  # the lease outlived lease_ttl and the memory went to another chunk meanwhile
                     log.warning("get %s: its pool memory was reused while being copied; a miss", keys[i].hex()[:16])
@@ -322,7 +325,7 @@ class ServerStore:
             msg["specs"] = [[[n, d, list(shape)] for n, d, shape in one] for one in distinct]
         reply = self._call(conn, msg)
         if "lease" in reply:
-            conn.done.append(reply["lease"])  # given back with the connection's next request
+            conn.owe(reply["lease"])  # given back with the connection's next request
         again = []
         for j, (i, item) in enumerate(zip(todo, reply["items"], strict=True)):
             if item is None:
@@ -384,20 +387,103 @@ class ServerStore:
                 pos = end
             if not sent:
                 return []
-            reply = self._call(conn, {"op": "put", "items": wire})
-            server = conn.server
-        n = 0
-        for i, ok in zip(sent, reply["acks"], strict=True):
-            acks[i] = bool(ok)
-            n += acks[i]
-        with self._lock:
-            self._unflushed[server] = self._unflushed.get(server, 0) + n
+            for i, ok in zip(sent, self._put_staged(conn, wire), strict=True):
+                acks[i] = ok
         return later
+
+    def _put_staged(self, conn: Link, wire: list[lending.Wire]) -> list[bool]:
+        """One put request for the chunks ``wire`` names in ``conn``'s staging area; per chunk its ack."""
+        acks = [bool(ok) for ok in self._call(conn, {"op": "put", "items": wire})["acks"]]
+        if len(acks) != len(wire):
+            raise errors.TierstoreError(f"server acknowledged {len(acks)} of {len(wire)} puts")
+        with self._lock:
+            self._unflushed[conn.server] = self._unflushed.get(conn.server, 0) + sum(acks)
+        return acks
 
     def put(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
         check_key(key)
         validate_chunk(tensors)
         return self.put_many([(key, tensors)])[0]
+
+    # ------------------------------------------------------------------ the one-copy KV path (.lending)
+    def lend(self, keys: Sequence[ChunkKey]) -> lending.ServerLoan:
+        """As :meth:`TieredStore.lend`: the chunks the server's pool holds, views of it (mapped here read-only)
+        under a lease until :meth:`~.lending.ServerLoan.close`; ``None`` for the others, and for every key while
+        the server cannot be reached or does not lend."""
+        keys = check_keys(keys)
+        nothing = lending.ServerLoan([None] * len(keys), [None] * len(keys))
+        try:
+            with self._connection() as conn:
+                if "lend" not in conn.features:
+                    return nothing
+                reply = self._call(conn, {"op": "lend", "keys": hexes(keys[:MAX_KEYS])})
+                lease = reply.get("lease")
+                release = functools.partial(self._owe, conn, lease) if type(lease) is int else None
+                loan = lending.lent(len(keys), reply.get("items"), conn.pool, conn.words, release)
+        except _Unavailable:
+            return nothing
+        except ProtocolError as exc:
+            log.warning("tierstore server %s: a lend reply broke the protocol (%s): read the usual way", self.path, exc)
+            return nothing
+        with self._lock:
+            self._counts["lent_chunks"] += sum(t is not None for t in loan.tensors)
+        return loan
+
+    def _owe(self, conn: Link, lease: int) -> None:
+        """Give ``lease`` back with ``conn``'s next request, or its idle pass if it is idle now."""
+        conn.owe(lease)
+        with self._lock:
+            if conn in self._idle:
+                conn.idle_since = time.monotonic()
+                self._release_soon.set()
+
+    def reserve(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]) -> lending.StagedReservation:
+        """As :meth:`TieredStore.reserve`, in a connection's staging area (the server's pool takes no client's
+        writes): views to fill per ``(key, like)``, as many as the area holds (``None`` for the rest, and for
+        every key while the server cannot be reached); the commit is one put request. Holds a connection until
+        it is committed or aborted."""
+        items = [(check_key(k), like) for k, like in items]
+        keys = [k for k, _ in items]
+        try:
+            conn = self._take()
+        except _Unavailable:
+            return lending.StagedReservation(keys, [None] * len(keys), [None] * len(keys))
+        broken = False
+
+        def put(wire: list[lending.Wire]) -> list[bool]:
+            nonlocal broken
+            try:
+                acks = self._put_staged(conn, wire)
+            except _Unavailable:  # dropped by _call
+                broken = True
+                return [False] * len(wire)
+            except errors.TierstoreError:  # an error reply: the stream is in step
+                raise
+            except BaseException:
+                broken = True
+                conn.close()
+                raise
+            with self._lock:
+                self._counts["reserved_chunks"] += sum(acks)
+            return acks
+
+        def done() -> None:
+            if not broken:
+                self._give_back(conn)
+            self._slots.release()
+
+        try:
+            tensors, offsets = lending.laid_out(conn.staging, items)
+        except BaseException:
+            done()
+            raise
+        return lending.StagedReservation(keys, tensors, offsets, put, done)
+
+    @property
+    def reserve_limit(self) -> int | None:
+        """Bytes one :meth:`reserve` can hold (the server's staging area per connection); ``None`` before the
+        server was first reached."""
+        return self._staging_bytes or None
 
     # ------------------------------------------------------------------ questions
     def _ask(self, msg: dict[str, Any], field: str, miss: Any, timeout: float | None = None) -> Any:
@@ -572,15 +658,6 @@ class ServerStore:
 
     def __repr__(self) -> str:
         return f"<ServerStore {self.url}>"
-
-
-def _stamp_holds(words: torch.Tensor, item: Sequence[Any]) -> bool:
-    """Whether the stamp a get reply gave a pool chunk (``[0, stamp, word, ...]``) is still at its word (no stamp:
-    nothing to check)."""
-    stamp, word = item[1], item[2]
-    if not stamp:
-        return True
-    return type(word) is int and 0 <= word < 8 * words.numel() and not word % 8 and int(words[word // 8]) == stamp
 
 
 def _keyed(named: Mapping[str, Sequence[str]]) -> dict[ChunkKey, tuple[str, ...]]:
