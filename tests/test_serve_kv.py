@@ -174,6 +174,7 @@ def test_an_aborted_or_failed_save_through_the_server_leaves_nothing_visible(nod
         kv = KVCacheStore(store, NS, chunk_tokens=C)
         n = 4 * C
         tokens, table, src = list(range(n)), list(range(n // BS)), caches(n // BS, seed=1)
+        store.flush()
         before = host(node)
         like = {f"layer.{j}": torch.empty(2, C, H, D, device="meta") for j in range(LAYERS)}
         keys = kv.keys(tokens)
@@ -190,6 +191,7 @@ def test_an_aborted_or_failed_save_through_the_server_leaves_nothing_visible(nod
         assert r.commit() == [False] * 4  # once only
         assert store.lookup(keys) == 1 and all(bool((v == 8).all()) for v in store.get(keys[0]).values())
         store.delete(keys)
+        store.flush()
         gather, calls = PagedTransfer.gather, []
 
         def failing(self, layer, pieces, staged):
@@ -218,9 +220,15 @@ from tierstore.serve.client import ServerStore
 from tierstore.kv.rows import PagedTransfer
 store = tierstore.open({"server": sys.argv[1]})
 gather = PagedTransfer.gather
+def mapped_from(address):
+    for line in open("/proc/self/maps"):
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= address < hi:
+            return line.strip()
 def stuck(self, layer, pieces, staged):
     gather(self, layer, pieces, staged)
-    print("reserved", flush=True)
+    where = mapped_from(staged[0].data_ptr())  # the server's shared staging area, not memory of this process's
+    print("reserved" if "memfd:tierstore-staging" in where else f"gathered into {where!r}", flush=True)
     time.sleep(60)  # SIGKILLed here, its reservation filled in part
 PagedTransfer.gather = stuck
 kv = tierstore.KVCacheStore(store, tierstore.KVNamespace(model="m", dtype="float32"), chunk_tokens=%d)
@@ -237,6 +245,7 @@ def test_a_client_killed_mid_reservation_leaves_nothing_and_holds_nothing(node):
         table = list(range(n // BS))
         mine = caches(len(table), seed=5)
         assert kv.save_from(list(range(n)), mine, "vllm", table) == n
+        store.flush()  # write-back done: it pins what it copies down
         before = host(node)
         script = KILLED_SAVER % (C, C, BS, BS, H, D, LAYERS, BS)
         url = f"unix://{node.config.socket}"
