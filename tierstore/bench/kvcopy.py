@@ -13,7 +13,8 @@ layers, 8 KV heads × 128), chunks of 256 tokens, a block table in random order.
   scatter*: each chunk object's payload read with one ``preadv`` into a reusable buffer, then scattered;
 * node server — the host-tier pair again through a ``tierstore serve`` process on this host (its host pool mapped
   read-only here, ``tierstore.serve.lending``): ``load_into`` scatters straight from the server's pool,
-  ``save_from`` gathers into the connection's staging area and the server copies it into its pool.
+  ``save_from`` gathers into the connection's staging area and the server copies it into its pool. The server
+  runs with ``--threads`` intra-op threads too (more, on a busy machine, spin against each other).
 
 The bare copies are the physical limit of what a store could do here: the same bytes, the same blocks, no
 store in between. Memory: the caches, the store's copy and one bare buffer, each ``tokens × 128 KiB`` at the
@@ -156,7 +157,7 @@ def node_server(shape: Shape, args: argparse.Namespace, bare: torch.Tensor, root
     work.mkdir()
     sock = work / "run" / "ts.sock"
     proc = start_server({"tiers": [{"kind": "host", "capacity": capacity, "pinned": False}],
-                         "serve": {"socket": str(sock)}}, str(work))
+                         "serve": {"socket": str(sock)}}, str(work), threads=args.threads)
     try:
         with tierstore.open({"server": f"unix://{sock}"}) as store:
             kv = tierstore.KVCacheStore(store, _namespace(shape))
