@@ -14,20 +14,17 @@ import threading
 import time
 
 import pytest
+import test_kv_one_copy as one_copy
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from test_kv_one_copy import BS, LAYERS, NS, C, D, H, caches  # the in-process tests' shapes
 
 import tierstore
-from tierstore import KVCacheStore, KVNamespace
-from tierstore.kv import PagedLayout, gather_layers, rows, transfer
+from tierstore import KVCacheStore
+from tierstore.kv import gather_layers, rows, transfer
 from tierstore.kv.rows import PagedTransfer
 from tierstore.serve import connection, protocol
 from tierstore.serve.client import ServerStore
 from tierstore.serve.server import NodeServer
-
-H, D, LAYERS, C, BS = 2, 8, 3, 16, 4
-NS = KVNamespace(model="m", dtype="float32")
 
 
 def node_config(tmp_path, host="32MiB", **serve):
@@ -47,10 +44,20 @@ def client(server) -> ServerStore:
     return tierstore.open({"server": f"unix://{server.config.socket}"})
 
 
-def caches(blocks: int, seed: int | None = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed or 0)
-    return [torch.randn(2, blocks, BS, H, D, generator=g) if seed is not None else torch.zeros(2, blocks, BS, H, D)
-            for _ in range(LAYERS)]
+def saved(store, chunks: int, seed: int):
+    """A KVCacheStore over ``store`` and ``chunks`` chunks of KV saved from vLLM caches: (kv, tokens, table, src)."""
+    kv = KVCacheStore(store, NS, chunk_tokens=C)
+    n = chunks * C
+    table = list(range(n // BS))
+    src = caches(len(table), seed=seed)
+    assert kv.save_from(list(range(n)), src, "vllm", table) == n
+    return kv, n, table, src
+
+
+def loads_back(kv, n: int, table: list[int], src: list[torch.Tensor]) -> None:
+    dst = caches(len(table), seed=None)
+    assert kv.load_into(list(range(n)), dst, "vllm", table) == n
+    assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
 
 
 def host(server) -> dict:
@@ -65,69 +72,23 @@ def settle(server, clients: int) -> None:
     assert server.stats()["clients"] == clients and server.stats()["leases"] == 0
 
 
-LAYOUTS = [PagedLayout.VLLM, PagedLayout.FLASHINFER, PagedLayout.VLLM_CPU, PagedLayout.MLA,
-           PagedLayout.SGLANG_PAGE_FIRST, PagedLayout.SGLANG_PAGE_FIRST_DIRECT]
-
-
-def layout_caches(layout: PagedLayout, blocks: int, bs: int, g: torch.Generator | None) -> torch.Tensor | list:
-    shape = {PagedLayout.VLLM: (2, blocks, bs, H, D), PagedLayout.FLASHINFER: (blocks, 2, bs, H, D),
-             PagedLayout.VLLM_CPU: (blocks, H, bs, 2 * D), PagedLayout.MLA: (blocks, bs, D),
-             PagedLayout.SGLANG_PAGE_FIRST: (2, blocks * bs, LAYERS, H, D),
-             PagedLayout.SGLANG_PAGE_FIRST_DIRECT: (2, blocks, LAYERS, bs, H, D)}[layout]
-    make = (lambda: torch.randn(shape, generator=g)) if g is not None else (lambda: torch.zeros(shape))
-    return make() if layout.multi_layer else [make() for _ in range(LAYERS)]
-
-
 # ---------------------------------------------------------------------- round trips
-def test_kv_round_trips_bit_exact_through_the_server_lent_and_reserved_for_every_layout(node, monkeypatch):
-    """save_from then load_into through the server, random layouts, tables, chunk sizes and windows: the bytes
-    come back exactly, the loads read nothing through get (every chunk lent from the pool) and the saves put
-    nothing through put_many (every chunk gathered into a reservation)."""
+def test_kv_round_trips_bit_exact_through_the_server_lent_and_reserved_for_every_layout(node, monkeypatch, tmp_path):
+    """save_from then load_into through the server, random layouts, tables, chunk sizes and windows (the in-process
+    store's property, test_kv_one_copy's, over a client of the server): the bytes come back exactly, the loads
+    read nothing through get (every chunk lent from the pool) and the saves put nothing through put_many (every
+    chunk gathered into a reservation)."""
     staged: list[str] = []
     for name in ("get_many_async", "put_many"):
         real = getattr(ServerStore, name)
         monkeypatch.setattr(ServerStore, name, lambda self, *a, _real=real, _name=name, **kw:
                             staged.append(_name) or _real(self, *a, **kw))
-    with client(node) as store:
-        seen = [0]
-
-        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-        @given(layout=st.sampled_from(LAYOUTS), bs=st.sampled_from([1, 4, 16]), chunk=st.sampled_from([4, 16]),
-               n=st.integers(1, 100), spare=st.integers(0, 4), seed=st.integers(0, 2**16),
-               start=st.integers(0, 100), per_object=st.sampled_from([None, 1, 2]), windows=st.booleans())
-        def prop(layout, bs, chunk, n, spare, seed, start, per_object, windows):
-            seen[0] += 1
-            g = torch.Generator().manual_seed(seed)
-            blocks = -(-n // bs) + spare
-            kw = {"block_size": bs} if layout is PagedLayout.SGLANG_PAGE_FIRST else {}
-            ns = KVNamespace(model=f"m{seen[0]}", dtype="float32", layout="mla" if layout.is_mla else "mha")
-            kv = KVCacheStore(store, ns, chunk_tokens=chunk, layers_per_object=per_object,
-                              num_layers=LAYERS if per_object else None)
-            src = layout_caches(layout, blocks, bs, g)
-            tokens = list(range(n))
-            save_table = torch.randperm(blocks, generator=g)[:-(-n // bs)].tolist()
-            load_table = torch.randperm(blocks, generator=g)[:-(-n // bs)].tolist()
-            full = n // chunk * chunk
-            old = transfer.STAGING_BYTES
-            transfer.STAGING_BYTES = 1 if windows else old  # one chunk per window, or all in one
-            try:
-                assert kv.save_from(tokens, src, layout, save_table, **kw) == full
-                first = min(start, full)
-                dst = layout_caches(layout, blocks, bs, None)
-                assert kv.load_into(tokens, dst, layout, load_table, start=first, **kw) == full
-            finally:
-                transfer.STAGING_BYTES = old
-            if full > first:
-                want = gather_layers(src, layout, save_table, first, full, **kw)
-                got = gather_layers(dst, layout, load_table, first, full, **kw)
-                assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-            if first > 0 or full < n:  # tokens outside [first, full) were not written
-                rest = [gather_layers(dst, layout, load_table, a, b, **kw) for a, b in ((0, first), (full, n)) if b > a]
-                assert all(not t.any() for r in rest for t in r)
-
-        prop()
-        counts = store.stats()["client"]
-        assert counts["lent_chunks"] > 0 and counts["reserved_chunks"] > 0
+    opened: list[ServerStore] = []
+    monkeypatch.setattr(one_copy, "host_store",  # its property, over a client of the server
+                        lambda capacity=None, disk=None: opened.append(client(node)) or opened[-1])
+    one_copy.test_load_into_after_save_from_round_trips_bit_exact_for_random_tables_and_layouts(tmp_path)
+    (store,) = opened  # closed by the property's own ``with``
+    assert store._counts["lent_chunks"] > 0 and store._counts["reserved_chunks"] > 0
     assert staged == []
     settle(node, 0)
     assert host(node)["pinned"] == 0
@@ -148,23 +109,14 @@ def test_a_save_larger_than_the_staging_area_goes_in_reservations_that_fit(tmp_p
         finally:
             transfer.STAGING_BYTES = old
         assert store.stats()["client"]["reserved_chunks"] == 10
-        dst = caches(len(table), seed=None)
-        assert kv.load_into(list(range(n)), dst, "vllm", table) == n
-        assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
+        loads_back(kv, n, table, src)
 
 
 def test_a_server_that_does_not_lend_is_read_and_written_the_usual_way(tmp_path, monkeypatch):
     """A server from before ``lend`` (no features in its hello): loads and saves still round-trip."""
     monkeypatch.setattr(connection, "FEATURES", ())
     with NodeServer(node_config(tmp_path)).start() as server, client(server) as store:
-        kv = KVCacheStore(store, NS, chunk_tokens=C)
-        n = 4 * C
-        table = list(range(n // BS))
-        src = caches(len(table), seed=2)
-        assert kv.save_from(list(range(n)), src, "vllm", table) == n
-        dst = caches(len(table), seed=None)
-        assert kv.load_into(list(range(n)), dst, "vllm", table) == n
-        assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
+        loads_back(*saved(store, 4, seed=2))
         assert store.stats()["client"]["lent_chunks"] == 0
 
 
@@ -209,9 +161,7 @@ def test_an_aborted_or_failed_save_through_the_server_leaves_nothing_visible(nod
             assert after[what] == before[what], what
         monkeypatch.setattr(PagedTransfer, "gather", gather)
         assert kv.save_from(tokens, src, "vllm", table) == n  # the connection it held is usable again
-        dst = caches(len(table), seed=None)
-        assert kv.load_into(tokens, dst, "vllm", table) == n
-        assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
+        loads_back(kv, n, table, src)
 
 
 KILLED_SAVER = """
@@ -240,11 +190,7 @@ kv.save_from(list(range(1000, 1000 + n)), [torch.ones(2, n // %d, %d, %d, %d) fo
 
 def test_a_client_killed_mid_reservation_leaves_nothing_and_holds_nothing(node):
     with client(node) as store:
-        kv = KVCacheStore(store, NS, chunk_tokens=C)
-        n = 4 * C
-        table = list(range(n // BS))
-        mine = caches(len(table), seed=5)
-        assert kv.save_from(list(range(n)), mine, "vllm", table) == n
+        kv, n, table, mine = saved(store, 4, seed=5)
         store.flush()  # write-back done: it pins what it copies down
         before = host(node)
         script = KILLED_SAVER % (C, C, BS, BS, H, D, LAYERS, BS)
@@ -265,9 +211,7 @@ def test_a_client_killed_mid_reservation_leaves_nothing_and_holds_nothing(node):
         after = host(node)
         for what in ("objects", "used_bytes", "reserved_bytes", "pinned"):
             assert after[what] == before[what], what
-        dst = caches(len(table), seed=None)
-        assert kv.load_into(list(range(n)), dst, "vllm", table) == n  # the other keys are intact
-        assert all(torch.equal(a, b) for a, b in zip(dst, mine, strict=True))
+        loads_back(kv, n, table, mine)  # the other keys are intact
         assert kv.save_from(theirs, mine, "vllm", table) == n  # and the killed clients' keys can be saved
 
 
@@ -368,11 +312,7 @@ def ask(sock, msg):
 
 def test_bad_lends_and_staged_puts_get_an_error_reply_and_the_server_goes_on(node):
     with client(node) as store:
-        kv = KVCacheStore(store, NS, chunk_tokens=C)
-        n = 2 * C
-        table = list(range(n // BS))
-        src = caches(len(table), seed=3)
-        assert kv.save_from(list(range(n)), src, "vllm", table) == n
+        kv, n, table, src = saved(store, 2, seed=3)
         key = kv.keys(list(range(n)))[0]
         sock = raw(node)
         staging = node.config.staging
@@ -396,7 +336,5 @@ def test_bad_lends_and_staged_puts_get_an_error_reply_and_the_server_goes_on(nod
             store.reserve([(key, {"": torch.empty(3, device="meta")})])
         too_big = store.reserve([(key, {"x": torch.empty(staging + 1, dtype=torch.uint8, device="meta")})])
         assert too_big.tensors == [None] and too_big.commit() == [False]
-        dst = caches(len(table), seed=None)  # and the server serves on
-        assert kv.load_into(list(range(n)), dst, "vllm", table) == n
-        assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
+        loads_back(kv, n, table, src)  # and the server serves on
         assert json.dumps(store.stats()["client"])
