@@ -41,7 +41,7 @@ def node(tmp_path):
 
 
 def client(server) -> ServerStore:
-    return tierstore.open({"server": f"unix://{server.config.socket}"})
+    return tierstore.open({"server": f"unix://{server.config.socket}", "timeout": 30})  # a busy machine is no miss
 
 
 def saved(store, chunks: int, seed: int):
