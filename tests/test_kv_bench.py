@@ -41,3 +41,5 @@ def test_bench_kvcopy_small(tmp_path, capsys):
     assert row["tokens"] == 512 and row["bytes"] == 512 * 2 * 2 * 64 * 2 * 2
     assert set(row["host"]) == {"load_into", "bare_scatter", "save_from", "bare_gather"}
     assert set(row["disk"]) == {"load_into", "bare_preadv_scatter"} and all(v > 0 for v in row["disk"].values())
+    assert set(row["server"]) == set(row["host"]) and all(v > 0 for v in row["server"].values())
+    assert "server" in text

@@ -298,7 +298,7 @@ def test_a_client_drops_its_mapping_of_a_restarted_servers_old_pool(tmp_path):
         while store.get(key_of(1)) is None and time.monotonic() < deadline:  # from the disk tier, via the new pool
             time.sleep(0.05)
         assert store.get(key_of(1)) is not None
-        assert set(store._pools) == {second.id} and old not in store._pools
+        assert set(store._links.pools) == {second.id} and old not in store._links.pools
         store.close()
 
 

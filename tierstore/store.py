@@ -105,6 +105,11 @@ class Loan:
     marks: list[tuple[int, int] | None] = field(default_factory=list)
     _stack: ExitStack = field(default_factory=ExitStack, repr=False)
 
+    def changed(self) -> list[int]:
+        """Indices of lent chunks whose memory went to another value while lent: none (the loan pins them; a node
+        server's loans, whose leases can expire, say otherwise)."""
+        return []
+
     def close(self) -> None:
         self._stack.close()
 

@@ -69,12 +69,14 @@ def _put(stores: Any, items: list[tuple[Any, dict[str, torch.Tensor]]]) -> None:
             raise RuntimeError("the bench's chunks did not all fit")
 
 
-def start_server(config: dict[str, Any], workdir: str) -> subprocess.Popen[str]:
+def start_server(config: dict[str, Any], workdir: str, threads: int | None = None) -> subprocess.Popen[str]:
+    """``tierstore serve`` as its own process; ``threads``: its torch intra-op threads (default: torch's)."""
     path = os.path.join(workdir, "node.json")
     with open(path, "w") as f:
         json.dump(config, f)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None
     proc = subprocess.Popen([sys.executable, "-m", "tierstore.cli", "serve", "--config", path],
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if "tierstore serve" not in line:

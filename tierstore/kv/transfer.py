@@ -261,6 +261,10 @@ def run_load(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
                     transfer.scatter(j, pieces, sources)
             transfer.synchronize()  # copies out of this staging buffer or lent memory finish before either goes
             if cur.loan is not None:
+                for k in cur.loan.changed():  # lent memory reused mid-copy (a node server's expired lease): a miss
+                    if cur.lent[k] is not None:
+                        missed += 1
+                        valid = min(valid, task.pieces[k].first)
                 cur.loan.close()
             if cur.buf is not None:
                 spare.append(cur.buf)
@@ -285,12 +289,14 @@ def run_save(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
         groups: dict[tuple[int, int], list[int]] = {}
         for i, t in enumerate(tasks):
             groups.setdefault(t.group, []).append(i)
+        limit = getattr(store, "reserve_limit", None)  # what one reservation holds (a node server's staging area)
         for group, members in groups.items():
-            whole = Task(group, [p for i in members for p in tasks[i].pieces],
-                         [k for i in members for k in tasks[i].keys])
-            got = iter(_save_reserved(reserve, transfer, whole, layer_name))
-            for i in members:
-                reserved[i] = [next(got) for _ in tasks[i].pieces]
+            for batch in _within(members, [task_bytes(t, transfer) for t in tasks], limit):
+                whole = Task(group, [p for i in batch for p in tasks[i].pieces],
+                             [k for i in batch for k in tasks[i].keys])
+                got = iter(_save_reserved(reserve, transfer, whole, layer_name))
+                for i in batch:
+                    reserved[i] = [next(got) for _ in tasks[i].pieces]
     ok: list[bool] = []
     buf: list[torch.Tensor] = []
     stored = True  # False while a put_many runs: one that raised may leave per-key work reading ``buf``
@@ -315,6 +321,22 @@ def run_save(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
     finally:
         _give_back(staging, buf if stored else [], transfer, [])
     return ok
+
+
+def _within(members: list[int], sizes: list[int], limit: int | None) -> list[list[int]]:
+    """``members`` (task indices) in consecutive runs of at most ``limit`` bytes (one run if ``None``), at least one
+    task each."""
+    if limit is None:
+        return [members]
+    runs: list[list[int]] = []
+    total = 0
+    for i in members:
+        if not runs or total + sizes[i] > limit:
+            runs.append([])
+            total = 0
+        runs[-1].append(i)
+        total += sizes[i]
+    return runs
 
 
 def _save_reserved(reserve: Callable[..., Any], transfer: PagedTransfer, task: Task,

@@ -22,14 +22,13 @@ child opens its own).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pwd
 import threading
-import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,9 +42,10 @@ from ..sizes import parse_seconds
 from ..store import Item, Readiness, check_items, check_keys
 from ..telemetry import Counters
 from ..tensors import TensorDict, byte_alias, check_device, check_outs, copy_tensors, dtype_name, wait_for_copies
-from . import access, shm
+from . import access, lending
 from .link import Link, TierInfo
-from .places import OutSpec, Places, copy_out
+from .links import Links, Unavailable
+from .places import OutSpec, Places, copy_out, stamp_holds
 from .protocol import (
     MAX_KEYS,
     ProtocolError,
@@ -61,11 +61,7 @@ log = logging.getLogger(__name__)
 
 #: seconds a request may take before the server counts as unreachable (flush and prefetch take their own)
 TIMEOUT = 5.0
-#: after a failed connect, calls are misses without trying again for this long
-RETRY_INTERVAL = 0.5
 CONNECTIONS = 4
-#: seconds an idle connection keeps the leases of its last get before a background pass gives them back
-RELEASE_AFTER = 0.02
 #: a flush's heartbeat: the server says it is still flushing this often (a fraction of the request timeout)
 BEAT = 0.4
 
@@ -77,10 +73,6 @@ class ServerPin:
     keys: tuple[ChunkKey, ...]
     ready: int
     id: int = 0
-
-
-class _Unavailable(Exception):
-    """The server cannot be reached now (the call becomes a miss)."""
 
 
 class ServerStore:
@@ -107,30 +99,27 @@ class ServerStore:
         if server_uid is not None and (type(server_uid) is not int or server_uid < 0):
             raise ConfigError(f"server_uid: expected a user id or name, got {server_uid!r}")
         self._pid = os.getpid()
-        self._trusted = access.trusted_uids(server_uid)
         self.path = socket_path_of(url)
         self.url = url
         self.timeout = float(timeout)
         self.counters = Counters()
-        self.tiers: tuple[TierInfo, ...] = ()
         self._lock = threading.Lock()
-        self._idle: list[Link] = []
-        self._pools: dict[str, torch.Tensor] = {}
-        self._slots = threading.BoundedSemaphore(connections)
-        self._down_until = 0.0
         self._closed = False
-        self._counts = {"unavailable": 0, "reconnects": 0, "untrusted": 0}
+        self._counts = {"lent_chunks": 0, "reserved_chunks": 0}
         #: per server id, puts it acknowledged that no flush has confirmed yet
         self._unflushed: dict[str, int] = {}
         self._places = Places()
+        self._links = Links(self.path, self.timeout, connections, access.trusted_uids(server_uid), self._check_open)
         self._async = ThreadPoolExecutor(connections, thread_name_prefix="tierstore-client")
-        self._stopping, self._release_soon = threading.Event(), threading.Event()
-        self._releaser = threading.Thread(target=self._release_idle, name="tierstore-client-leases", daemon=True)
-        self._releaser.start()
         try:
-            self._give_back(self._connect())
-        except _Unavailable:
+            self._links.give_back(self._links.connect())
+        except Unavailable:
             log.warning("tierstore server at %s is not reachable yet: calls are misses until it is", self.path)
+
+    @property
+    def tiers(self) -> tuple[TierInfo, ...]:
+        """The server's tiers, as its last hello named them."""
+        return self._links.tiers
 
     @classmethod
     def from_config(cls, raw: Mapping[str, Any]) -> ServerStore:
@@ -142,117 +131,6 @@ class ServerStore:
             raise ConfigError("server: expected unix:///path/to/socket")
         return cls(raw["server"], raw.get("timeout", TIMEOUT), raw.get("connections", CONNECTIONS),
                    raw.get("server_uid"))
-
-    # ------------------------------------------------------------------ connections
-    def _connect(self) -> Link:
-        if time.monotonic() < self._down_until:
-            raise _Unavailable
-        try:
-            conn = Link(self.path, self.timeout, self._pools, self._trusted)
-        except (OSError, ProtocolError, KeyError, TypeError, ValueError) as exc:
-            untrusted = isinstance(exc, (access.UntrustedServer, errors.InvalidInputError))
-            with self._lock:
-                self._down_until = time.monotonic() + RETRY_INTERVAL
-                self._counts["untrusted" if untrusted else "unavailable"] += 1
-            log.log(logging.WARNING if untrusted else logging.DEBUG, "tierstore server %s %s: %s", self.path,
-                    "not trusted" if untrusted else "unreachable", exc)
-            raise _Unavailable from None
-        with self._lock:
-            self.tiers = conn.tiers
-            self._counts["reconnects"] += 1
-            for gone in [sid for sid in self._pools if sid != conn.server]:
-                # a restarted server's old pool: unmapped once the last view of it goes
-                shm.unregister_for_dma(self._pools.pop(gone))
-        return conn
-
-    def _take(self) -> Link:
-        self._check_open()
-        self._slots.acquire()
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        try:
-            return self._connect()
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def _give_back(self, conn: Link) -> None:
-        with self._lock:
-            if self._closed:
-                conn.close()
-                return
-            self._idle.append(conn)
-            if conn.done or conn.touched:
-                conn.idle_since = time.monotonic()
-                self._release_soon.set()
-
-    def _release_idle(self) -> None:
-        """Give back the leases of connections left idle for :data:`RELEASE_AFTER` s (a busy connection
-        gives them back with its next request, at no cost)."""
-        while not self._stopping.is_set():
-            self._release_soon.wait()
-            if self._stopping.wait(RELEASE_AFTER):
-                return
-            self._release_soon.clear()
-            with self._lock:
-                due = [c for c in self._idle
-                       if (c.done or c.touched) and time.monotonic() - c.idle_since >= RELEASE_AFTER]
-                waiting = any(c.done or c.touched for c in self._idle if c not in due)
-                for c in due:
-                    self._idle.remove(c)
-            if waiting:
-                self._release_soon.set()
-            for c in due:
-                try:
-                    settled = c.settled()
-                    c.send({"op": "release", "leases": settled.get("release", []), "touch": settled.get("touch", "")})
-                except OSError as exc:
-                    self._broken(c, exc)
-                    continue
-                self._give_back(c)
-
-    def _broken(self, conn: Link, exc: BaseException) -> None:
-        """``conn`` failed: it and every idle connection (to the same server, likely gone too) are dropped."""
-        log.debug("tierstore server %s: %s: %s", self.path, type(exc).__name__, exc)
-        conn.close()
-        with self._lock:
-            idle, self._idle = self._idle, []
-            self._counts["unavailable"] += 1
-        for c in idle:
-            c.close()
-
-    @contextmanager
-    def _connection(self) -> Iterator[Link]:
-        """A pooled connection for the ``with`` body: given back after it (an error reply leaves its stream in
-        step), closed if the body broke off otherwise; one whose exchange failed was dropped by :meth:`_call`."""
-        conn = self._take()
-        try:
-            yield conn
-        except _Unavailable:
-            raise
-        except errors.TierstoreError:
-            self._give_back(conn)
-            raise
-        except BaseException:
-            conn.close()
-            raise
-        else:
-            self._give_back(conn)
-        finally:
-            self._slots.release()
-
-    def _call(self, conn: Link, msg: Mapping[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        """One request/reply on ``conn``; :class:`_Unavailable` (``conn`` dropped) if the server cannot answer."""
-        try:
-            return conn.call(msg, timeout)
-        except (OSError, ProtocolError, KeyError) as exc:
-            self._broken(conn, exc)
-            raise _Unavailable from None
-
-    def _request(self, msg: Mapping[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        with self._connection() as conn:
-            return self._call(conn, msg, timeout)
 
     # ------------------------------------------------------------------ reads
     def get_many(self, keys: Sequence[ChunkKey], *, out: Sequence[Mapping[str, torch.Tensor]] | None = None,
@@ -272,7 +150,7 @@ class ServerStore:
             while todo:
                 try:
                     again = self._get_some(keys, out, device, todo, results)
-                except _Unavailable:
+                except Unavailable:
                     break
                 if len(again) == len(todo):
                     log.warning("%d chunks are larger than the server's staging area: misses", len(again))
@@ -286,7 +164,7 @@ class ServerStore:
         outs: list[OutSpec] = []
         if out is not None:
             outs = [tuple((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in out[i].items()) for i in todo]
-        with self._connection() as conn:
+        with self._links.connection() as conn:
             asked, again = todo, []
             if out is not None:  # what this client read before: straight from the pool if it is still there
                 direct = self._places.read(conn.server, conn.pool, conn.words, conn.sock, keys, outs, out, todo,
@@ -302,7 +180,7 @@ class ServerStore:
             if out is not None and any(o.device.type == "cuda" for i in asked for o in out[i].values()):
                 wait_for_copies(*(o for i in asked for o in out[i].values()))
             for i, spec_, item in leased:  # copied out of the pool under a lease: was it still that chunk?
-                if _stamp_holds(conn.words, item):
+                if stamp_holds(conn.words, item[1], item[2]):
                     self._places.learn(conn.server, keys[i], spec_, item)
                 else:  # the lease outlived lease_ttl and the memory went to another chunk meanwhile
                     log.warning("get %s: its pool memory was reused while being copied; a miss", keys[i].hex()[:16])
@@ -320,9 +198,9 @@ class ServerStore:
             distinct: dict[OutSpec, int] = {}
             msg["outs"] = [distinct.setdefault(one, len(distinct)) for one in outs]
             msg["specs"] = [[[n, d, list(shape)] for n, d, shape in one] for one in distinct]
-        reply = self._call(conn, msg)
+        reply = self._links.call(conn, msg)
         if "lease" in reply:
-            conn.done.append(reply["lease"])  # given back with the connection's next request
+            conn.owe(reply["lease"])  # given back with the connection's next request
         again = []
         for j, (i, item) in enumerate(zip(todo, reply["items"], strict=True)):
             if item is None:
@@ -356,13 +234,13 @@ class ServerStore:
         while valid:
             try:
                 valid = self._put_some(items, valid, acks)
-            except _Unavailable:
+            except Unavailable:
                 break
         return acks
 
     def _put_some(self, items: list[Item], todo: list[int], acks: list[bool]) -> list[int]:
         """Put as many of ``todo`` as fit the staging area in one request; the rest, to put next."""
-        with self._connection() as conn:
+        with self._links.connection() as conn:
             size, pos = conn.staging.numel(), 0
             sent: list[int] = []
             wire: list[dict[str, Any]] = []
@@ -384,20 +262,93 @@ class ServerStore:
                 pos = end
             if not sent:
                 return []
-            reply = self._call(conn, {"op": "put", "items": wire})
-            server = conn.server
-        n = 0
-        for i, ok in zip(sent, reply["acks"], strict=True):
-            acks[i] = bool(ok)
-            n += acks[i]
-        with self._lock:
-            self._unflushed[server] = self._unflushed.get(server, 0) + n
+            for i, ok in zip(sent, self._put_staged(conn, wire), strict=True):
+                acks[i] = ok
         return later
+
+    def _put_staged(self, conn: Link, wire: list[lending.Wire]) -> list[bool]:
+        """One put request for the chunks ``wire`` names in ``conn``'s staging area; per chunk its ack."""
+        acks = [bool(ok) for ok in self._links.call(conn, {"op": "put", "items": wire})["acks"]]
+        if len(acks) != len(wire):
+            raise errors.TierstoreError(f"server acknowledged {len(acks)} of {len(wire)} puts")
+        with self._lock:
+            self._unflushed[conn.server] = self._unflushed.get(conn.server, 0) + sum(acks)
+        return acks
 
     def put(self, key: ChunkKey, tensors: Mapping[str, torch.Tensor]) -> bool:
         check_key(key)
         validate_chunk(tensors)
         return self.put_many([(key, tensors)])[0]
+
+    # ------------------------------------------------------------------ the one-copy KV path (.lending)
+    def lend(self, keys: Sequence[ChunkKey]) -> lending.ServerLoan:
+        """As :meth:`TieredStore.lend`: the chunks the server's pool holds, views of it (mapped here read-only)
+        under a lease until :meth:`~.lending.ServerLoan.close`; ``None`` for the others, and for every key while
+        the server cannot be reached or does not lend."""
+        keys = check_keys(keys)
+        nothing = lending.ServerLoan([None] * len(keys), [None] * len(keys))
+        try:
+            with self._links.connection() as conn:
+                if "lend" not in conn.features:
+                    return nothing
+                reply = self._links.call(conn, {"op": "lend", "keys": hexes(keys[:MAX_KEYS])})
+                lease = reply.get("lease")
+                release = functools.partial(self._links.owe, conn, lease) if type(lease) is int else None
+                loan = lending.lent(len(keys), reply.get("items"), conn.pool, conn.words, release)
+        except Unavailable:
+            return nothing
+        except ProtocolError as exc:
+            log.warning("tierstore server %s: a lend reply broke the protocol (%s): read the usual way", self.path, exc)
+            return nothing
+        with self._lock:
+            self._counts["lent_chunks"] += sum(t is not None for t in loan.tensors)
+        return loan
+
+    def reserve(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]) -> lending.StagedReservation:
+        """As :meth:`TieredStore.reserve`, in a connection's staging area (the server's pool takes no client's
+        writes): views to fill per ``(key, like)``, as many as the area holds (``None`` for the rest, and for
+        every key while the server cannot be reached); the commit is one put request. Holds a connection until
+        it is committed or aborted."""
+        items = [(check_key(k), like) for k, like in items]
+        keys = [k for k, _ in items]
+        try:
+            conn = self._links.take()
+        except Unavailable:
+            return lending.StagedReservation(keys, [None] * len(keys), [None] * len(keys))
+        broken = False
+
+        def put(wire: list[lending.Wire]) -> list[bool]:
+            nonlocal broken
+            try:
+                acks = self._put_staged(conn, wire)
+            except Unavailable:  # dropped by _call
+                broken = True
+                return [False] * len(wire)
+            except errors.TierstoreError:  # an error reply: the stream is in step
+                raise
+            except BaseException:
+                broken = True
+                conn.close()
+                raise
+            with self._lock:
+                self._counts["reserved_chunks"] += sum(acks)
+            return acks
+
+        def done() -> None:
+            self._links.put_back(conn, broken)
+
+        try:
+            tensors, offsets = lending.laid_out(conn.staging, items)
+        except BaseException:
+            done()
+            raise
+        return lending.StagedReservation(keys, tensors, offsets, put, done)
+
+    @property
+    def reserve_limit(self) -> int | None:
+        """Bytes one :meth:`reserve` can hold (the server's staging area per connection); ``None`` before the
+        server was first reached."""
+        return self._links.staging_bytes or None
 
     # ------------------------------------------------------------------ questions
     def _ask(self, msg: dict[str, Any], field: str, miss: Any, timeout: float | None = None) -> Any:
@@ -407,8 +358,8 @@ class ServerStore:
                 raise errors.InvalidInputError(f"at most {MAX_KEYS} keys per call through a server")
             msg = {**msg, "keys": hexes(keys)}
         try:
-            return self._request(msg, timeout)[field]
-        except _Unavailable:
+            return self._links.request(msg, timeout)[field]
+        except Unavailable:
             return miss
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
@@ -428,8 +379,8 @@ class ServerStore:
     def readiness(self, keys: Sequence[ChunkKey], *, promote: bool = True) -> Any:
         keys = check_keys(keys)
         try:
-            reply = self._request({"op": "readiness", "keys": hexes(keys), "promote": bool(promote)})
-        except _Unavailable:
+            reply = self._links.request({"op": "readiness", "keys": hexes(keys), "promote": bool(promote)})
+        except Unavailable:
             return Readiness(0, 0)
         return Readiness(int(reply["ready"]), int(reply["pending"]))
 
@@ -451,8 +402,8 @@ class ServerStore:
     def pin(self, keys: Sequence[ChunkKey]) -> ServerPin:
         keys = check_keys(keys)
         try:
-            reply = self._request({"op": "pin", "keys": hexes(keys)})
-        except _Unavailable:
+            reply = self._links.request({"op": "pin", "keys": hexes(keys)})
+        except Unavailable:
             return ServerPin(tuple(keys), 0)
         return ServerPin(tuple(keys), int(reply["ready"]), int(reply["pin"]))
 
@@ -460,8 +411,8 @@ class ServerStore:
         pid, pin.id = pin.id, 0
         if pid:
             try:
-                self._request({"op": "unpin", "pin": pid})
-            except _Unavailable:
+                self._links.request({"op": "unpin", "pin": pid})
+            except Unavailable:
                 pass  # the server is gone, and the pin with it
 
     def delete(self, keys: ChunkKey | Sequence[ChunkKey]) -> int:
@@ -487,10 +438,10 @@ class ServerStore:
         with self._lock:
             before = dict(self._unflushed)
         try:
-            with self._connection() as conn:
-                reply = self._call(conn, {"op": "flush", "timeout": wait, "beat": min(BEAT * self.timeout, 5.0)})
+            with self._links.connection() as conn:
+                reply = self._links.call(conn, {"op": "flush", "timeout": wait, "beat": min(BEAT * self.timeout, 5.0)})
                 server = conn.server
-        except _Unavailable:
+        except Unavailable:
             raise ServerUnavailableError(f"tierstore server at {self.path} cannot be reached") from None
         with self._lock:  # puts acknowledged before the flush began are settled now, one way or the other
             for sid, n in before.items():
@@ -512,11 +463,11 @@ class ServerStore:
     def stats(self) -> dict[str, Any]:
         """The server store's ``stats()`` with a ``server`` section, and this client's own ``client`` section."""
         try:
-            out = dict(self._request({"op": "stats"})["stats"])
-        except _Unavailable:
+            out = dict(self._links.request({"op": "stats"})["stats"])
+        except Unavailable:
             out = {"tiers": {}, "server": None}
         with self._lock:
-            out["client"] = {**self._counts, **self._places.snapshot(), "connections_idle": len(self._idle)}
+            out["client"] = {**self._links.snapshot(), **self._counts, **self._places.snapshot()}
         out["counters"] = self.counters.snapshot()
         return out
 
@@ -553,16 +504,7 @@ class ServerStore:
                 return
             self._closed = True
         self._async.shutdown(wait=True)
-        self._stopping.set()
-        self._release_soon.set()
-        self._releaser.join(5)
-        with self._lock:
-            idle, self._idle = self._idle, []
-            pools, self._pools = self._pools, {}
-        for c in idle:
-            c.close()  # the server gives back what a closed connection held
-        for pool in pools.values():
-            shm.unregister_for_dma(pool)
+        self._links.close()
 
     def __enter__(self) -> ServerStore:
         return self
@@ -572,15 +514,6 @@ class ServerStore:
 
     def __repr__(self) -> str:
         return f"<ServerStore {self.url}>"
-
-
-def _stamp_holds(words: torch.Tensor, item: Sequence[Any]) -> bool:
-    """Whether the stamp a get reply gave a pool chunk (``[0, stamp, word, ...]``) is still at its word (no stamp:
-    nothing to check)."""
-    stamp, word = item[1], item[2]
-    if not stamp:
-        return True
-    return type(word) is int and 0 <= word < 8 * words.numel() and not word % 8 and int(words[word // 8]) == stamp
 
 
 def _keyed(named: Mapping[str, Sequence[str]]) -> dict[ChunkKey, tuple[str, ...]]:

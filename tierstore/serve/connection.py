@@ -19,6 +19,7 @@ from ..store import Loan
 from ..tensors import byte_alias
 from . import access, shm
 from .protocol import (
+    FEATURES,
     VERSION,
     FrameTooLarge,
     ProtocolError,
@@ -66,7 +67,7 @@ class Connection:
         self._staging_fd = -1
         self.staging = shm.map_bytes(-1, 0)
         self._handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-            "get": self._get, "put": self._put, "contains": self._contains, "lookup": self._lookup,
+            "get": self._get, "lend": self._lend, "put": self._put, "contains": self._contains, "lookup": self._lookup,
             "locate": self._locate, "readiness": self._readiness, "where": self._where, "holders": self._holders,
             "prefetch": self._prefetch, "pin": self._pin, "unpin": self._unpin, "delete": self._delete,
             "evict": self._evict, "flush": self._flush, "stats": self._stats, "ping": lambda msg: {},
@@ -112,7 +113,8 @@ class Connection:
         self._staging_fd = shm.create(f"tierstore-staging-{self.peer.pid}", size)
         self.staging = shm.map_bytes(self._staging_fd, size)
         store = self.store
-        reply = {"ok": True, "version": VERSION, "server": self.server.id, "pool": self.server.pool.capacity,
+        reply = {"ok": True, "version": VERSION, "features": FEATURES, "server": self.server.id,
+                 "pool": self.server.pool.capacity,
                  "staging": size, "tiers": [{"name": lv.name, "kind": lv.kind, "shared": lv.shared}
                                             for lv in store.tiers]}
         return self._send(reply, (self.server._pool_fd, self._staging_fd))
@@ -242,7 +244,25 @@ class Connection:
         rest = [i for i, t in enumerate(loan.tensors) if t is None]
         if rest:
             self._stage(keys, wants, rest, items)
-        reply: dict[str, Any] = {"items": items}
+        return self._leased(loan, lent, {"items": items})
+
+    def _lend(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Per key: ``None`` (the pool does not hold it: nothing else is tried) or ``[stamp, word, specs]`` (the
+        chunk's stamp and its word's byte offset, 0, 0 if unstamped; its tensors where they lie in the pool)."""
+        loan = self.store.lend(keys_field(msg))
+        offset_of = self.server.pool.offset_of
+        items: list[Any] = []
+        lent = 0
+        for tensors, mark in zip(loan.tensors, loan.marks or [None] * len(loan.tensors), strict=True):
+            if tensors is None:
+                items.append(None)
+                continue
+            items.append([*(mark or (0, 0)), spec(tensors, [offset_of(t) for t in tensors.values()])])
+            lent += sum(t.nbytes for t in tensors.values())
+        return self._leased(loan, lent, {"items": items})
+
+    def _leased(self, loan: Loan, lent: int, reply: dict[str, Any]) -> dict[str, Any]:
+        """``reply`` with the id of the lease that now holds ``loan`` (closed at once if it lent nothing)."""
         if lent:
             with self._lock:
                 self._lease_ids += 1

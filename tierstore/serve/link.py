@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,8 +50,10 @@ class Link:
             data, fds, _, _ = socket.recv_fds(self.sock, 1 << 16, 2)
             if not data:
                 raise ConnectionError("server closed the connection")
-            #: leases whose chunks were copied out, to give back with the next request (or by the idle pass)
+            #: leases whose chunks were copied out, to give back with the next request (or by the idle pass);
+            #: a load's loan (:mod:`.lending`) adds to it from another thread while the link serves others
             self.done: list[int] = []
+            self._notes = threading.Lock()
             #: chunks read straight from the pool (their hex digests back to back), reported with the next
             #: request (or by the idle pass)
             self.touched = ""
@@ -64,6 +67,8 @@ class Link:
             shm.check_sealed(fds[0], int(hello["pool"]), shm.POOL_SEALS)  # no SIGBUS, and nobody writes it
             shm.check_sealed(fds[1], int(hello["staging"]))
             self.server: str = hello["server"]
+            #: what this server does beyond protocol :data:`VERSION`'s first form (see :mod:`.protocol`)
+            self.features = frozenset(f for f in hello.get("features", ()) if isinstance(f, str))
             self.tiers = tuple(TierInfo(i, t["name"], t["kind"], bool(t["shared"]))
                                for i, t in enumerate(hello["tiers"]))
             pool = pools.get(self.server)  # one mapping of a server's pool per process
@@ -104,16 +109,23 @@ class Link:
     def settled(self) -> dict[str, Any]:
         """What to tell the server with the next message: leases done with, chunks read straight from the pool."""
         msg: dict[str, Any] = {}
-        if self.done:
-            msg["release"], self.done = self.done, []
-        if self.touched:
-            msg["touch"], self.touched = self.touched, ""
+        with self._notes:
+            if self.done:
+                msg["release"], self.done = self.done, []
+            if self.touched:
+                msg["touch"], self.touched = self.touched, ""
         return msg
+
+    def owe(self, lease: int) -> None:
+        """Note ``lease`` as done with: given back with the next request (or by the idle pass)."""
+        with self._notes:
+            self.done.append(lease)
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
         """Note ``keys`` as read straight from the pool; only the last :data:`MAX_KEYS` are kept (what one
         message may carry), so a client that never pauses does not grow the note without end."""
-        self.touched = (self.touched + hexes(keys))[-MAX_KEYS * 2 * DIGEST_SIZE:]
+        with self._notes:
+            self.touched = (self.touched + hexes(keys))[-MAX_KEYS * 2 * DIGEST_SIZE:]
 
     def send(self, msg: Mapping[str, Any]) -> None:
         self.sock.sendall(encode(msg))

@@ -98,6 +98,14 @@ class Places:
             return {**self.counts, "places_known": len(self._seen)}
 
 
+def stamp_holds(words: torch.Tensor, stamp: Any, word: Any) -> bool:
+    """Whether pool chunk's ``stamp``, whose word lies at byte offset ``word``, is still there (no stamp: nothing to
+    check)."""
+    if not stamp:
+        return True
+    return type(word) is int and 0 <= word < 8 * words.numel() and not word % 8 and int(words[word // 8]) == stamp
+
+
 def _alive(sock: socket.socket) -> bool:
     """The server at the other end of ``sock`` (idle, nothing owed) has not gone away."""
     try:

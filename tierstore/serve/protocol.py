@@ -6,6 +6,11 @@ NAME, "message": TEXT}`` — except ``release``, which has none (a client sends 
 request of a connection is ``hello`` with :data:`VERSION`; its reply carries two descriptors by
 SCM_RIGHTS: the server's host pool (read-only) and this connection's staging area (see :mod:`.shm`).
 Tensor bytes never cross the socket: a reply names where they lie, as :func:`spec` lists.
+
+Requests added after protocol 2's first form are named in the hello reply's ``features`` (:data:`FEATURES`): a
+client asks a server for one only if it lists it, and does without it otherwise (a server from before it has
+no list), so clients and servers of either age work together. ``lend``: the pool's chunks alone, leased, with
+their stamps and tensor lists — nothing read from a lower tier (a KV load scatters straight from the pool).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from ..keys import DIGEST_SIZE, ChunkKey
 from ..tensors import DTYPES, dtype_name, shape_is_valid
 
 VERSION = 2
+#: requests beyond protocol 2's first form that this side speaks (see the module docstring)
+FEATURES = ("lend",)
 #: largest frame either side accepts (a request of MAX_KEYS keys with their tensor specs fits)
 MAX_FRAME = 4 << 20
 #: most keys one request may name (clients split larger batches)
