@@ -296,6 +296,46 @@ def test_stored_chunks_are_announced_as_storage_events_when_asked(tmp_path):
         loud.close()
 
 
+def test_chunks_the_store_no_longer_holds_are_announced_as_removed(tmp_path):
+    """Evicted from the tier's last tier (a host tier of ~4 chunks, 6 stored) or deleted: a STORAGE event with
+    ``removed=True`` for exactly those chunks, once each; a chunk still held is never announced as removed."""
+    from vllm.v1.kv_offload.base import Locality, Medium
+
+    seen: list[tuple[bool, bytes]] = []
+
+    def removed(e: Engine, want: int) -> list[bytes]:
+        """Take events until ``want`` removals are in (10 s at most); every removal so far."""
+        deadline = time.monotonic() + 10
+        while True:
+            for ev in e.manager.take_events():
+                if ev.medium is Medium.STORAGE:
+                    assert ev.locality is Locality.LOCAL
+                    seen.extend((ev.removed, k) for k in ev.keys)
+            gone = [k for r, k in seen if r]
+            if len(gone) >= want or time.monotonic() > deadline:
+                return gone
+            time.sleep(0.05)
+
+    keys, data = keys_and_data(9)
+    tier = {"type": "TierstoreTier", "module_path": "tierstore_vllm", "enable_kv_events": True, "locality": "LOCAL",
+            "config": {"tiers": [{"kind": "host", "capacity": 4 * (BYTES_PER_BLOCK + 512)}]}}
+    e = Engine(tier, events=True)
+    try:
+        for k, d in zip(keys, data, strict=True):  # one at a time: the oldest are evicted
+            e.store([k], [d])
+        store, chunk = e.tier.store, e.tier._keys.key
+        held = [k for k in keys if store.contains(chunk(k))]
+        assert 0 < len(held) < len(keys), "the host tier should have evicted some chunks"
+        evicted = removed(e, len(keys) - len(held))
+        assert sorted(k for r, k in seen if not r) == sorted(keys)
+        assert sorted(evicted) == sorted(set(keys) - set(held))
+        store.delete(chunk(held[0]))
+        assert removed(e, len(evicted) + 1) == evicted + [held[0]]
+        assert removed(e, len(evicted) + 2) == evicted + [held[0]]  # nothing else is gone, none announced twice
+    finally:
+        e.close()
+
+
 def test_two_engines_share_through_a_node_server(tmp_path):
     """``"server": "unix://..."``: both engines' tiers are clients of one ``tierstore serve``; what A stored is in
     the node's host tier, and B's lookups (asked of the server in the background: RETRY, then HIT) load it."""

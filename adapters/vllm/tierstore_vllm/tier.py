@@ -50,6 +50,8 @@ log = logging.getLogger("tierstore_vllm")
 
 #: keys whose load failed (a corrupt or vanished object) stay misses until stored again; at most this many
 FAILED_KEYS = 65536
+#: with events on, seconds between looks in the store's index for announced chunks it no longer holds
+REMOVAL_SCAN_S = 1.0
 
 
 class TierstoreTier(SecondaryTierManager):
@@ -82,6 +84,10 @@ class TierstoreTier(SecondaryTierManager):
         self._stats = None if opts.through_server else TierStats(self.store)  # a node server reports its own
         kv_events = offloading_spec.kv_events_config.enable_kv_cache_events
         self._events: list[OffloadingEvent] | None = [] if opts.enable_kv_events and kv_events else None
+        #: chunks announced as stored and not (yet) as removed; a node server's evictions are not seen here
+        self._announced: dict[OffloadKey, ChunkKey] | None = (
+            {} if self._events is not None and not opts.through_server else None)
+        self._next_scan = 0.0
         log.info("tierstore: secondary tier %s over %s (%s), keys %s, %d bytes per chunk", tier_type, self.store,
                  self.locality.value, self._keys.namespace, self._keys.payload_bytes)
 
@@ -169,6 +175,8 @@ class TierstoreTier(SecondaryTierManager):
             if stored and self._events is not None:
                 self._events.append(OffloadingEvent(keys=stored, medium=Medium.STORAGE, removed=False,
                                                     locality=self.locality))
+                if self._announced is not None:
+                    self._announced.update((k, self._keys.key(k)) for k in stored)
             if failed:  # never promised again (vLLM would retry the promotion for ever)
                 log.warning("tierstore: %d of the chunks a load asked for were misses (corrupt or gone); "
                             "vLLM recomputes them", len(failed))
@@ -196,10 +204,29 @@ class TierstoreTier(SecondaryTierManager):
         self._probes.flush()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events is None:
+            return ()
+        self._scan_removals()
         if not self._events:
             return ()
         events, self._events = self._events, []
         return events
+
+    def _scan_removals(self) -> None:
+        """Announce as removed the announced chunks the store's index no longer holds in any tier (evicted from
+        the last, deleted, or dropped as damaged): at most every :data:`REMOVAL_SCAN_S`, no I/O."""
+        now = time.monotonic()
+        if not self._announced or now < self._next_scan:
+            return
+        self._next_scan = now + REMOVAL_SCAN_S
+        keys = list(self._announced)
+        held = self.store.residency.locate([self._announced[k] for k in keys])
+        gone = [k for k, level in zip(keys, held, strict=True) if level is None]
+        for key in gone:
+            del self._announced[key]
+        if gone and self._events is not None:
+            self._events.append(OffloadingEvent(keys=gone, medium=Medium.STORAGE, removed=True,
+                                                locality=self.locality))
 
     # ------------------------------------------------------------------ metrics, shutdown
     @classmethod
