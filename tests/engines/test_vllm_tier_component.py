@@ -7,6 +7,7 @@ a chunk with alignment padding; and the CPU worker's copies on real tensors."""
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -334,6 +335,47 @@ def test_chunks_the_store_no_longer_holds_are_announced_as_removed(tmp_path):
         assert removed(e, len(evicted) + 2) == evicted + [held[0]]  # nothing else is gone, none announced twice
     finally:
         e.close()
+
+
+def test_a_chunk_whose_probe_is_in_flight_is_not_probed_again_every_step(tmp_path, monkeypatch):
+    """A slow shared tier (S3 under load: a HEAD batch took 5 s in the bench): while the probe is in flight the
+    scheduler steps and asks again; the shared tier is asked once, not once per step (a probe storm: 1,066
+    batches for 173 chunks, which starved the S3 server and turned chunks it held into misses)."""
+    from tierstore.store import TieredStore
+
+    keys, data = keys_and_data(11, n=2)
+    gate, asked = threading.Event(), []
+    contains_many = TieredStore.contains_many
+
+    def slow(self, chunks):
+        asked.append(len(chunks))
+        gate.wait(10)
+        return contains_many(self, chunks)
+
+    monkeypatch.setattr(TieredStore, "contains_many", slow)
+    b = Engine(shared_tier(tmp_path / "shared"))  # opened (and listed the shared tier) before A wrote
+    a = Engine(shared_tier(tmp_path / "shared"))
+    try:
+        a.store(keys, data)
+        a.tier.store.flush()
+    finally:
+        a.close()
+    try:
+        ctx = ReqContext("r")
+        b.manager.on_new_request(ctx)
+        for _ in range(20):  # every step while the probe is in flight
+            assert {b.manager.lookup(k, ctx) for k in keys} == {LookupResult.RETRY}
+            b.step()
+            time.sleep(0.005)
+        assert asked == [len(keys)]
+        gate.set()
+        b.manager.on_request_finished(ctx)
+        first, last, ctx = b.lookup(keys)
+        assert last == [LookupResult.HIT] * len(keys)
+        assert [x[:BYTES_PER_BLOCK].tolist() for x in b.loaded(keys, ctx)] == [d.tolist() for d in data]
+    finally:
+        gate.set()
+        b.close()
 
 
 def test_two_engines_share_through_a_node_server(tmp_path):

@@ -103,7 +103,7 @@ class TierstoreTier(SecondaryTierManager):
             return LookupResult.HIT
         if not self._shared:
             return LookupResult.MISS
-        self._probes.ask(key, chunk, req_context.req_id)  # in no index: ask the shared tier in the background
+        self._probes.ask(key, chunk, req_context.req_id)  # in no index: ask the shared tier in the background, once
         return LookupResult.RETRY
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
