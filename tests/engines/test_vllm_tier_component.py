@@ -231,6 +231,16 @@ def shared_tier(root: Path, host: bool = True, **options) -> dict:
     return {"type": "TierstoreTier", "module_path": "tierstore_vllm", "config": {"tiers": tiers}, **options}
 
 
+def stored_by_another_engine(root: Path, keys: list[bytes], data: list[np.ndarray]) -> None:
+    """An engine that stores ``keys`` in the shared tier at ``root``, flushes and goes away."""
+    a = Engine(shared_tier(root))
+    try:
+        a.store(keys, data)
+        a.tier.store.flush()
+    finally:
+        a.close()
+
+
 def test_chunks_of_both_kv_groups_go_to_a_shared_tier_and_another_engine_loads_them(tmp_path):
     keys, data = keys_and_data(1)
     a = Engine(shared_tier(tmp_path / "shared"))
@@ -354,12 +364,7 @@ def test_a_chunk_whose_probe_is_in_flight_is_not_probed_again_every_step(tmp_pat
 
     monkeypatch.setattr(TieredStore, "contains_many", slow)
     b = Engine(shared_tier(tmp_path / "shared"))  # opened (and listed the shared tier) before A wrote
-    a = Engine(shared_tier(tmp_path / "shared"))
-    try:
-        a.store(keys, data)
-        a.tier.store.flush()
-    finally:
-        a.close()
+    stored_by_another_engine(tmp_path / "shared", keys, data)
     try:
         ctx = ReqContext("r")
         b.manager.on_new_request(ctx)
@@ -435,12 +440,7 @@ def test_two_engines_share_through_s3(s3_server):
                                     {"dtype": "float16"}, {"tenant": "other"}, {"model_id": "other-model"}])
 def test_engines_whose_kv_differs_never_share(tmp_path, change):
     keys, data = keys_and_data(2)
-    a = Engine(shared_tier(tmp_path / "shared"))
-    try:
-        a.store(keys, data)
-        a.tier.store.flush()
-    finally:
-        a.close()
+    stored_by_another_engine(tmp_path / "shared", keys, data)
     options = {k: v for k, v in change.items() if k in ("tenant", "model_id")}
     config = {k: v for k, v in change.items() if k not in options}
     b = Engine(shared_tier(tmp_path / "shared", **options), **config)

@@ -1,17 +1,8 @@
 """``tierstore bench serve``: multi-round QA against any OpenAI-compatible endpoint, TTFT per round and per QPS.
 
-The workload has the shape of LMCache's ``synthetic-multi-round-qa``: ``users`` conversations share one
-system prompt; each has its own history; every round appends a short question, streams the answer (at
-most ``answer_tokens``) and keeps it in the history, so round N+1's prompt holds round N's. A user's next
-round starts when its previous one ended; new rounds are released at ``qps`` requests per second (a sweep
-runs each value in turn on fresh conversations). TTFT is the time from sending a request to its first
-streamed token.
-
-Each request is a streamed ``/v1/completions`` call (temperature 0); the prompt is plain text of random
-words from a fixed vocabulary, so any model and tokenizer serve it. With ``--metrics-url`` (an engine's
-``/metrics``, once per engine) the token hit rate per tier is read from ``tierstore_kv_lookup_tokens_total``
-and ``tierstore_kv_hit_tokens_total`` before and after each QPS step, and vLLM's own prefix-cache hit rate
-from ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``.
+The workload (LMCache's ``synthetic-multi-round-qa`` shape, or vLLM's ``prefix_repetition`` with ``--prefixes``) and
+its statistics are :mod:`tierstore.bench.qa`'s; with ``--metrics-url`` (an engine's ``/metrics``, once per engine)
+the token hit rates per tier and of vLLM's prefix cache are read before and after each QPS step.
 
 With ``--launch CONFIGS`` it starts the guide's deployment itself for each configuration in turn
 (``examples/deploy/launch.sh``: two API servers and ``vllm-router``, round robin), runs the same workload
@@ -37,12 +28,6 @@ cache stays on except in ``recompute``):
 
 ``--repeats N`` runs the configurations N times in alternation (fresh tiers each time), so the machine's load
 falls on all of them alike; each configuration's figures pool its repeats.
-
-With ``--prefixes N`` the workload is vLLM's ``prefix_repetition`` dataset instead: ``N`` shared prefixes of
-``--system-words`` words, and ``--users`` × ``--rounds`` independent requests released at ``qps``, each one of
-the prefixes (seeded, the same order in every configuration) and a fresh ``--question-words`` suffix. A
-request's "round" is then how many times its prefix was asked so far: round 1 is a prefix's first (cold)
-request, ``2+`` its repeats — what a KV cache behind the engines is for.
 
 Without ``--model`` a random-weight Llama is built (``--layers``, ``--hidden``) so that prefill costs what
 a real model's does per token on this CPU; ``--kv-space`` (``VLLM_CPU_KVCACHE_SPACE``, GiB) sizes the
