@@ -15,6 +15,7 @@ them (no copy of ours beyond what the store's tiers make).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import time
@@ -50,8 +51,10 @@ log = logging.getLogger("tierstore_vllm")
 
 #: keys whose load failed (a corrupt or vanished object) stay misses until stored again; at most this many
 FAILED_KEYS = 65536
-#: with events on, seconds between looks in the store's index for announced chunks it no longer holds
+#: with events on, seconds between looks in the store's index for announced chunks it no longer holds, and how
+#: many announced chunks each look checks (the oldest checked first: a large shared tier costs a bounded step)
 REMOVAL_SCAN_S = 1.0
+REMOVAL_SCAN_KEYS = 4096
 
 
 class TierstoreTier(SecondaryTierManager):
@@ -214,16 +217,21 @@ class TierstoreTier(SecondaryTierManager):
 
     def _scan_removals(self) -> None:
         """Announce as removed the announced chunks the store's index no longer holds in any tier (evicted from
-        the last, deleted, or dropped as damaged): at most every :data:`REMOVAL_SCAN_S`, no I/O."""
+        the last, deleted, or dropped as damaged): every :data:`REMOVAL_SCAN_S` at most, the
+        :data:`REMOVAL_SCAN_KEYS` checked longest ago, from the index (no I/O)."""
         now = time.monotonic()
         if not self._announced or now < self._next_scan:
             return
         self._next_scan = now + REMOVAL_SCAN_S
-        keys = list(self._announced)
+        keys = list(itertools.islice(self._announced, REMOVAL_SCAN_KEYS))
         held = self.store.residency.locate([self._announced[k] for k in keys])
-        gone = [k for k, level in zip(keys, held, strict=True) if level is None]
-        for key in gone:
-            del self._announced[key]
+        gone = []
+        for key, level in zip(keys, held, strict=True):
+            chunk = self._announced.pop(key)
+            if level is None:
+                gone.append(key)
+            else:
+                self._announced[key] = chunk  # to the back: the next look checks others first
         if gone and self._events is not None:
             self._events.append(OffloadingEvent(keys=gone, medium=Medium.STORAGE, removed=True,
                                                 locality=self.locality))
