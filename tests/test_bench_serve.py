@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tierstore.bench.serve import Record, Workload, hit_rates, percentile, run_step, summarize
+from tierstore.bench.qa import Record, Workload, hit_rates, percentile, run_step, summarize
 
 
 def test_the_workload_is_deterministic_and_shares_only_the_system_prompt():
@@ -52,7 +52,8 @@ def test_hit_rates_over_an_interval():
 
 
 def test_configurations_compare_against_recompute_and_the_prefix_cache():
-    from tierstore.bench.serve import Result, compare
+    from tierstore.bench.qa import Result
+    from tierstore.bench.serve import compare
 
     w = Workload(users=1, rounds=2)
 
@@ -72,7 +73,8 @@ def test_configurations_compare_against_recompute_and_the_prefix_cache():
 
 def test_the_plot_is_a_png_of_every_configuration(tmp_path):
     pytest.importorskip("matplotlib")
-    from tierstore.bench.serve import plot, summarize
+    from tierstore.bench.qa import summarize
+    from tierstore.bench.serve import plot
 
     rows = summarize([Record(1.0, 0, 1, 0.0, ttft_s=2.0), Record(1.0, 0, 2, 0.0, ttft_s=0.5)])
     path = tmp_path / "ttft.png"
@@ -85,8 +87,8 @@ def test_the_report_shows_a_saved_deployment_run_and_its_targets(tmp_path):
     BENCHMARKS.md: the command, the comparison table and issue 22's targets, met or missed."""
     import json
 
+    from tierstore.bench.qa import Result
     from tierstore.bench.report import write_report
-    from tierstore.bench.serve import Result
 
     w = Workload(users=1, rounds=2)
 
@@ -215,7 +217,7 @@ def test_the_tier_configurations_launch_vllm_offloading_on_one_shared_directory(
     """``--launch vllm-fs-tier`` / ``tierstore-tier``: both instances run vLLM's OffloadingConnector with a CPU
     tier of ``--cpu-bytes`` and the secondary tier on the same ``file://`` directory (the fs tier's root, the
     tierstore tier's shared tier); the engines' own arguments are kept."""
-    from tierstore.bench.serve import deployment_env
+    from tierstore.bench.serve_launch import deployment_env
     from tierstore.config import read_config
 
     args = _launch_args("--launch", name, "--cpu-bytes", "256MiB", "--engine-args", "--max-model-len 4096")
@@ -261,7 +263,7 @@ def test_without_a_shared_tier_each_instance_keeps_its_own_directory(tmp_path):
 
 
 def test_the_bench_checks_its_launch_options():
-    from tierstore.bench.serve import deployment_env, launch_names
+    from tierstore.bench.serve_launch import deployment_env, launch_names
 
     assert launch_names(_launch_args("--launch", "vllm-fs-tier,tierstore-tier")) == ["vllm-fs-tier", "tierstore-tier"]
     for argv, message in ((["--launch", "tierstore-tier,tierstore-tier"], "named twice"),
@@ -282,7 +284,8 @@ def test_the_bench_checks_its_launch_options():
 def test_the_tier_table_compares_the_fs_tier_with_tierstores_and_pools_repeats():
     """TTFT of rounds 2+ (P50, P90) and of the other instance's prefix, the ratios tierstore/fs, the chunk hit
     rates per offloading tier (averaged over repeats), answers differing, bytes stored (median of repeats)."""
-    from tierstore.bench.serve import Result, hit_rates, tier_table
+    from tierstore.bench.qa import Result, hit_rates
+    from tierstore.bench.serve import tier_table
 
     w = Workload(users=1, rounds=2)
 

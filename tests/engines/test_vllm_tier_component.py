@@ -7,6 +7,7 @@ a chunk with alignment padding; and the CPU worker's copies on real tensors."""
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -230,6 +231,16 @@ def shared_tier(root: Path, host: bool = True, **options) -> dict:
     return {"type": "TierstoreTier", "module_path": "tierstore_vllm", "config": {"tiers": tiers}, **options}
 
 
+def stored_by_another_engine(root: Path, keys: list[bytes], data: list[np.ndarray]) -> None:
+    """An engine that stores ``keys`` in the shared tier at ``root``, flushes and goes away."""
+    a = Engine(shared_tier(root))
+    try:
+        a.store(keys, data)
+        a.tier.store.flush()
+    finally:
+        a.close()
+
+
 def test_chunks_of_both_kv_groups_go_to_a_shared_tier_and_another_engine_loads_them(tmp_path):
     keys, data = keys_and_data(1)
     a = Engine(shared_tier(tmp_path / "shared"))
@@ -296,6 +307,88 @@ def test_stored_chunks_are_announced_as_storage_events_when_asked(tmp_path):
         loud.close()
 
 
+@pytest.mark.parametrize("scan_keys", [4096, 2])
+def test_chunks_the_store_no_longer_holds_are_announced_as_removed(tmp_path, monkeypatch, scan_keys):
+    """Evicted from the tier's last tier (a host tier of ~4 chunks, 6 stored) or deleted: a STORAGE event with
+    ``removed=True`` for exactly those chunks, once each; a chunk still held is never announced as removed. With
+    2 chunks checked per look, every one is still reached (the oldest checked first)."""
+    from tierstore_vllm import tier as tier_module
+    from vllm.v1.kv_offload.base import Locality, Medium
+
+    monkeypatch.setattr(tier_module, "REMOVAL_SCAN_KEYS", scan_keys)
+
+    seen: list[tuple[bool, bytes]] = []
+
+    def removed(e: Engine, want: int, timeout: float = 10.0) -> list[bytes]:
+        """Take events until ``want`` removals are in (``timeout`` at most); every removal so far."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for ev in e.manager.take_events():
+                if ev.medium is Medium.STORAGE:
+                    assert ev.locality is Locality.LOCAL
+                    seen.extend((ev.removed, k) for k in ev.keys)
+            gone = [k for r, k in seen if r]
+            if len(gone) >= want or time.monotonic() > deadline:
+                return gone
+            time.sleep(0.05)
+
+    keys, data = keys_and_data(9)
+    tier = {"type": "TierstoreTier", "module_path": "tierstore_vllm", "enable_kv_events": True, "locality": "LOCAL",
+            "config": {"tiers": [{"kind": "host", "capacity": 4 * (BYTES_PER_BLOCK + 512)}]}}
+    e = Engine(tier, events=True)
+    try:
+        for k, d in zip(keys, data, strict=True):  # one at a time: the oldest are evicted
+            e.store([k], [d])
+        store, chunk = e.tier.store, e.tier._keys.key
+        held = [k for k in keys if store.contains(chunk(k))]
+        assert 0 < len(held) < len(keys), "the host tier should have evicted some chunks"
+        evicted = removed(e, len(keys) - len(held))
+        assert sorted(k for r, k in seen if not r) == sorted(keys)
+        assert sorted(evicted) == sorted(set(keys) - set(held))
+        store.delete(chunk(held[0]))
+        assert removed(e, len(evicted) + 1) == evicted + [held[0]]
+        # nothing else is gone, none announced twice (a few looks: every chunk checked again)
+        assert removed(e, len(evicted) + 2, timeout=3.5) == evicted + [held[0]]
+    finally:
+        e.close()
+
+
+def test_a_chunk_whose_probe_is_in_flight_is_not_probed_again_every_step(tmp_path, monkeypatch):
+    """A slow shared tier (S3 under load: a HEAD batch took 5 s in the bench): while the probe is in flight the
+    scheduler steps and asks again; the shared tier is asked once, not once per step (a probe storm: 1,066
+    batches for 173 chunks, which starved the S3 server and turned chunks it held into misses)."""
+    from tierstore.store import TieredStore
+
+    keys, data = keys_and_data(11, n=2)
+    gate, asked = threading.Event(), []
+    contains_many = TieredStore.contains_many
+
+    def slow(self, chunks):
+        asked.append(len(chunks))
+        gate.wait(10)
+        return contains_many(self, chunks)
+
+    monkeypatch.setattr(TieredStore, "contains_many", slow)
+    b = Engine(shared_tier(tmp_path / "shared"))  # opened (and listed the shared tier) before A wrote
+    stored_by_another_engine(tmp_path / "shared", keys, data)
+    try:
+        ctx = ReqContext("r")
+        b.manager.on_new_request(ctx)
+        for _ in range(20):  # every step while the probe is in flight
+            assert {b.manager.lookup(k, ctx) for k in keys} == {LookupResult.RETRY}
+            b.step()
+            time.sleep(0.005)
+        assert asked == [len(keys)]
+        gate.set()
+        b.manager.on_request_finished(ctx)
+        first, last, ctx = b.lookup(keys)
+        assert last == [LookupResult.HIT] * len(keys)
+        assert [x[:BYTES_PER_BLOCK].tolist() for x in b.loaded(keys, ctx)] == [d.tolist() for d in data]
+    finally:
+        gate.set()
+        b.close()
+
+
 def test_two_engines_share_through_a_node_server(tmp_path):
     """``"server": "unix://..."``: both engines' tiers are clients of one ``tierstore serve``; what A stored is in
     the node's host tier, and B's lookups (asked of the server in the background: RETRY, then HIT) load it."""
@@ -353,12 +446,7 @@ def test_two_engines_share_through_s3(s3_server):
                                     {"dtype": "float16"}, {"tenant": "other"}, {"model_id": "other-model"}])
 def test_engines_whose_kv_differs_never_share(tmp_path, change):
     keys, data = keys_and_data(2)
-    a = Engine(shared_tier(tmp_path / "shared"))
-    try:
-        a.store(keys, data)
-        a.tier.store.flush()
-    finally:
-        a.close()
+    stored_by_another_engine(tmp_path / "shared", keys, data)
     options = {k: v for k, v in change.items() if k in ("tenant", "model_id")}
     config = {k: v for k, v in change.items() if k not in options}
     b = Engine(shared_tier(tmp_path / "shared", **options), **config)

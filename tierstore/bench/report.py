@@ -209,13 +209,14 @@ def _trust(t: dict[str, Any]) -> str:
 
 
 def _deployment_results(d: dict[str, Any]) -> dict[str, Any]:
-    from .serve import Result
+    from .qa import Result
 
     return {name: Result.from_json(r) for name, r in d["configurations"].items()}
 
 
 def _deployment(d: dict[str, Any]) -> str:
-    from .serve import Result, compare
+    from .qa import Result
+    from .serve import compare
 
     results = _deployment_results(d)
     w = next(iter(results.values())).workload

@@ -49,10 +49,13 @@ class Probes:
         return state.found
 
     def ask(self, key: bytes, chunk: ChunkKey, req_id: str) -> None:
-        """Queue ``key`` (a key without a state) for the next batch."""
-        state = self._states[key] = _State()
+        """Queue ``key`` for the next batch, unless it is queued or in flight already (a slow shared tier must
+        not get the same key again every step while its answer is on the way)."""
+        state = self._states.get(key)
+        if state is None:
+            state = self._states[key] = _State()
+            self._queued.append((key, chunk))
         self._hold(key, state, req_id)
-        self._queued.append((key, chunk))
 
     def flush(self) -> None:
         """Send this step's queued keys as one batch."""

@@ -15,6 +15,7 @@ them (no copy of ours beyond what the store's tiers make).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import time
@@ -50,6 +51,10 @@ log = logging.getLogger("tierstore_vllm")
 
 #: keys whose load failed (a corrupt or vanished object) stay misses until stored again; at most this many
 FAILED_KEYS = 65536
+#: with events on, seconds between looks in the store's index for announced chunks it no longer holds, and how
+#: many announced chunks each look checks (the oldest checked first: a large shared tier costs a bounded step)
+REMOVAL_SCAN_S = 1.0
+REMOVAL_SCAN_KEYS = 4096
 
 
 class TierstoreTier(SecondaryTierManager):
@@ -82,6 +87,10 @@ class TierstoreTier(SecondaryTierManager):
         self._stats = None if opts.through_server else TierStats(self.store)  # a node server reports its own
         kv_events = offloading_spec.kv_events_config.enable_kv_cache_events
         self._events: list[OffloadingEvent] | None = [] if opts.enable_kv_events and kv_events else None
+        #: chunks announced as stored and not (yet) as removed; a node server's evictions are not seen here
+        self._announced: dict[OffloadKey, ChunkKey] | None = (
+            {} if self._events is not None and not opts.through_server else None)
+        self._next_scan = 0.0
         log.info("tierstore: secondary tier %s over %s (%s), keys %s, %d bytes per chunk", tier_type, self.store,
                  self.locality.value, self._keys.namespace, self._keys.payload_bytes)
 
@@ -97,7 +106,7 @@ class TierstoreTier(SecondaryTierManager):
             return LookupResult.HIT
         if not self._shared:
             return LookupResult.MISS
-        self._probes.ask(key, chunk, req_context.req_id)  # in no index: ask the shared tier in the background
+        self._probes.ask(key, chunk, req_context.req_id)  # in no index: ask the shared tier in the background, once
         return LookupResult.RETRY
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -169,6 +178,8 @@ class TierstoreTier(SecondaryTierManager):
             if stored and self._events is not None:
                 self._events.append(OffloadingEvent(keys=stored, medium=Medium.STORAGE, removed=False,
                                                     locality=self.locality))
+                if self._announced is not None:
+                    self._announced.update((k, self._keys.key(k)) for k in stored)
             if failed:  # never promised again (vLLM would retry the promotion for ever)
                 log.warning("tierstore: %d of the chunks a load asked for were misses (corrupt or gone); "
                             "vLLM recomputes them", len(failed))
@@ -196,10 +207,34 @@ class TierstoreTier(SecondaryTierManager):
         self._probes.flush()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events is None:
+            return ()
+        self._scan_removals()
         if not self._events:
             return ()
         events, self._events = self._events, []
         return events
+
+    def _scan_removals(self) -> None:
+        """Announce as removed the announced chunks the store's index no longer holds in any tier (evicted from
+        the last, deleted, or dropped as damaged): every :data:`REMOVAL_SCAN_S` at most, the
+        :data:`REMOVAL_SCAN_KEYS` checked longest ago, from the index (no I/O)."""
+        now = time.monotonic()
+        if not self._announced or now < self._next_scan:
+            return
+        self._next_scan = now + REMOVAL_SCAN_S
+        keys = list(itertools.islice(self._announced, REMOVAL_SCAN_KEYS))
+        held = self.store.residency.locate([self._announced[k] for k in keys])
+        gone = []
+        for key, level in zip(keys, held, strict=True):
+            chunk = self._announced.pop(key)
+            if level is None:
+                gone.append(key)
+            else:
+                self._announced[key] = chunk  # to the back: the next look checks others first
+        if gone and self._events is not None:
+            self._events.append(OffloadingEvent(keys=gone, medium=Medium.STORAGE, removed=True,
+                                                locality=self.locality))
 
     # ------------------------------------------------------------------ metrics, shutdown
     @classmethod
