@@ -340,3 +340,18 @@ def test_a_reservation_that_fails_midway_gives_back_its_slot_and_bytes(monkeypat
         t0 = time.monotonic()
         assert store.put(key, {name: torch.zeros(t.shape) for name, t in like(C).items()})
         assert time.monotonic() - t0 < 1.0  # no wait for a slot left behind
+
+
+def test_a_reservation_uses_only_what_its_store_hands_it():
+    """tierstore/reservation.py reads no private attribute of another object (the store's ``_life``,
+    ``_count``, ``_transfers``): what it needs comes in an ``Owner`` the store builds."""
+    import ast
+    import inspect
+
+    import tierstore.reservation as reservation
+
+    tree = ast.parse(inspect.getsource(reservation))
+    private = [f"{ast.unparse(node.value)}.{node.attr}" for node in ast.walk(tree)
+               if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+               and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
+    assert private == []
