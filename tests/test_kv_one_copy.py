@@ -355,3 +355,24 @@ def test_a_reservation_uses_only_what_its_store_hands_it():
                if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
                and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
     assert private == []
+
+
+def test_save_from_a_start_copies_only_the_chunks_from_there(tmp_path):
+    """``save_from(start=)`` extends a prefix saved before, as ``save`` does: the chunks before ``start`` are
+    neither checked nor copied (here: not stored at all), the ones from there are, bit-exact; a ``start`` off a
+    chunk boundary is refused before anything is stored. ``probe=False`` saves the same (no shared tier here)."""
+    from tierstore.errors import InvalidInputError
+
+    with host_store() as store:
+        kv, tokens, table, src = four_chunks(store)
+        assert kv.saves_in_place
+        with pytest.raises(InvalidInputError, match="start"):
+            kv.save_from(tokens, src, "vllm", table, start=C + 1)
+        assert kv.save_from(tokens, src, "vllm", table, start=2 * C, probe=False) == 2 * C
+        assert kv.where(tokens) == [None, None, "host", "host"]
+        assert kv.save_from(tokens, src, "vllm", table) == 4 * C  # from the first miss on (chunk 0)
+        dst = caches(len(table), seed=None)
+        assert kv.load_into(tokens, dst, "vllm", table) == len(tokens)
+        assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
+    with tierstore.open({"tiers": [{"kind": "host", "capacity": "64MiB", "pool": False}]}) as store:
+        assert not KVCacheStore(store, NS, chunk_tokens=C).saves_in_place
