@@ -143,9 +143,9 @@ def test_a_lent_chunk_replaced_or_evicted_mid_load_never_scatters_another_values
     chunk_bytes = 2 * C * H * D * 4 * LAYERS
     copy_rows_in = rows._copy_rows_in
 
-    def slow(flat, index, src):
+    def slow(flat, index, src, *words):
         time.sleep(0.0005)  # a scatter is under way while the writer replaces the chunk being read
-        copy_rows_in(flat, index, src)
+        copy_rows_in(flat, index, src, *words)
 
     monkeypatch.setattr(rows, "_copy_rows_in", slow)
     try:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..keys import ChunkKey
+from ..tensors import alloc_host
 from .rows import PagedTransfer, Piece
 
 #: bytes of staging per task (two tasks are in flight); a window holds as many chunks as fit
@@ -88,7 +89,9 @@ class Staging:
             for i, buf in enumerate(self._free):
                 if buf.numel() >= nbytes and buf.is_pinned() == pinned:
                     return self._free.pop(i)
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+        if pinned:
+            return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+        return alloc_host(max(nbytes, 1))
 
     def release(self, buf: torch.Tensor) -> None:
         with self._lock:
