@@ -376,3 +376,32 @@ def test_save_from_a_start_copies_only_the_chunks_from_there(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
     with tierstore.open({"tiers": [{"kind": "host", "capacity": "64MiB", "pool": False}]}) as store:
         assert not KVCacheStore(store, NS, chunk_tokens=C).saves_in_place
+
+
+def test_a_layer_the_store_lent_whole_is_resolved_before_the_next_layer_is_lent():
+    """Layer-wise from per-layer objects the host tier holds: nothing is read from below, so lending the next
+    layer's chunks before this layer is scattered and resolved would only delay the layer an engine waits for."""
+    with host_store() as store:
+        kv = KVCacheStore(store, NS, chunk_tokens=C, layers_per_object=1, num_layers=LAYERS)
+        n = 4 * C
+        table = list(range(n // BS))
+        src = caches(len(table))
+        assert kv.save_from(list(range(n)), src, "vllm", table) == n
+        lend = type(store).lend
+        seen: list[list[bool]] = []
+        handles: list = []
+        gate = threading.Event()
+
+        def spying(self, keys):
+            gate.wait(10)  # the handle is known before the first lend
+            seen.append([handles[0].layer(j).done() for j in range(LAYERS)])
+            return lend(self, keys)
+
+        dst = caches(len(table), seed=None)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(type(store), "lend", spying)
+            handles.append(kv.load_into(list(range(n)), dst, "vllm", table, layerwise=True))
+            gate.set()
+            assert handles[0].result(10) == n
+        assert seen == [[j < i for j in range(LAYERS)] for i in range(LAYERS)]
+        assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
