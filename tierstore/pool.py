@@ -19,6 +19,7 @@ import threading
 import torch
 
 from .errors import InvalidInputError
+from .tensors import alloc_host
 
 #: candidates examined in the request's own size class before taking a run from a larger class
 _SCAN = 16
@@ -43,7 +44,8 @@ class SlotPool:
             self.memfd, self.buffer = shm.create_pool("tierstore-host-pool", self.nslots * slot_size)
             self.pinned = self.pinned and shm.register_for_dma(self.buffer, read_only=False)
         else:
-            self.buffer = torch.empty(self.nslots * slot_size, dtype=torch.uint8, pin_memory=self.pinned)
+            n = self.nslots * slot_size  # pinned: page-locked and mapped now; else huge pages, mapped on first use
+            self.buffer = torch.empty(n, dtype=torch.uint8, pin_memory=True) if self.pinned else alloc_host(n)
         self._lock = threading.Lock()
         self._by_start: dict[int, int] = {}  # free run: first slot -> count
         self._by_end: dict[int, int] = {}  # free run: one past its last slot -> first slot

@@ -11,14 +11,15 @@ queued), :meth:`Reservation.abort` gives everything back. Before the commit no r
 anything of a reserved key's new value; an abort (or an error, or leaving the ``with`` block) leaves no trace.
 
 Only a top tier with a pool reserves (``host`` with its pool, under ``write_back``): a key it cannot reserve
-gets ``None`` and is put the usual way.
+gets ``None`` and is put the usual way. A reservation touches nothing of its store but what the store hands it
+as an :class:`Owner` (its residency, its transfers, its call lifecycle and its put counter).
 """
 
 from __future__ import annotations
 
 import errno
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -29,8 +30,22 @@ from .residency import Slot
 from .transfers import ENOMEM_ROUNDS
 
 if TYPE_CHECKING:
-    from .store import TieredStore
-    from .transfers import Level
+    from .lifecycle import Lifecycle
+    from .residency import Residency
+    from .transfers import Level, Transfers
+
+
+@dataclass(frozen=True)
+class Owner:
+    """What a reservation uses of its store, handed over by the store: the steps of a put before and after its
+    copy (``residency``: generations, slots, bytes; ``transfers``: making room, evicting, removing stale copies
+    below), the store's call lifecycle (an open reservation is a running call: ``close()`` waits for it) and
+    ``count_puts`` (the store's put counter)."""
+
+    residency: Residency
+    transfers: Transfers
+    life: Lifecycle
+    count_puts: Callable[[int], None]
 
 
 @dataclass
@@ -48,12 +63,12 @@ class Reservation:
     ``keys[i]``, or ``None`` where nothing was reserved. Commit or abort exactly once (a context manager
     aborts what was not committed)."""
 
-    def __init__(self, store: TieredStore, level: Level | None, held: list[_Held | None]):
-        self._store, self._level, self._held = store, level, held
+    def __init__(self, owner: Owner, level: Level | None, held: list[_Held | None]):
+        self._owner, self._level, self._held = owner, level, held
         self.tensors: list[dict[str, torch.Tensor] | None] = [None if h is None else h.tensors for h in held]
         self._open = level is not None and any(h is not None for h in held)
         if not self._open:
-            store._life.leave()
+            owner.life.leave()
 
     def commit(self, which: Sequence[bool] | None = None) -> list[bool]:
         """Publish the reserved chunks (those with ``which[i]`` true, default all; the others are aborted).
@@ -62,7 +77,7 @@ class Reservation:
         if not self._open:
             return ok
         assert self._level is not None
-        lv, store, res = self._level, self._store, self._store.residency
+        lv, owner, res = self._level, self._owner, self._owner.residency
         try:
             for i, h in enumerate(self._held):
                 if h is None or (which is not None and not which[i]):
@@ -72,9 +87,9 @@ class Reservation:
                 stale = res.commit_write(h.key, lv.index, h.gen, h.size, h.reserved, put=True)
                 lv.count(puts=1, bytes_in=h.size)
                 ok[i] = True
-                store._transfers.remove_stale(h.key, stale)
+                owner.transfers.remove_stale(h.key, stale)
         finally:
-            store._count(puts=sum(ok))
+            owner.count_puts(sum(ok))
             self.abort()  # the ones not asked for, or left by an error
         return ok
 
@@ -93,13 +108,13 @@ class Reservation:
     def _give_back(self, h: _Held) -> None:
         assert self._level is not None
         self._level.backend.cancel_run(h.run)  # type: ignore[attr-defined]
-        self._store.residency.release(self._level.index, h.reserved)
-        self._store.residency.abort_write(h.key, self._level.index, h.gen)
+        self._owner.residency.release(self._level.index, h.reserved)
+        self._owner.residency.abort_write(h.key, self._level.index, h.gen)
 
     def _close(self) -> None:
         if self._open:
             self._open = False
-            self._store._life.leave()
+            self._owner.life.leave()
 
     def __enter__(self) -> Reservation:
         return self
@@ -121,29 +136,30 @@ def reservable(store: Any) -> Level | None:
     return None
 
 
-def reserve(store: TieredStore, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]) -> Reservation:
-    """Reserve pool memory of ``store``'s top tier for each ``(key, like)``: a chunk with tensors shaped like
-    ``like`` (names, shapes, dtypes; ``meta`` tensors will do). Keys the tier cannot take now (too big, no room
-    in time, a busy slot, no pool) get ``None`` in :attr:`Reservation.tensors`."""
-    store._life.enter()
-    lv = reservable(store)
+def reserve(owner: Owner, lv: Level | None, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]
+            ) -> Reservation:
+    """Reserve pool memory of level ``lv`` (what :func:`reservable` found; ``None``: nothing is reserved) for each
+    ``(key, like)``: a chunk with tensors shaped like ``like`` (names, shapes, dtypes; ``meta`` tensors will do).
+    Keys the tier cannot take now (too big, no room in time, a busy slot) get ``None`` in
+    :attr:`Reservation.tensors`."""
+    owner.life.enter()
     held: list[_Held | None] = [None] * len(items)
     if lv is None:
-        return Reservation(store, None, held)
+        return Reservation(owner, None, held)
     try:
-        deadline = time.monotonic() + store._transfers.pin_wait
+        deadline = time.monotonic() + owner.transfers.pin_wait
         for i, (key, like) in enumerate(items):
-            held[i] = _reserve_one(store, lv, key, like, deadline)
+            held[i] = _reserve_one(owner, lv, key, like, deadline)
     except BaseException:
-        Reservation(store, lv, held).abort()
+        Reservation(owner, lv, held).abort()
         raise
-    return Reservation(store, lv, held)
+    return Reservation(owner, lv, held)
 
 
-def _reserve_one(store: TieredStore, lv: Level, key: ChunkKey, like: Mapping[str, torch.Tensor],
+def _reserve_one(owner: Owner, lv: Level, key: ChunkKey, like: Mapping[str, torch.Tensor],
                  deadline: float) -> _Held | None:
     """One key's generation, slot, bytes and pool run (each step as a put takes it), or ``None``."""
-    res, level, backend = store.residency, lv.index, lv.backend
+    res, level, backend = owner.residency, lv.index, lv.backend
     size = backend.reserved_size(like)  # type: ignore[attr-defined]
     gen = res.next_gen()
     slot = res.wait_until(lambda: s if (s := res.begin_write(key, level, gen)) is not Slot.BUSY else None, deadline)
@@ -152,7 +168,7 @@ def _reserve_one(store: TieredStore, lv: Level, key: ChunkKey, like: Mapping[str
         return None
     reserved = 0
     try:
-        got = store._transfers.make_room(key, level, size, deadline)  # noqa: SLF001 - as a put makes room
+        got = owner.transfers.make_room(key, level, size, deadline)  # as a put makes room
         if got is not None:
             reserved = got
             for _ in range(ENOMEM_ROUNDS + 1):
@@ -163,7 +179,7 @@ def _reserve_one(store: TieredStore, lv: Level, key: ChunkKey, like: Mapping[str
                     if exc.errno != errno.ENOMEM:
                         raise
                     for victim in res.reclaim(key, level, size):
-                        store._transfers.evict(victim, deadline)
+                        owner.transfers.evict(victim, deadline)
     except BaseException:
         res.release(level, reserved)
         res.abort_write(key, level, gen)

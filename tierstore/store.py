@@ -570,9 +570,11 @@ class TieredStore:
     def reserve(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]) -> Reservation:
         """Pool memory of the top tier set aside for each ``(key, like)`` — a chunk shaped like ``like`` — to be
         filled in place and committed: a put without the copy in (see :mod:`tierstore.reservation`)."""
-        from .reservation import reserve
+        from .reservation import Owner, reservable, reserve
 
-        return reserve(self, [(check_key(k), like) for k, like in items])
+        items = [(check_key(k), like) for k, like in items]
+        owner = Owner(self.residency, self._transfers, self._life, lambda n: self._count(puts=n))
+        return reserve(owner, reservable(self), items)
 
     # ------------------------------------------------------------------ async forms
     def get_many_async(self, keys: Sequence[ChunkKey], *, out: Outs | None = None,

@@ -35,8 +35,10 @@ A_BLOCKS = [3, 7, 1, 9, 12]
 B_BLOCKS = [20, 21, 22, 23, 24]
 
 
-def tiers(root, name="node-a") -> list[dict]:
-    return [{"kind": "host", "capacity": "16MiB"}, {"kind": "disk", "path": str(root / name), "capacity": "64MiB"}]
+def tiers(root, name="node-a", pool: bool = False) -> list[dict]:
+    """A small host tier (no pool unless ``pool``: a pooled one saves in place) over a disk tier."""
+    return [{"kind": "host", "capacity": "16MiB", "pool": pool},
+            {"kind": "disk", "path": str(root / name), "capacity": "64MiB"}]
 
 
 def kv_of(engine: Engine, rank: int, blocks: list[int], end: int = HIT) -> list[torch.Tensor]:
@@ -202,10 +204,12 @@ def test_chunked_prefill_saves_once_the_prompt_is_complete(tmp_path):
         e.close()
 
 
-def test_decoded_tokens_are_saved_by_chunk_from_where_the_prompt_left_off(tmp_path):
+@pytest.mark.parametrize("pool", [False, True], ids=["copies", "in-place"])
+def test_decoded_tokens_are_saved_by_chunk_from_where_the_prompt_left_off(tmp_path, pool):
     """A multi-round chat's next prompt holds this round's answer: each chunk the decoded tokens fill is saved
-    (only the new part copied out of the paged cache), and another engine hits prompt and answer alike."""
-    a = Engine(tmp_path, tiers(tmp_path), caches_seed=1)
+    (only the new part copied out of the paged cache), and another engine hits prompt and answer alike; the same
+    through copies put in the background and saved in place into a host pool."""
+    a = Engine(tmp_path, tiers(tmp_path, pool=pool), caches_seed=1)
     blocks = [*A_BLOCKS, 30, 31]  # 7 blocks of 16: 112 tokens
     req = Request("r", PROMPT)
     try:
@@ -347,6 +351,37 @@ def test_queued_saves_are_bounded_by_bytes_not_by_count(tmp_path, monkeypatch):
         assert tiny.workers[0].counters["saved_tokens"] == HIT and tiny.workers[0].counters["saves_dropped"] == 0
     finally:
         tiny.close()
+
+
+def test_a_host_pool_on_top_saves_in_place(tmp_path, monkeypatch):
+    """A store whose top tier is a host pool (write_back): wait_for_save gathers each save's chunks straight into
+    pool memory reserved for them and commits them, so they are in the host tier when it returns; nothing goes
+    through the copies put in the background (held up here: the old path stored nothing by then), none is
+    queued, and another engine loads the bytes exactly."""
+    import tierstore_vllm.worker as worker_mod
+
+    gate = threading.Event()
+    real = worker_mod.save_prefix
+    monkeypatch.setattr(worker_mod, "save_prefix", lambda kv, spec, layers: (gate.wait(30), real(kv, spec, layers))[1])
+    a = Engine(tmp_path, tiers(tmp_path, pool=True), tp=1, caches_seed=1, save_memory=1)
+    (w,) = a.workers
+    try:
+        plan = a.step(SchedulerOutput([NewRequestData("r", PROMPT, (A_BLOCKS,), 0)],
+                                      num_scheduled_tokens={"r": len(PROMPT)}), drain=False)
+        assert len(plan.saves) == 1
+        assert w.counters["saved_tokens"] == HIT and w.counters["saves_dropped"] == 0
+        assert w.kv(None).where(PROMPT[:HIT]) == ["host", "host"]
+        assert w._pending_bytes == 0 and not w._gathered
+        want = kv_of(a, 0, A_BLOCKS)
+    finally:
+        gate.set()
+        a.close()
+    b = Engine(tmp_path, tiers(tmp_path), tp=1)
+    try:
+        assert b.serve(Request("b", PROMPT), B_BLOCKS) == HIT
+        assert all(torch.equal(g, x) for g, x in zip(kv_of(b, 0, B_BLOCKS), want, strict=True))
+    finally:
+        b.close()
 
 
 def test_without_layerwise_the_whole_prefix_is_in_the_cache_before_the_forward(tmp_path, saved, monkeypatch):

@@ -4,12 +4,13 @@ A write copies the chunk in, a read copies it out (callers own what they get); :
 lends the stored tensors themselves for a write-back to read from.
 
 A host backend of at least 64 MiB preallocates its whole capacity once as a :class:`~tierstore.pool.SlotPool`
-(pinned when CUDA is present and ``pinned: true``) and carves chunks out of it: a write is a memcpy into memory
-that is already mapped (fresh allocations page-fault at a fraction of memcpy speed), transfers to the GPU are
-DMA-able, and memory never grows. ``pool: true|false`` forces the choice; smaller ones make one allocation per
-chunk. A pooled chunk occupies its tensors' bytes, each tensor starting 64-byte aligned, rounded up to
-``slot_size`` (default 64). A run of the pool is reused only once no reader or borrower still copies from it.
-When fragmentation leaves no run long enough a write fails with ``ENOMEM`` and the store evicts more.
+(pinned when CUDA is present and ``pinned: true``) and carves chunks out of it: a write is a memcpy into memory that
+stays mapped once used (unpinned, in 2 MiB pages where the kernel allows them: a fresh 4 KiB page faults at a
+fraction of memcpy speed), transfers to the GPU are DMA-able, and memory never grows. ``pool: true|false`` forces
+the choice; smaller ones make one allocation per chunk. A pooled chunk occupies its tensors' bytes, each tensor
+starting 64-byte aligned, rounded up to ``slot_size`` (default 64). A run of the pool is reused only once no reader
+or borrower still copies from it. When fragmentation leaves no run long enough a write fails with ``ENOMEM`` and the
+store evicts more.
 
 A pool in shared memory (a node server's) starts each chunk with a 64-byte header whose first word is the
 chunk's *stamp*: a number no other write of this backend gets, set once the chunk's bytes are in place and

@@ -17,12 +17,14 @@ GPU): TTFT = queueing + lookup + KV load + prefill of the uncached tokens. Answe
 * ``host+disk+remote``: the same host tier, a disk tier half the working set, a shared remote tier
   (``--remote-url``, default a ``file://`` directory) below.
 
-A third table (``--paged-tokens``, default 8192) times getting a cached prompt's KV into an engine's
-paged cache (``vllm`` layout, block size 16) from each tier alone: today's path (``load`` then
-``scatter_layers``), ``load_into``, and layer-wise ``load_into`` over per-layer objects (time until layer
-0 is usable and until every layer is). TTFT adds the measured compute of the last token to the time
-the KV is in; layer-wise, the model really runs each layer as soon as its KV is in (what an engine's
-layer-wise connector allows), so TTFT is measured end to end with compute and loading sharing the CPU.
+A third table (``--paged-tokens``, default 8192) times getting a cached prompt's KV into an engine's paged
+cache (``vllm`` layout, block size 16) from each tier alone: today's path (``load`` then
+``scatter_layers``), ``load_into``, and layer-wise ``load_into`` over per-layer objects (time until layer 0
+is usable and until every layer is); medians of ``--paged-repeats`` rounds after a warm-up round, the three
+paths in alternation, each round starting with the next path. TTFT adds the measured compute of the last
+token to the time the KV is in; layer-wise, the model really runs each layer as soon as its KV is in (what
+an engine's layer-wise connector allows), so TTFT is measured end to end with compute and loading sharing
+the CPU.
 
 A second table reports, per chunk size, the time to load one chunk from each tier against the time to
 prefill it (the ratio shows how much cheaper loading is than recomputing).
@@ -249,6 +251,7 @@ def paged_rows(model, ns, root: Path, n: int, repeats: int) -> list[dict]:
     caches = [torch.zeros(2, blocks, bs, cfg.num_key_value_heads, cfg.head_dim, dtype=model.dtype)
               for _ in layers]
     past = [t[:, :n - 1] for t in layers]
+    model.prefill(toks[n - 1:], past, last_only=True)  # warm-up
     compute = statistics.median(_timed(lambda: model.prefill(toks[n - 1:], past, last_only=True))
                                 for _ in range(repeats))
     rows = []
@@ -288,11 +291,19 @@ def paged_rows(model, ns, root: Path, n: int, repeats: int) -> list[dict]:
                 flat.load_into(toks, caches, "vllm", table, n_tokens=n - 1)
 
             runs: dict[str, list[float]] = {"load+scatter": [], "load_into": []}
-            lw = []
-            for _ in range(repeats):  # the three paths in alternation: the machine's drift hits them alike
-                runs["load+scatter"].append(_timed(old))
-                runs["load_into"].append(_timed(into))
-                lw.append(layerwise())
+            lw: list[tuple[float, float, float]] = []
+            paths = [("load+scatter", old), ("load_into", into), ("layerwise", layerwise)]
+            for r in range(repeats + 1):  # a warm-up round, then the paths in alternation, each round starting
+                for k in range(len(paths)):  # with the next one: the machine's drift hits them alike
+                    name, fn = paths[(r + k) % len(paths)]
+                    if name == "layerwise":
+                        got = layerwise()
+                        if r:
+                            lw.append(got)
+                    else:
+                        t = _timed(fn)
+                        if r:
+                            runs[name].append(t)
             timings = {path: statistics.median(ts) for path, ts in runs.items()}
             timings["load_into layerwise"] = statistics.median(a for _, a, _ in lw)
             first = statistics.median(f for f, _, _ in lw)

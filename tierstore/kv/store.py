@@ -25,6 +25,7 @@ import torch
 
 from ..errors import InvalidInputError, InvalidTypeError, MissingKeyError
 from ..keys import ChunkKey
+from ..reservation import reservable
 from .namespace import KVNamespace, prefix_keys, token_tensor
 from .paged import PagedLayout
 from .rows import PagedTransfer, Piece
@@ -436,27 +437,43 @@ class KVCacheStore:
         return handle
 
     def save_from(self, token_ids: TokenIds, caches: Sequence[torch.Tensor] | torch.Tensor, layout: str | PagedLayout,
-                  block_ids: Sequence[int] | torch.Tensor, *, block_size: int | None = None) -> int:
+                  block_ids: Sequence[int] | torch.Tensor, *, block_size: int | None = None, start: int = 0,
+                  probe: bool = True) -> int:
         """Store the KV of ``token_ids`` straight out of a paged KV cache; returns the tokens newly stored.
 
-        The cache (as for :meth:`load_into`) must hold the KV of every token of ``token_ids`` in the
-        blocks of ``block_ids``. Chunks already held are skipped; the others are gathered window by
-        window into reusable staging and stored with one ``put_many`` per window (returns once the top
-        tier holds them; lower tiers are written in the background).
+        The cache (as for :meth:`load_into`) must hold the KV of every token of ``token_ids`` from ``start`` on
+        in the blocks of ``block_ids`` (token ``t`` in ``block_ids[t // block_size]``). ``start`` (a multiple of
+        the chunk size) extends a prefix saved before, as for :meth:`save`: its chunks are neither checked nor
+        copied. Chunks already held (the leading run from ``start``; with ``probe=False`` as the in-memory
+        indexes know it: no I/O before the copy, what an engine's forward thread wants) are skipped. Where the
+        top tier is a host pool (``write_back``) the others are gathered straight into pool memory reserved
+        for them and committed; otherwise window by window into reusable staging and stored with one
+        ``put_many`` per window. Returns once the top tier holds them; lower tiers are written in the
+        background.
         """
         tokens = token_tensor(token_ids)
+        if type(start) is not int or not 0 <= start <= len(tokens) or start % self.chunk_tokens:
+            raise InvalidInputError(f"start must be a multiple of {self.chunk_tokens} tokens within the "
+                                    f"{len(tokens)} token ids, got {start!r}")
         keys = prefix_keys(self.namespace, tokens, partial=self.partial_chunks)
         transfer = PagedTransfer(caches, layout, block_ids, block_size, self.namespace.torch_dtype,
                                  self.namespace.is_mla)
         self._groups(transfer.num_layers)  # checks the layer count
-        have = self._held(keys)
+        first = start // self.chunk_tokens
+        have = first + self._held(keys[first:], probe)
         pieces = self._pieces(have, len(keys), len(tokens), 0, len(tokens), transfer)
         tasks = self._tasks(keys, pieces, transfer)
         ok = run_save(self.store, transfer, tasks, self._shared.staging, _LAYER.format) if tasks else []
         stored_pieces = [p for t in tasks for p in t.pieces]
         failed = {p.index for p, stored in zip(stored_pieces, ok, strict=True) if not stored}
-        self._count(saved_chunks=len(pieces), skipped_chunks=have)
+        self._count(saved_chunks=len(pieces), skipped_chunks=have - first)
         return sum(p.stored for p in pieces if p.index not in failed)
+
+    @property
+    def saves_in_place(self) -> bool:
+        """Whether :meth:`save_from` gathers straight into the store's memory (its top tier is a host pool
+        under ``write_back``: one copy, nothing held outside the store), rather than through staging."""
+        return reservable(self.store) is not None
 
     def _pieces(self, first: int, end: int, total: int, a: int, b: int, transfer: PagedTransfer) -> list[Piece]:
         """Chunks ``[first, end)`` moving tokens ``[a, b)``; validates the block table for all of them."""

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..keys import ChunkKey
+from ..tensors import alloc_host
 from .rows import PagedTransfer, Piece
 
 #: bytes of staging per task (two tasks are in flight); a window holds as many chunks as fit
@@ -88,7 +89,9 @@ class Staging:
             for i, buf in enumerate(self._free):
                 if buf.numel() >= nbytes and buf.is_pinned() == pinned:
                     return self._free.pop(i)
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+        if pinned:
+            return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+        return alloc_host(max(nbytes, 1))
 
     def release(self, buf: torch.Tensor) -> None:
         with self._lock:
@@ -204,7 +207,8 @@ def run_load(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
     reuse until the loan is closed) are scattered straight from there: one copy. The others are read with one
     batched ``get_many(out=...)`` into a staging buffer and scattered from it. The next task is submitted once
     the current one's objects are in, not before: two reads at once would only share the CPU and delay the
-    current one (and with it the layer an engine is waiting for).
+    current one (and with it the layer an engine is waiting for); after a task the store lent whole, only once
+    its layers are resolved (there is no read to overlap, and lending the next first delays them).
 
     ``valid`` is the token count the caller expects; a missing or mismatching object lowers it to the
     start of its chunk and nothing from that chunk on is written. Layer futures of ``handle`` resolve as
@@ -245,7 +249,10 @@ def run_load(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
             if cur.read is not None:
                 got = iter(cur.read.result())
                 results = [d if d is not None else next(got) for d in cur.lent]
-            if i + 1 < len(tasks):
+            # next task's read overlaps this scatter when this one read from below; when the store lent every chunk
+            # of this one (likely the next's too: no I/O to overlap) its layers are finished first
+            early = cur.read is not None
+            if early and i + 1 < len(tasks):
                 pending = submit(tasks[i + 1])
             for p, r in zip(task.pieces, results, strict=True):
                 if r is None:
@@ -271,6 +278,8 @@ def run_load(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
             if last_of_group[task.group] == i and handle is not None:
                 for j in range(*task.group):
                     handle.layer(j).set_result(valid)
+            if not early and i + 1 < len(tasks):
+                pending = submit(tasks[i + 1])
     finally:
         _give_back(staging, held, transfer, reads, loans)
     return valid, read, missed

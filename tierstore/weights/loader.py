@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import InvalidInputError, InvalidTypeError, MissingKeyError
-from ..tensors import byte_alias, callers_streams, copy_segments
+from ..tensors import alloc_host, byte_alias, callers_streams, copy_segments
 from .cache import RangeCache
 from .checkpoint import Checkpoint, open_checkpoint
 from .digest import DigestCheck
@@ -45,7 +45,7 @@ from .options import (
 )
 from .plan import Group, Piece, plan
 from .sources import Source
-from .staging import StagingRing, alloc_host, get_ring, put_ring
+from .staging import StagingRing, get_ring, put_ring
 
 if TYPE_CHECKING:
     from ..api import Store

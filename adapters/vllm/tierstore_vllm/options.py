@@ -53,7 +53,8 @@ class ConnectorOptions:
     save_memory:
         Bytes (or a size string) of KV a worker may hold copied out of the paged cache while its writes to
         the store are queued (default 1 GiB); a save that would go over is dropped and counted
-        (``saves_dropped``), a prompt larger than the budget is saved when nothing else is queued.
+        (``saves_dropped``), a prompt larger than the budget is saved when nothing else is queued. A store
+        that saves in place (a host pool on top, ``write_back``) queues no copies: this bound is for the others.
     layerwise:
         ``true`` (default): layer ``i`` of a loaded prefix is usable as soon as it has arrived, so the forward
         of early layers overlaps the load of later ones; ``false``: ``start_load_kv`` waits for the whole

@@ -1,7 +1,8 @@
 """The connector's worker half: one per tensor/pipeline-parallel rank, owning that rank's store.
 
 It answers the scheduler's lookups (:mod:`.lookup`), loads planned prefixes into vLLM's paged KV cache
-layer by layer, and saves finished prompts in the background.
+layer by layer, and saves finished prompts: straight into the store's host pool where it has one (see
+:meth:`WorkerSide.wait_for_save`), else through copies written in the background.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from .plan import LoadSpec, SaveSpec, StepPlan
 log = logging.getLogger("tierstore_vllm")
 
 #: default bytes of KV copied out of the paged cache and not yet written to the store (``save_memory``); a save
-#: that would go over is dropped (counted): a slow tier never holds more of the engine's memory. The copies live
-#: on the paged cache's device (GPU memory outside vLLM's KV budget with a CUDA cache; host memory on CPU)
+#: that would go over is dropped (counted): a slow tier never holds more of the engine's memory. Only a store that
+#: cannot save in place holds such copies; they live on the paged cache's device (GPU memory outside vLLM's KV
+#: budget with a CUDA cache; host memory on CPU). A store saving in place holds none: the bytes go straight into
+#: its host pool (bounded by that tier's capacity)
 SAVE_MEMORY = 1 << 30
 #: tenants (``cache_salt`` values) whose KV cache objects a worker keeps; more are rebuilt on use
 TENANTS_KEPT = 64
@@ -61,6 +64,12 @@ class WorkerSide:
     ``store`` is this rank's :class:`tierstore.TieredStore`; ``namespace`` names its KV (tenant unset:
     each request's tenant is filled in per call); ``block_size``/``num_kv_heads``/``head_size`` describe
     vLLM's paged cache; with ``layerwise=False`` :meth:`start_load` returns once every load is complete.
+
+    Saves: where the store saves in place (:attr:`~tierstore.KVCacheStore.saves_in_place`: a host pool on top,
+    ``write_back``), :meth:`wait_for_save` gathers each save's new chunks out of the paged cache straight into
+    pool memory reserved for them and commits them (one copy, nothing pending outside the store when it
+    returns). Otherwise :meth:`save_layer` copies each layer out and a background thread puts the copies, at
+    most ``save_memory`` bytes of them queued.
     """
 
     def __init__(self, store: tierstore.TieredStore, namespace: KVNamespace, *, chunk_tokens: int,
@@ -85,6 +94,7 @@ class WorkerSide:
         self._plan = StepPlan()
         self._loads: list[tuple[LoadSpec, LayerwiseLoad | None]] = []
         self._gathered: dict[str, list[torch.Tensor]] = {}
+        self._in_place = self._base_kv.saves_in_place
         self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tierstore-vllm-save")
         self._pending_bytes = 0  # of the copies queued saves hold (bounded by save_memory)
         self._state = threading.Lock()
@@ -220,8 +230,9 @@ class WorkerSide:
             self._count("loaded_tokens", got - spec.start)
 
     def save_layer(self, layer_name: str) -> None:
-        """Copy this layer's KV of this step's saves (from each one's ``start``) out of the paged cache."""
-        if not self._plan.saves:
+        """Copy this layer's KV of this step's saves (from each one's ``start``) out of the paged cache (saving in
+        place, nothing: :meth:`wait_for_save` copies every layer at once)."""
+        if not self._plan.saves or self._in_place:
             return
         cache, layout = self._views[layer_name]
         for spec in self._plan.saves:
@@ -229,9 +240,13 @@ class WorkerSide:
                 gather(cache, layout, spec.block_ids, spec.start, len(spec.token_ids)))
 
     def wait_for_save(self) -> None:
-        """The step's copies are taken (in :meth:`save_layer`), so vLLM may reuse the blocks now; the
-        writes to the store run in the background."""
+        """On return the step's saves no longer need the blocks, so vLLM may reuse them: saved in place (the
+        store's top tier holds them; lower tiers are written in the background), or copied out (in
+        :meth:`save_layer`) with the writes to the store queued."""
         self._finish_loads()
+        if self._in_place:
+            self._save_in_place()
+            return
         gathered, self._gathered = self._gathered, {}
         for spec in self._plan.saves:
             layers = gathered.get(spec.req_id)
@@ -244,6 +259,23 @@ class WorkerSide:
                     continue
                 self._pending_bytes += size
             self._saver.submit(self._save, spec, layers, size)
+
+    def _save_in_place(self) -> None:
+        """Each save's chunks from its ``start`` gathered straight into the store's pool and committed (no I/O
+        before the copy: held chunks are those the in-memory indexes know)."""
+        names = sorted(self._index, key=self._index.__getitem__)
+        if not names:
+            return
+        caches = [self._views[n][0] for n in names]
+        layout = self._views[names[0]][1]
+        for spec in self._plan.saves:
+            try:
+                self._count("saved_tokens", self.kv(spec.tenant).save_from(
+                    spec.token_ids, caches, layout, spec.block_ids, block_size=self.block_size, start=spec.start,
+                    probe=False))
+            except Exception as exc:  # a failed save is a future miss, never an engine error
+                self._count("save_errors")
+                log.warning("tierstore: save of %s failed: %r", spec.req_id, exc)
 
     def _save(self, spec: SaveSpec, layers: list[torch.Tensor], size: int) -> None:
         try:
