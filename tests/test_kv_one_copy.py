@@ -129,6 +129,38 @@ def test_a_reservation_under_pressure_evicts_like_a_put(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
 
 
+def test_a_reservation_larger_than_the_tier_never_waits_for_room_it_holds_itself(tmp_path):
+    """Keys past what the tier can hold get ``None`` at once (put the usual way, after the commit frees its
+    chunks to evict), as a put's next wave would: the room they lack is this reservation's own, so waiting for
+    it (the old behaviour) only spent the whole bounded wait. With room held by others' chunks it evicts."""
+    with host_store("1MiB") as probe:
+        size = probe.tiers[0].backend.reserved_size(like(C))
+    host = {"kind": "host", "capacity": 4 * size + size // 2, "pinned": False, "pool": True}
+    with tierstore.open({"tiers": [host, {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"}]}
+                        ) as store:
+        store._transfers.pin_wait = 30.0  # a wait would show; the old code took all of it
+        keys = [tierstore.ChunkKey.from_tensors({"i": torch.tensor([i])}) for i in range(12)]
+        start = time.monotonic()
+        with store.reserve([(k, like(C)) for k in keys[:8]]) as r:
+            assert time.monotonic() - start < 10
+            assert [t is not None for t in r.tensors] == [True] * 4 + [False] * 4
+            for i, t in enumerate(r.tensors[:4]):
+                for v in t.values():
+                    v.fill_(i)
+            assert r.commit() == [True] * 4 + [False] * 4
+        with store.reserve([(k, like(C)) for k in keys[8:]]) as r:  # evicts the four, written down first
+            assert all(t is not None for t in r.tensors)
+            for i, t in enumerate(r.tensors, 8):
+                for v in t.values():
+                    v.fill_(i)
+            assert r.commit() == [True] * 4
+        assert store.stats()["tiers"]["host"]["evictions"] == 4
+        assert [store.where(k) for k in keys[:4] + keys[8:]] == ["disk"] * 4 + ["host"] * 4
+        for i in [*range(4), *range(8, 12)]:  # nothing lost
+            got = store.get(keys[i])
+            assert got is not None and all(bool((v == i).all()) for v in got.values())
+
+
 @pytest.mark.parametrize("how", ["put", "reserve"])
 def test_room_taken_from_chunks_write_back_still_borrows_waits_for_their_memory(tmp_path, monkeypatch, how):
     """Write-back borrows a batch of host-pool chunks and writes them below; once written they are clean, but

@@ -132,8 +132,10 @@ def reserve(store: TieredStore, items: Sequence[tuple[ChunkKey, Mapping[str, tor
         return Reservation(store, None, held)
     try:
         deadline = time.monotonic() + store._transfers.pin_wait
+        waits = True  # as a put's wave: only while holding nothing (what this one holds is no room to wait for)
         for i, (key, like) in enumerate(items):
-            held[i] = _reserve_one(store, lv, key, like, deadline)
+            held[i] = _reserve_one(store, lv, key, like, deadline, waits)
+            waits = waits and held[i] is None
     except BaseException:
         Reservation(store, lv, held).abort()
         raise
@@ -141,8 +143,9 @@ def reserve(store: TieredStore, items: Sequence[tuple[ChunkKey, Mapping[str, tor
 
 
 def _reserve_one(store: TieredStore, lv: Level, key: ChunkKey, like: Mapping[str, torch.Tensor],
-                 deadline: float) -> _Held | None:
-    """One key's generation, slot, bytes and pool run (each step as a put takes it), or ``None``."""
+                 deadline: float, wait: bool) -> _Held | None:
+    """One key's generation, slot, bytes and pool run (each step as a put takes it), or ``None``; ``wait``
+    for room (by ``deadline``) or only take what evicting now gives."""
     res, level, backend = store.residency, lv.index, lv.backend
     size = backend.reserved_size(like)  # type: ignore[attr-defined]
     gen = res.next_gen()
@@ -152,7 +155,7 @@ def _reserve_one(store: TieredStore, lv: Level, key: ChunkKey, like: Mapping[str
         return None
     reserved = 0
     try:
-        got = store._transfers.make_room(key, level, size, deadline)  # noqa: SLF001 - as a put makes room
+        got = store._transfers.make_room(key, level, size, deadline, wait)  # noqa: SLF001 - as a put makes room
         if got is not None:
             reserved = got
             for _ in range(ENOMEM_ROUNDS + 1):
