@@ -129,6 +129,99 @@ def test_a_reservation_under_pressure_evicts_like_a_put(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
 
 
+def test_a_reservation_larger_than_the_tier_never_waits_for_room_it_holds_itself(tmp_path):
+    """Keys past what the tier can hold get ``None`` at once (put the usual way, after the commit frees its
+    chunks to evict), as a put's next wave would: the room they lack is this reservation's own, so waiting for
+    it (the old behaviour) only spent the whole bounded wait. With room held by others' chunks it evicts."""
+    with host_store("1MiB") as probe:
+        size = probe.tiers[0].backend.reserved_size(like(C))
+    host = {"kind": "host", "capacity": 4 * size + size // 2, "pinned": False, "pool": True}
+    with tierstore.open({"tiers": [host, {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"}]}
+                        ) as store:
+        store._transfers.pin_wait = 30.0  # a wait would show; the old code took all of it
+        keys = [tierstore.ChunkKey.from_tensors({"i": torch.tensor([i])}) for i in range(12)]
+        start = time.monotonic()
+        with store.reserve([(k, like(C)) for k in keys[:8]]) as r:
+            assert time.monotonic() - start < 10
+            assert [t is not None for t in r.tensors] == [True] * 4 + [False] * 4
+            for i, t in enumerate(r.tensors[:4]):
+                for v in t.values():
+                    v.fill_(i)
+            assert r.commit() == [True] * 4 + [False] * 4
+        with store.reserve([(k, like(C)) for k in keys[8:]]) as r:  # evicts the four, written down first
+            assert all(t is not None for t in r.tensors)
+            for i, t in enumerate(r.tensors, 8):
+                for v in t.values():
+                    v.fill_(i)
+            assert r.commit() == [True] * 4
+        assert store.stats()["tiers"]["host"]["evictions"] == 4
+        assert [store.where(k) for k in keys[:4] + keys[8:]] == ["disk"] * 4 + ["host"] * 4
+        for i in [*range(4), *range(8, 12)]:  # nothing lost
+            got = store.get(keys[i])
+            assert got is not None and all(bool((v == i).all()) for v in got.values())
+
+
+@pytest.mark.parametrize("how", ["put", "reserve"])
+def test_room_taken_from_chunks_write_back_still_borrows_waits_for_their_memory(tmp_path, monkeypatch, how):
+    """Write-back borrows a batch of host-pool chunks and writes them below; once written they are clean, but
+    their pool runs stay lent until the whole batch is done. A put or reservation that needs room then waits
+    for those runs (the chunks stay pinned) rather than evicting them — their bytes would count free while
+    no pool memory comes back, so after a few rounds of evicting more of them it used to skip the host tier:
+    the newest chunk went to disk, and chunks were evicted for nothing."""
+    k = 8  # one write-back batch (max_in_flight)
+    value = {"x": torch.arange(1536, dtype=torch.float32)}
+    disk = {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"}
+    with host_store("1MiB") as probe:
+        size = probe.tiers[0].backend.reserved_size(value)
+    host = {"kind": "host", "capacity": k * size + size // 2, "pinned": False, "pool": True}  # k chunks fit, not k+1
+    with tierstore.open({"tiers": [host, disk], "max_in_flight": k}) as store:
+        res, transfers = store.residency, store._transfers
+        go, landed, release = threading.Event(), threading.Event(), threading.Event()
+        take_due, land_many, reserve_room = res.take_due, transfers.land_many, res.reserve
+
+        def gated_take_due(tier, limit):
+            go.wait(10)  # write-back starts once all k chunks are put: one batch
+            return take_due(tier, limit)
+
+        def held_land_many(tier, items, *args, kind="put", **kw):
+            out = land_many(tier, items, *args, kind=kind, **kw)
+            if kind == "write-back" and not landed.is_set():
+                landed.set()
+                release.wait(10)  # written below (clean), its pool runs still lent
+            return out
+
+        def reserve(key, tier, size):
+            room = reserve_room(key, tier, size)
+            if room.wait and room.reserved is None and not room.victims:
+                release.set()  # the put waits for the batch: let it finish
+            return room
+
+        monkeypatch.setattr(res, "take_due", gated_take_due)
+        monkeypatch.setattr(transfers, "land_many", held_land_many)
+        keys = [tierstore.ChunkKey.from_tensors({"i": torch.tensor([i])}) for i in range(k + 1)]
+        values = [{"x": value["x"] + i} for i in range(k + 1)]
+        assert store.put_many(list(zip(keys[:k], values[:k], strict=True))) == [True] * k
+        go.set()
+        assert landed.wait(10) and store.stats()["pending_writeback"] == 0
+        monkeypatch.setattr(res, "reserve", reserve)
+        try:
+            if how == "put":
+                assert store.put(keys[k], values[k])
+            else:
+                with store.reserve([(keys[k], value)]) as r:
+                    assert r.tensors[0] is not None, "the reservation skipped the host tier"
+                    r.tensors[0]["x"].copy_(values[k]["x"])
+                    assert r.commit() == [True]
+        finally:
+            release.set()
+        stats = store.stats()["tiers"]["host"]
+        assert store.where(keys[k]) == "host"  # the newest chunk is on top
+        assert stats["evictions"] == 1 and stats["errors"] == 0  # one victim, and no write refused
+        for key, v in zip(keys, values, strict=True):  # nothing lost
+            got = store.get(key)
+            assert got is not None and torch.equal(got["x"], v["x"])
+
+
 # ---------------------------------------------------------------------- loads from lent pool memory
 def test_a_lent_chunk_replaced_or_evicted_mid_load_never_scatters_another_values_bytes(monkeypatch):
     """Loads scatter from the pool while another thread overwrites the same keys with other values, deletes

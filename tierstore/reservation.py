@@ -148,8 +148,10 @@ def reserve(owner: Owner, lv: Level | None, items: Sequence[tuple[ChunkKey, Mapp
         return Reservation(owner, None, held)
     try:
         deadline = time.monotonic() + owner.transfers.pin_wait
+        waits = True  # as a put's wave: only while holding nothing (what this one holds is no room to wait for)
         for i, (key, like) in enumerate(items):
-            held[i] = _reserve_one(owner, lv, key, like, deadline)
+            held[i] = _reserve_one(owner, lv, key, like, deadline, waits)
+            waits = waits and held[i] is None
     except BaseException:
         Reservation(owner, lv, held).abort()
         raise
@@ -157,8 +159,9 @@ def reserve(owner: Owner, lv: Level | None, items: Sequence[tuple[ChunkKey, Mapp
 
 
 def _reserve_one(owner: Owner, lv: Level, key: ChunkKey, like: Mapping[str, torch.Tensor],
-                 deadline: float) -> _Held | None:
-    """One key's generation, slot, bytes and pool run (each step as a put takes it), or ``None``."""
+                 deadline: float, wait: bool) -> _Held | None:
+    """One key's generation, slot, bytes and pool run (each step as a put takes it), or ``None``; ``wait``
+    for room (by ``deadline``) or only take what evicting now gives."""
     res, level, backend = owner.residency, lv.index, lv.backend
     size = backend.reserved_size(like)  # type: ignore[attr-defined]
     gen = res.next_gen()
@@ -168,7 +171,7 @@ def _reserve_one(owner: Owner, lv: Level, key: ChunkKey, like: Mapping[str, torc
         return None
     reserved = 0
     try:
-        got = owner.transfers.make_room(key, level, size, deadline)  # as a put makes room
+        got = owner.transfers.make_room(key, level, size, deadline, wait)  # as a put makes room
         if got is not None:
             reserved = got
             for _ in range(ENOMEM_ROUNDS + 1):

@@ -100,7 +100,10 @@ class WriteBack:
     def _write(self, tier: int, writes: list[Write]) -> None:
         t, res = self.t, self.res
         try:
+            # the sources stay pinned until the stack gives back what it borrowed: a pool run lent to this batch
+            # is not free memory, so its chunk must not be evicted (its bytes counted free) before then
             with ExitStack() as stack:
+                stack.callback(res.unpin, [Hold(w.key, w.source, w.source_size, w.gen) for w in writes])
                 items: list[tuple[ChunkKey, int, Chunk]] = []
                 read = self._read_objects(tier, writes)
                 for i, w in enumerate(writes):
@@ -121,8 +124,6 @@ class WriteBack:
                         log.debug("write-back of %s: reading tier %s failed: %s", w.key.hex(),
                                   t.tiers[w.source].name, exc)
                         data = None
-                    finally:
-                        res.unpin([Hold(w.key, w.source, w.source_size, w.gen)])
                     if data is None:
                         t.abort(tier, w.key, w.gen)
                     else:
