@@ -24,7 +24,7 @@ from tierstore.backends.guarded import DEFAULT_TIMEOUT, S3_CLIENT_DEFAULTS, Unav
 from tierstore.bench.s3shim import S3Shim
 from tierstore.errors import ClosedError
 from tierstore.testing.data import assert_same, chunk, key_of
-from tierstore.transfers import Level
+from tierstore.transfers import Tier
 
 SLACK = 4.0  # seconds on top of a deadline: thread start-up and a busy two-core CI machine
 
@@ -69,10 +69,10 @@ def open_store(url: str, options: dict, **remote: Any) -> tierstore.TieredStore:
                                      {"kind": "remote", "url": url, "storage_options": options, **remote}]})
 
 
-def remote_level(store: tierstore.TieredStore) -> Level:
-    level = store.tier("remote")
-    assert isinstance(level.backend, FsspecBackend)
-    return level
+def remote_tier(store: tierstore.TieredStore) -> Tier:
+    tier = store.tier("remote")
+    assert isinstance(tier.backend, FsspecBackend)
+    return tier
 
 
 def remote_stats(store: tierstore.TieredStore) -> dict[str, Any]:
@@ -85,7 +85,7 @@ def test_sick_endpoint_is_a_bounded_miss_then_fails_fast_then_recovers(prefix, s
     """Probe rows 7.2-7.4: a blackhole blocked one get for 408 s, resets for 48.8 s (default settings)."""
     url, options, _ = prefix
     with open_store(url, options, list_on_open=False) as store:  # key 1 is known to no index here
-        storage = remote_level(store).backend.storage
+        storage = remote_tier(store).backend.storage
         storage.retry_after = 3.0  # long enough that the calls below all fall inside one back-off
         shim.set_fault(mode)
         got, took = within(DEFAULT_TIMEOUT + SLACK, lambda: store.get(key_of(1)))
@@ -180,7 +180,7 @@ def test_head_denied_without_list_permission_is_a_quiet_miss(prefix, shim, caplo
     caplog.set_level(logging.WARNING, logger="tierstore")
     url, options, _ = prefix
     with open_store(url, options, list_on_open=False) as store:
-        backend = remote_level(store).backend
+        backend = remote_tier(store).backend
         shim.set_fault("status", status=403, methods=["HEAD"])
         for i in range(20, 30):
             assert not store.contains(key_of(i))

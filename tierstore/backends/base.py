@@ -177,7 +177,7 @@ class Backend(ABC):
         return None
 
     def note_use(self, keys: Sequence[ChunkKey]) -> None:
-        """``keys`` were just served from a level above this one (a shared backend may refresh their last use)."""
+        """``keys`` were just served from a tier above this one (a shared backend may refresh their last use)."""
 
     def stats(self) -> dict[str, Any]:
         """Backend-specific figures (path, URL, failures by reason ...) for ``store.stats()``."""

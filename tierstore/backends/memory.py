@@ -44,7 +44,7 @@ POOL_MIN = 64 << 20
 
 
 def _tensors(key: ChunkKey, chunk: Chunk) -> Mapping[str, torch.Tensor]:
-    if isinstance(chunk, objformat.Encoded):  # an object read from a lower level: its tensors, no copy
+    if isinstance(chunk, objformat.Encoded):  # an object read from a lower tier: its tensors, no copy
         if chunk.header.key != key:
             raise InvalidInputError(f"object holds key {chunk.header.key.hex()}, not {key.hex()}")
         return objformat.decode_encoded(chunk)

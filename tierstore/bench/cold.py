@@ -87,7 +87,7 @@ def measure(s3: Any, count: int = 64, size: int = 1 << 20, in_flight: int = 32, 
         def started_store() -> tierstore.TieredStore:
             """A fresh store whose client is started and whose connections are open (no key of ours seen)."""
             store = open_tiered(config(False))
-            # HEADs of other keys on the remote level's backend: the client starts, connections open, and the
+            # HEADs of other keys on the remote tier's backend: the client starts, connections open, and the
             # store's index learns nothing
             store.tier("remote").backend.stat_many([ChunkKey.from_bytes(b"cold-warm-up-%d" % i)
                                                     for i in range(in_flight)])

@@ -1,8 +1,8 @@
 """``tierstore bench control``: the control plane's cost as the index grows — ``lookup`` time per key and
 index memory per key at 10k, 100k and 1M keys.
 
-The index is the store's control plane (:class:`tierstore.residency.Residency`: per level, the copies it
-holds in LRU order). Keys are registered with ``store.residency.adopt`` on the disk level, the way a store
+The index is the store's control plane (:class:`tierstore.residency.Residency`: per tier, the copies it
+holds in LRU order). Keys are registered with ``store.residency.adopt`` on the disk tier, the way a store
 opening a disk directory registers what its backend lists, so a million-key index is measured without
 writing a million files. Memory is what ``tracemalloc`` sees the index allocate, the keys included (the
 index keeps them alive), the bench's list of them excluded.
@@ -41,13 +41,13 @@ def measure(n_keys: int, prompt_chunks: int = 128, seconds: float = 0.5, workdir
     with tempfile.TemporaryDirectory(prefix="tierstore-bench-control-", dir=workdir) as tmp:
         cfg = {"tiers": [{"kind": "disk", "path": os.path.join(tmp, "disk"), "capacity": n_keys << 20}]}
         with open_tiered(cfg) as store:
-            level = store.tier("disk").index
+            index = store.tier("disk").index
             gc.collect()
             tracemalloc.start()
             before = tracemalloc.get_traced_memory()[0]
             keys = [ChunkKey(hashlib.blake2b(i.to_bytes(8, "little"), digest_size=32).digest())
                     for i in range(n_keys)]
-            store.residency.adopt(level, ((k, 1 << 20) for k in keys))  # as opening the store registers them
+            store.residency.adopt(index, ((k, 1 << 20) for k in keys))  # as opening the store registers them
             gc.collect()
             index_bytes = tracemalloc.get_traced_memory()[0] - before - sys.getsizeof(keys)  # the bench's own list
             tracemalloc.stop()

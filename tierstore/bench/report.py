@@ -56,7 +56,7 @@ def _remote(r: dict[str, Any]) -> str:
                                                                                        r["ceiling"]))],
             ["tierstore store get(out=) (batched where the store has it)", f"{r['get']:.3f}",
              _x(_ratio(r["get"], r["ceiling"]))],
-            ["tierstore remote backend read_many (the level's storage alone, fresh tensors)",
+            ["tierstore remote backend read_many (the tier's storage alone, fresh tensors)",
              f"{r['tier_get_many']:.3f}",
              _x(_ratio(r["tier_get_many"], r["ceiling"]))],
             ["tierstore remote get(out=), one key per call", f"{r['get_loop']:.3f}",

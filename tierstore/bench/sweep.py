@@ -182,7 +182,7 @@ def remote(count: int, size: int, concurrency: int = 8, latency: float = 0.020, 
                 put_all(store, items)
                 res["put"] = gbps(nbytes, time.perf_counter() - t0)
                 res["get"] = _rate(lambda: _checked(get_all_into(store, keys, outs)), nbytes, repeats)
-                # the level's storage alone (what the remote tier's own get_many was): its backend's read_many
+                # the tier's storage alone (what the remote tier's own get_many was): its backend's read_many
                 backend = store.tier("remote").backend
                 res["tier_get_many"] = _rate(lambda: _checked(backend.read_many(keys)), nbytes, repeats)
                 res["get_loop"] = gbps(nbytes, median_time(

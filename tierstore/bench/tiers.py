@@ -4,7 +4,7 @@ store-level figures: host-hit ``get`` vs ``clone``, ``lookup`` cost per key, wri
 
 A tier is a backend (plain storage: :mod:`tierstore.backends`) under the store's control plane; the rows
 named ``... backend ...`` time the backend alone (its data plane: what the old tier classes' put/get did,
-without the index, LRU and capacity bookkeeping, which the store does now once for every level).
+without the index, LRU and capacity bookkeeping, which the store does now once for every tier).
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def _store_rows(report: Report, tmp: str, items, total: int, r: int, clone, n_lo
         t_get = median_time(lambda: [store.get(k) for k, _ in items], r)
         clone_t = total / clone.value / 1e9
         report.add("store.get host hit vs clone", clone_t / t_get, "x clone", note="target >= 0.5")
-        # what a put costs when it waits for the disk: the disk level's backend writing the same objects
+        # what a put costs when it waits for the disk: the disk tier's backend writing the same objects
         # (the same bytes under the same keys it holds already, so the store's index stays true)
         disk = store.tier("disk").backend
 

@@ -48,7 +48,7 @@ class BackendTests:
     checksummed: bool = False
     #: rounds per thread in the race tests (slow remote backends may lower it)
     race_iterations: int = 200
-    #: the backend may sit in a level with a capacity (shared remote prefixes may not)
+    #: the backend may sit in a tier with a capacity (shared remote prefixes may not)
     bounded: bool = True
 
     @pytest.fixture(autouse=True)

@@ -226,9 +226,9 @@ class TierstoreTier(SecondaryTierManager):
         keys = list(itertools.islice(self._announced, REMOVAL_SCAN_KEYS))
         held = self.store.residency.locate([self._announced[k] for k in keys])
         gone = []
-        for key, level in zip(keys, held, strict=True):
+        for key, tier in zip(keys, held, strict=True):
             chunk = self._announced.pop(key)
-            if level is None:
+            if tier is None:
                 gone.append(key)
             else:
                 self._announced[key] = chunk  # to the back: the next look checks others first
