@@ -190,8 +190,8 @@ def test_room_taken_from_chunks_write_back_still_borrows_waits_for_their_memory(
                 release.wait(10)  # written below (clean), its pool runs still lent
             return out
 
-        def reserve(key, tier, size):
-            room = reserve_room(key, tier, size)
+        def reserve(key, tier, size, clean=False):
+            room = reserve_room(key, tier, size, clean)
             if room.wait and room.reserved is None and not room.victims:
                 release.set()  # the put waits for the batch: let it finish
             return room
@@ -498,3 +498,54 @@ def test_a_layer_the_store_lent_whole_is_resolved_before_the_next_layer_is_lent(
             assert handles[0].result(10) == n
         assert seen == [[j < i for j in range(LAYERS)] for i in range(LAYERS)]
         assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
+
+
+def test_a_save_that_must_not_wait_takes_free_room_and_clean_copies_and_never_writes_down(tmp_path):
+    """The host tier full of dirty chunks whose writes to disk are held up: a ``wait=False`` save (what an
+    engine's forward thread does) returns at once with what fits in free memory, writes nothing down and loses
+    nothing; once the chunks are written below their copies are clean, and the next such save evicts them
+    (no I/O) to store everything. Every chunk acknowledged reads back exact."""
+    chunk = 2 * C * H * D * 4 * LAYERS
+    gate = threading.Event()
+    with tierstore.open({"tiers": [{"kind": "host", "capacity": 10 * chunk, "pinned": False, "pool": True},
+                                   {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "256MiB"}]}) as store:
+        disk = store.tiers[1].backend
+        write_many, writes = disk.write_many, [0]
+
+        def held_up(items, *args, **kwargs):
+            writes[0] += 1
+            gate.wait(10)
+            return write_many(items, *args, **kwargs)
+
+        disk.write_many = held_up
+        try:
+            kv = KVCacheStore(store, NS, chunk_tokens=C)
+            n = 16 * C
+            table = list(range(n // BS))
+            old, new = caches(len(table), seed=3), caches(len(table), seed=4)
+            tokens, others = list(range(n)), list(range(10**6, 10**6 + n))
+            assert kv.save_from(tokens[:8 * C], old, "vllm", table) == 8 * C  # fits: nothing evicted
+            time.sleep(0.1)  # write-back has started (held up)
+            t0 = time.monotonic()
+            got = kv.save_from(others, new, "vllm", table, wait=False)
+            took = time.monotonic() - t0
+            assert took < 0.5, took  # a write-down would wait for the gate (10 s)
+            assert got == 2 * C  # what the free room held; the rest not saved, nothing dirty evicted
+            assert kv.stats()["unsaved_chunks"] == 14
+            assert store.stats()["tiers"]["host"]["evictions"] == 0 and kv.lookup(tokens[:8 * C]) == 8 * C
+        finally:
+            gate.set()
+            del disk.write_many
+        store.flush(timeout=30)
+        host, until = store.tiers[0].backend, time.monotonic() + 10
+        while host._lent and time.monotonic() < until:  # noqa: SLF001 - write-back gives back the pool runs it
+            time.sleep(0.01)  # read just after the flush sees them written (a run still lent is not free room)
+        assert kv.where(tokens[:8 * C]) == ["host"] * 8  # still on top, now clean (a copy on disk too)
+        # every copy on top is clean now: they make room without I/O, as many as the tier holds
+        assert kv.save_from(others, new, "vllm", table, start=2 * C, wait=False) == 10 * C
+        assert store.stats()["tiers"]["host"]["evictions"] == 10 and writes[0] > 0
+        assert kv.where(tokens[:8 * C]) == ["disk"] * 8 and kv.lookup(others) == 12 * C
+        for toks, src, end in ((tokens, old, 8 * C), (others, new, 12 * C)):
+            dst = caches(len(table), seed=None)
+            assert kv.load_into(toks[:end], dst, "vllm", table) == end
+            assert all(torch.equal(a[:, :end // BS], b[:, :end // BS]) for a, b in zip(dst, src, strict=True))

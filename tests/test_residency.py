@@ -482,6 +482,31 @@ def test_under_drop_a_dirty_victim_nothing_below_takes_is_dropped_and_reported()
         assert s.get(KEYS[0]) is None
 
 
+def test_room_from_clean_copies_only_passes_over_dirty_ones_and_never_drops_them():
+    """``reserve(clean=True)`` (a reservation that must not wait) names only victims that go without a write
+    below: a dirty copy is neither a victim nor dropped, even under ``drop`` with nothing below taking it."""
+    with store(Pressure.DROP) as s:
+        res = s.residency
+        assert put(s, KEYS[1], 2)
+        for level in (1, 2):
+            write_back(s, level)  # KEYS[1] is clean now
+        assert put(s, KEYS[0], 1)  # dirty
+        assert s.get(KEYS[1]) is not None  # KEYS[1] most recently used: KEYS[0] is the LRU
+        (v,) = res.reserve(KEYS[2], 0, UNIT).victims
+        assert v.key == KEYS[0] and v.down == 1  # as a put does: the dirty LRU, written down first
+        res.keep(v)
+        (v,) = res.reserve(KEYS[2], 0, UNIT, clean=True).victims
+        assert v.key == KEYS[1] and v.down is None
+        res.keep(v)
+    with store(Pressure.DROP) as s, broken(s, 1, 2):
+        assert put(s, KEYS[0], 1, 2)
+        for level in (1, 2):
+            write_back(s, level)
+        room = s.residency.reserve(KEYS[1], 0, UNIT, clean=True)
+        assert room.reserved is None and not room.victims
+        assert s.residency.losses() == ({}, {}) and s.residency.locate([KEYS[0]]) == [0]
+
+
 def test_drop_never_lets_an_older_value_below_become_current():
     with store(Pressure.DROP) as s:
         assert put(s, KEYS[0], 1)

@@ -9,6 +9,8 @@ views of that run shaped like the chunk. The caller fills them; :meth:`Reservati
 chunk exactly as a put publishes its copy (the backend first, then the residency: pending below, write-back
 queued), :meth:`Reservation.abort` gives everything back. Before the commit no reader, lookup or eviction sees
 anything of a reserved key's new value; an abort (or an error, or leaving the ``with`` block) leaves no trace.
+``wait=False`` (a caller that must not block: an engine's forward thread) takes room only from free memory and
+clean victims, never writes a dirty one down and waits for nothing; a key without room now gets ``None``.
 
 Only a top tier with a pool reserves (``host`` with its pool, under ``write_back``): a key it cannot reserve
 gets ``None`` and is put the usual way. A reservation touches nothing of its store but what the store hands it
@@ -136,21 +138,23 @@ def reservable(store: Any) -> Level | None:
     return None
 
 
-def reserve(owner: Owner, lv: Level | None, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]
-            ) -> Reservation:
+def reserve(owner: Owner, lv: Level | None, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]],
+            wait: bool = True) -> Reservation:
     """Reserve pool memory of level ``lv`` (what :func:`reservable` found; ``None``: nothing is reserved) for each
     ``(key, like)``: a chunk with tensors shaped like ``like`` (names, shapes, dtypes; ``meta`` tensors will do).
     Keys the tier cannot take now (too big, no room in time, a busy slot) get ``None`` in
-    :attr:`Reservation.tensors`."""
+    :attr:`Reservation.tensors`. ``wait=False`` never blocks the caller: room comes only from free memory and
+    clean victims (copies a tier below holds, evicted without I/O); no dirty victim is written down, no pin,
+    busy slot or write-back is waited for, and a key without room now gets ``None`` (counted ``skipped``)."""
     owner.life.enter()
     held: list[_Held | None] = [None] * len(items)
     if lv is None:
         return Reservation(owner, None, held)
     try:
-        deadline = time.monotonic() + owner.transfers.pin_wait
-        waits = True  # as a put's wave: only while holding nothing (what this one holds is no room to wait for)
+        deadline = time.monotonic() + (owner.transfers.pin_wait if wait else 0.0)
+        waits = wait  # as a put's wave: only while holding nothing (what this one holds is no room to wait for)
         for i, (key, like) in enumerate(items):
-            held[i] = _reserve_one(owner, lv, key, like, deadline, waits)
+            held[i] = _reserve_one(owner, lv, key, like, deadline, waits, clean=not wait)
             waits = waits and held[i] is None
     except BaseException:
         Reservation(owner, lv, held).abort()
@@ -159,9 +163,9 @@ def reserve(owner: Owner, lv: Level | None, items: Sequence[tuple[ChunkKey, Mapp
 
 
 def _reserve_one(owner: Owner, lv: Level, key: ChunkKey, like: Mapping[str, torch.Tensor],
-                 deadline: float, wait: bool) -> _Held | None:
+                 deadline: float, wait: bool, clean: bool = False) -> _Held | None:
     """One key's generation, slot, bytes and pool run (each step as a put takes it), or ``None``; ``wait``
-    for room (by ``deadline``) or only take what evicting now gives."""
+    for room (by ``deadline``) or only take what evicting now gives; ``clean``: evict only clean victims."""
     res, level, backend = owner.residency, lv.index, lv.backend
     size = backend.reserved_size(like)  # type: ignore[attr-defined]
     gen = res.next_gen()
@@ -171,7 +175,7 @@ def _reserve_one(owner: Owner, lv: Level, key: ChunkKey, like: Mapping[str, torc
         return None
     reserved = 0
     try:
-        got = owner.transfers.make_room(key, level, size, deadline, wait)  # as a put makes room
+        got = owner.transfers.make_room(key, level, size, deadline, wait, clean=clean)  # as a put makes room
         if got is not None:
             reserved = got
             for _ in range(ENOMEM_ROUNDS + 1):
@@ -181,7 +185,7 @@ def _reserve_one(owner: Owner, lv: Level, key: ChunkKey, like: Mapping[str, torc
                 except OSError as exc:  # the pool has the bytes but no contiguous run: evict more, as a put does
                     if exc.errno != errno.ENOMEM:
                         raise
-                    for victim in res.reclaim(key, level, size):
+                    for victim in res.reclaim(key, level, size, clean=clean):
                         owner.transfers.evict(victim, deadline)
     except BaseException:
         res.release(level, reserved)

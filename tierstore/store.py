@@ -567,14 +567,16 @@ class TieredStore:
                 self._count(gets=lent, hits=lent)
             return loan
 
-    def reserve(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]) -> Reservation:
+    def reserve(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]], *,
+                wait: bool = True) -> Reservation:
         """Pool memory of the top tier set aside for each ``(key, like)`` — a chunk shaped like ``like`` — to be
-        filled in place and committed: a put without the copy in (see :mod:`tierstore.reservation`)."""
+        filled in place and committed: a put without the copy in (see :mod:`tierstore.reservation`).
+        ``wait=False``: never blocks (free memory and clean victims only; the rest get ``None``)."""
         from .reservation import Owner, reservable, reserve
 
         items = [(check_key(k), like) for k, like in items]
         owner = Owner(self.residency, self._transfers, self._life, lambda n: self._count(puts=n))
-        return reserve(owner, reservable(self), items)
+        return reserve(owner, reservable(self), items, wait)
 
     # ------------------------------------------------------------------ async forms
     def get_many_async(self, keys: Sequence[ChunkKey], *, out: Outs | None = None,

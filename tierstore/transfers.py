@@ -343,16 +343,19 @@ class Transfers:
         return res.wait_until(lambda: s if (s := res.begin_write(key, tier, gen)) is not Slot.BUSY else None,
                               deadline)
 
-    def make_room(self, key: ChunkKey, tier: int, size: int, deadline: float, wait: bool = True) -> int | None:
+    def make_room(self, key: ChunkKey, tier: int, size: int, deadline: float, wait: bool = True,
+                  clean: bool = False) -> int | None:
         """Reserve ``size`` bytes of ``tier`` for ``key``, evicting as the residency says; ``None`` when there
-        is no room (with ``wait``: by ``deadline``, while others free room or readers hold pins)."""
+        is no room (with ``wait``: by ``deadline``, while others free room or readers hold pins). ``clean``:
+        from free room and clean victims only (no write below, no waiting: see
+        :meth:`~tierstore.residency.Residency.reserve`), ``None`` as soon as a round frees nothing."""
         res = self.res
         while True:
             if wait:
-                room = res.wait_until(lambda: r if ((r := res.reserve(key, tier, size)).reserved is not None
+                room = res.wait_until(lambda: r if ((r := res.reserve(key, tier, size, clean)).reserved is not None
                                                     or r.victims or not r.wait) else None, deadline)
             else:
-                room = res.reserve(key, tier, size)
+                room = res.reserve(key, tier, size, clean)
             if room is None or (room.reserved is None and not room.victims):
                 return None
             if room.reserved is not None:
@@ -360,7 +363,7 @@ class Transfers:
             # a victim that fails is set aside (the next reserve names another, or none); the deadline bounds
             # the rounds even so
             gone = [self.evict(victim, deadline) for victim in room.victims]
-            if Eviction.REMOVED not in gone and time.monotonic() >= deadline:
+            if Eviction.REMOVED not in gone and (clean or time.monotonic() >= deadline):
                 return None
 
     def _after_enospc(self, tr: Tier) -> None:

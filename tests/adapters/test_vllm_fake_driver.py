@@ -449,3 +449,35 @@ def test_many_tenants_keep_bounded_state_and_still_hit(tmp_path):
         assert e.matched(Request("stranger", PROMPT, cache_salt="tenant-x")) == 0
     finally:
         e.close()
+
+
+def test_an_in_place_save_never_stalls_the_forward_on_a_host_tier_full_of_dirty_chunks(tmp_path):
+    """The host pool full of chunks not yet written below (disk writes held up): wait_for_save, on vLLM's forward
+    thread, neither writes them down nor waits for room; it saves nothing (a later recompute) and returns at
+    once, and every chunk the store held is still there once the writes go through."""
+    import tierstore
+
+    a = Engine(tmp_path, [{"kind": "host", "capacity": "64KiB", "pool": True},
+                          {"kind": "disk", "path": str(tmp_path / "d"), "capacity": "64MiB"}], tp=1, caches_seed=1)
+    (w,) = a.workers
+    disk = w.store.tiers[1].backend
+    gate, write_many = threading.Event(), disk.write_many
+    disk.write_many = lambda items, *args, **kw: (gate.wait(5), write_many(items, *args, **kw))[1]
+    try:
+        held = {tierstore.ChunkKey.from_tensors({"x": torch.full((1,), i)}):
+                {"x": torch.full((4096,), i, dtype=torch.uint8)} for i in range(16)}
+        assert all(w.store.put_many(list(held.items())))  # exactly the tier's 64 KiB, all dirty
+        t0 = time.monotonic()
+        a.step(SchedulerOutput([NewRequestData("r", PROMPT, (A_BLOCKS,), 0)],
+                               num_scheduled_tokens={"r": len(PROMPT)}), drain=False)
+        took = time.monotonic() - t0
+        assert took < 1.0, took  # a write-down would wait for the gate (5 s)
+        assert w.counters["saved_tokens"] == 0 and w.kv(None).stats()["unsaved_chunks"] == 2
+    finally:
+        gate.set()
+        del disk.write_many
+    try:
+        w.store.flush(timeout=30)
+        assert all(torch.equal(w.store.get(k)["x"], v["x"]) for k, v in held.items())
+    finally:
+        a.close()

@@ -140,8 +140,8 @@ def _evict_without_writing_down(store: TieredStore) -> None:
     """Sabotage: victims are evicted as if clean, dirty or not (their write-downs never happen)."""
     reserve = store.residency.reserve
 
-    def sabotaged(key: ChunkKey, tier: int, size: int) -> Room:
-        room = reserve(key, tier, size)
+    def sabotaged(key: ChunkKey, tier: int, size: int, clean: bool = False) -> Room:
+        room = reserve(key, tier, size, clean)
         return replace(room, victims=tuple(replace(v, down=None) for v in room.victims))
 
     store.residency.reserve = sabotaged  # type: ignore[method-assign]

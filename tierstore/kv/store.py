@@ -123,7 +123,8 @@ class KVCacheStore:
         self.partial_chunks = bool(partial_chunks)
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(("lookups", "lookup_tokens", "hit_tokens", "saved_chunks",
-                                      "skipped_chunks", "loaded_chunks", "load_misses", "bad_chunks"), 0)
+                                      "skipped_chunks", "unsaved_chunks", "loaded_chunks", "load_misses",
+                                      "bad_chunks"), 0)
 
     def for_tenant(self, tenant: str | None) -> KVCacheStore:
         """This cache under ``tenant``'s keys (same store and layout options). Staging buffers and layer-wise
@@ -438,7 +439,7 @@ class KVCacheStore:
 
     def save_from(self, token_ids: TokenIds, caches: Sequence[torch.Tensor] | torch.Tensor, layout: str | PagedLayout,
                   block_ids: Sequence[int] | torch.Tensor, *, block_size: int | None = None, start: int = 0,
-                  probe: bool = True) -> int:
+                  probe: bool = True, wait: bool = True) -> int:
         """Store the KV of ``token_ids`` straight out of a paged KV cache; returns the tokens newly stored.
 
         The cache (as for :meth:`load_into`) must hold the KV of every token of ``token_ids`` from ``start`` on
@@ -449,7 +450,9 @@ class KVCacheStore:
         top tier is a host pool (``write_back``) the others are gathered straight into pool memory reserved
         for them and committed; otherwise window by window into reusable staging and stored with one
         ``put_many`` per window. Returns once the top tier holds them; lower tiers are written in the
-        background.
+        background. ``wait=False`` (saving in place): never wait on storage — only chunks that fit now, in free
+        pool memory or in place of clean copies (held by a tier below), are saved; the rest are not (counted
+        ``unsaved_chunks``), rather than writing dirty chunks down or waiting for room.
         """
         tokens = token_tensor(token_ids)
         if type(start) is not int or not 0 <= start <= len(tokens) or start % self.chunk_tokens:
@@ -463,10 +466,11 @@ class KVCacheStore:
         have = first + self._held(keys[first:], probe)
         pieces = self._pieces(have, len(keys), len(tokens), 0, len(tokens), transfer)
         tasks = self._tasks(keys, pieces, transfer)
-        ok = run_save(self.store, transfer, tasks, self._shared.staging, _LAYER.format) if tasks else []
+        ok = run_save(self.store, transfer, tasks, self._shared.staging, _LAYER.format,
+                      wait or not self.saves_in_place) if tasks else []
         stored_pieces = [p for t in tasks for p in t.pieces]
         failed = {p.index for p, stored in zip(stored_pieces, ok, strict=True) if not stored}
-        self._count(saved_chunks=len(pieces), skipped_chunks=have - first)
+        self._count(saved_chunks=len(pieces), skipped_chunks=have - first, unsaved_chunks=len(failed))
         return sum(p.stored for p in pieces if p.index not in failed)
 
     @property
@@ -508,7 +512,8 @@ class KVCacheStore:
                 self._counts[k] += v
 
     def stats(self) -> dict[str, int]:
-        """Counters: lookups, lookup/hit tokens, saved/skipped/loaded chunks, load misses, bad chunks."""
+        """Counters: lookups, lookup/hit tokens, saved/skipped/unsaved/loaded chunks, load misses, bad chunks
+        (``unsaved_chunks``: chunks a :meth:`save_from` tried to store and did not: no room, an error)."""
         with self._lock:
             return dict(self._counts)
 

@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -286,13 +287,16 @@ def run_load(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
 
 
 def run_save(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: Staging,
-             layer_name: Callable[[int], str]) -> list[bool]:
+             layer_name: Callable[[int], str], wait: bool = True) -> list[bool]:
     """Store each task's chunks out of the cache; per piece (in task order) whether it is stored.
 
     Where the store reserves pool memory (``store.reserve``: its top tier is a host pool) the chunks are
     gathered straight into it and committed once the copy is done: one copy, nothing visible before the commit,
-    everything given back on an error. The others are gathered into staging and stored with one ``put_many``."""
+    everything given back on an error. The others are gathered into staging and stored with one ``put_many``;
+    with ``wait=False`` (a store that reserves) they are not stored: the reservation waits for nothing."""
     reserve = getattr(store, "reserve", None)
+    if reserve is not None and not wait:
+        reserve = partial(reserve, wait=False)
     reserved: dict[int, list[bool | None]] = {}  # task -> per piece: stored, not, or None (put it)
     if reserve is not None:  # a layer group's chunks in one reservation: one commit, one gather per piece
         groups: dict[tuple[int, int], list[int]] = {}
@@ -311,7 +315,9 @@ def run_save(store: Any, transfer: PagedTransfer, tasks: list[Task], staging: St
     stored = True  # False while a put_many runs: one that raised may leave per-key work reading ``buf``
     try:
         for ti, task in enumerate(tasks):
-            done = reserved.get(ti) or [None] * len(task.pieces)
+            done: list[bool | None] = reserved.get(ti) or [None] * len(task.pieces)
+            if not wait:
+                done = [bool(d) for d in done]
             rest = [k for k, d in enumerate(done) if d is None]
             if rest:
                 part = Task(task.group, [task.pieces[k] for k in rest], [task.keys[k] for k in rest])

@@ -15,10 +15,11 @@ from .state import NOT_ASIDE
 class Eviction(Core):
     """Room in a tier: reservations within its byte budget, victims least recently used first (dirty ones"""
 
-    def reserve(self, key: ChunkKey, tier: int, size: int) -> Room:
+    def reserve(self, key: ChunkKey, tier: int, size: int, clean: bool = False) -> Room:
         """Set aside room for ``size`` bytes of ``key`` in ``tier`` (the caller holds the slot). The copy
         being replaced counts as freed. See :class:`Room`; victims hold their slots until
-        :meth:`evicted` or :meth:`keep`."""
+        :meth:`evicted` or :meth:`keep`. ``clean``: only victims that go without a write below (held by a
+        tier below, or clean everywhere): nothing dirty is written down or dropped for this room."""
         with self._lock:
             tr = self.tiers[tier]
             limit = self._limit(tr)
@@ -36,7 +37,7 @@ class Eviction(Core):
             deficit = over - tr.evicting_bytes
             blocked: list[bool] = [False]
             if deficit > 0:
-                victims = self._select_victims(tier, deficit, key, blocked)
+                victims = self._select_victims(tier, deficit, key, blocked, clean)
                 if victims:
                     return Room(victims=tuple(victims))
             return Room(wait=bool(tr.evicting_bytes or tr.reserved or tr.pins or blocked[0]))
@@ -67,11 +68,12 @@ class Eviction(Core):
     # ------------------------------------------------------------------ capacity and eviction
 
     def _select_victims(self, tier: int, deficit: int, exclude: ChunkKey | None,
-                        blocked: list[bool] | None = None) -> list[Victim]:
+                        blocked: list[bool] | None = None, clean: bool = False) -> list[Victim]:
         """Victims worth ``deficit`` bytes, least recently used first. A candidate whose write below is in flight
         is passed over with ``blocked[0]`` set (room comes when the write ends: wait), and no newer candidate is
         dropped in its place: past it, a dirty chunk goes only if it can be written below. None on a shared
         tier (out of space, out of memory): its objects are every process's, never this store's to evict.
+        ``clean``: dirty candidates are passed over (neither written below nor dropped).
 
         It walks the LRU from its cold end until it has enough: its cost is the copies passed over there
         (pinned, busy, set aside, or dirty and kept by the policy), not the number of keys."""
@@ -96,8 +98,8 @@ class Eviction(Core):
             if key in tr.pins or (rec is not None and (tier in rec.busy or rec.deleting)):
                 continue
             gen = packed >> SIZE_BITS
-            down = self._down_target(key, tier, gen, may_drop=may_drop)
-            if down is False:
+            down = self._down_target(key, tier, gen, may_drop=may_drop and not clean)
+            if down is False or (clean and down is not None):
                 continue  # dirty and kept by the policy (or, past a chunk being written below, not dropped)
             size = packed & SIZE_MASK
             self._record(key).busy[tier] = REMOVING
@@ -169,11 +171,12 @@ class Eviction(Core):
             tr.evicting_bytes += size
             return Victim(key, tier, size, gen, down if isinstance(down, int) else None)
 
-    def reclaim(self, key: ChunkKey, tier: int, size: int) -> list[Victim]:
+    def reclaim(self, key: ChunkKey, tier: int, size: int, clean: bool = False) -> list[Victim]:
         """Victims worth ``size`` more bytes of ``tier`` for a write of ``key`` that has its bytes reserved but
-        found no contiguous room (a fragmented memory pool): evicting neighbours frees runs that merge."""
+        found no contiguous room (a fragmented memory pool): evicting neighbours frees runs that merge.
+        ``clean`` as for :meth:`reserve`."""
         with self._lock:
-            return self._select_victims(tier, size, key)
+            return self._select_victims(tier, size, key, clean=clean)
 
     def written_down_failed(self, victim: Victim, tried: Iterable[int]) -> int | None | bool:
         """The write of ``victim`` to its ``down`` tier (and ``tried`` ones) failed: the next tier to try,

@@ -262,7 +262,8 @@ class WorkerSide:
 
     def _save_in_place(self) -> None:
         """Each save's chunks from its ``start`` gathered straight into the store's pool and committed (no I/O
-        before the copy: held chunks are those the in-memory indexes know)."""
+        before the copy: held chunks are those the in-memory indexes know). This is the forward thread: room
+        comes only from free pool memory and clean copies (``wait=False``); chunks without room are not saved."""
         names = sorted(self._index, key=self._index.__getitem__)
         if not names:
             return
@@ -272,7 +273,7 @@ class WorkerSide:
             try:
                 self._count("saved_tokens", self.kv(spec.tenant).save_from(
                     spec.token_ids, caches, layout, spec.block_ids, block_size=self.block_size, start=spec.start,
-                    probe=False))
+                    probe=False, wait=False))
             except Exception as exc:  # a failed save is a future miss, never an engine error
                 self._count("save_errors")
                 log.warning("tierstore: save of %s failed: %r", spec.req_id, exc)
