@@ -67,7 +67,7 @@ def test_reserved_chunks_are_invisible_until_commit_and_an_abort_leaves_nothing(
         r = store.reserve([(k2, like(C))])
         r.abort()
         assert store.get(k2) is None and pool_free(store) == free
-        lv = store.residency.levels[0]
+        lv = store.residency.tiers[0]
         assert lv.reserved == 0 and lv.used == 0
         with store.reserve([(k2, like(C))]):  # leaving the block without a commit aborts
             pass
@@ -99,7 +99,7 @@ def test_a_save_that_fails_mid_gather_leaves_nothing_visible_and_the_next_save_s
             kv.save_from(tokens, src, "vllm", table)
         assert kv.lookup(tokens) == 0 and all(not store.contains(k) for k in kv.keys(tokens))
         assert store.stats()["tiers"]["host"]["objects"] == 0 and pool_free(store) == free
-        assert store.residency.levels[0].reserved == 0
+        assert store.residency.tiers[0].reserved == 0
         monkeypatch.setattr(PagedTransfer, "gather", gather)
         assert kv.save_from(tokens, src, "vllm", table) == n
         dst = caches(len(table), seed=None)
@@ -428,7 +428,7 @@ def test_a_reservation_that_fails_midway_gives_back_its_slot_and_bytes(monkeypat
         with pytest.raises(OSError, match="injected"):
             store.reserve([(key, like(C))])
         monkeypatch.setattr(HostBackend, "reserve_run", reserve_run)
-        lv = store.residency.levels[0]
+        lv = store.residency.tiers[0]
         assert lv.reserved == 0 and not store.residency.writing(key, 0)
         t0 = time.monotonic()
         assert store.put(key, {name: torch.zeros(t.shape) for name, t in like(C).items()})

@@ -228,10 +228,10 @@ def test_a_chunk_whose_lease_runs_out_mid_load_never_scatters_another_values_byt
     chunk_bytes = 2 * C * H * D * 4 * LAYERS
     copy_rows_in = rows._copy_rows_in
 
-    def slow(flat, index, src):
+    def slow(flat, index, src, *words):
         if threading.current_thread().name == "loader":
             time.sleep(0.03)  # past the lease: the server takes it back and the writer reuses the memory
-        copy_rows_in(flat, index, src)
+        copy_rows_in(flat, index, src, *words)
 
     monkeypatch.setattr(rows, "_copy_rows_in", slow)
     config = node_config(tmp_path, host=6 * chunk_bytes + 8192, lease_ttl=0.02)

@@ -3,7 +3,7 @@
 A :meth:`~tierstore.TieredStore.put_many` copies the caller's tensors into the host pool. A caller that would
 first have to produce those tensors (``KVCacheStore.save_from`` gathers them out of an engine's paged cache)
 can instead write them straight into the pool: :func:`reserve` takes, per key, the same steps a put takes
-before its copy — a new generation, the ``(key, level)`` slot, room in the level's byte budget (evicting as a
+before its copy — a new generation, the ``(key, tier)`` slot, room in the tier's byte budget (evicting as a
 put does: least recently used first, dirty victims written below first) and a run of the pool — and hands out
 views of that run shaped like the chunk. The caller fills them; :meth:`Reservation.commit` then publishes each
 chunk exactly as a put publishes its copy (the backend first, then the residency: pending below, write-back
@@ -34,7 +34,7 @@ from .transfers import ENOMEM_ROUNDS
 if TYPE_CHECKING:
     from .lifecycle import Lifecycle
     from .residency import Residency
-    from .transfers import Level, Transfers
+    from .transfers import Tier, Transfers
 
 
 @dataclass(frozen=True)
@@ -65,10 +65,10 @@ class Reservation:
     ``keys[i]``, or ``None`` where nothing was reserved. Commit or abort exactly once (a context manager
     aborts what was not committed)."""
 
-    def __init__(self, owner: Owner, level: Level | None, held: list[_Held | None]):
-        self._owner, self._level, self._held = owner, level, held
+    def __init__(self, owner: Owner, tier: Tier | None, held: list[_Held | None]):
+        self._owner, self._tier, self._held = owner, tier, held
         self.tensors: list[dict[str, torch.Tensor] | None] = [None if h is None else h.tensors for h in held]
-        self._open = level is not None and any(h is not None for h in held)
+        self._open = tier is not None and any(h is not None for h in held)
         if not self._open:
             owner.life.leave()
 
@@ -78,16 +78,16 @@ class Reservation:
         ok = [False] * len(self._held)
         if not self._open:
             return ok
-        assert self._level is not None
-        lv, owner, res = self._level, self._owner, self._owner.residency
+        assert self._tier is not None
+        tier, owner, res = self._tier, self._owner, self._owner.residency
         try:
             for i, h in enumerate(self._held):
                 if h is None or (which is not None and not which[i]):
                     continue
-                lv.backend.publish_run(h.key, h.run, h.tensors)  # type: ignore[attr-defined]
+                tier.backend.publish_run(h.key, h.run, h.tensors)  # type: ignore[attr-defined]
                 self._held[i] = None  # published: from here on it is the key's value
-                stale = res.commit_write(h.key, lv.index, h.gen, h.size, h.reserved, put=True)
-                lv.count(puts=1, bytes_in=h.size)
+                stale = res.commit_write(h.key, tier.index, h.gen, h.size, h.reserved, put=True)
+                tier.count(puts=1, bytes_in=h.size)
                 ok[i] = True
                 owner.transfers.remove_stale(h.key, stale)
         finally:
@@ -108,10 +108,10 @@ class Reservation:
             self._close()
 
     def _give_back(self, h: _Held) -> None:
-        assert self._level is not None
-        self._level.backend.cancel_run(h.run)  # type: ignore[attr-defined]
-        self._owner.residency.release(self._level.index, h.reserved)
-        self._owner.residency.abort_write(h.key, self._level.index, h.gen)
+        assert self._tier is not None
+        self._tier.backend.cancel_run(h.run)  # type: ignore[attr-defined]
+        self._owner.residency.release(self._tier.index, h.reserved)
+        self._owner.residency.abort_write(h.key, self._tier.index, h.gen)
 
     def _close(self) -> None:
         if self._open:
@@ -125,22 +125,22 @@ class Reservation:
         self.abort()
 
 
-def reservable(store: Any) -> Level | None:
-    """The level a put of ``store`` lands in first if it can reserve pool memory there, else ``None``."""
+def reservable(store: Any) -> Tier | None:
+    """The tier a put of ``store`` lands in first if it can reserve pool memory there, else ``None``."""
     from .config import WritePolicy
 
     if getattr(store, "write_policy", None) is not WritePolicy.WRITE_BACK:
         return None
-    for lv in getattr(store, "tiers", ()):
-        if lv.writable:
-            reserve = getattr(lv.backend, "reserved_size", None)
-            return lv if reserve is not None and getattr(lv.backend, "pool", None) is not None else None
+    for tier in getattr(store, "tiers", ()):
+        if tier.writable:
+            reserve = getattr(tier.backend, "reserved_size", None)
+            return tier if reserve is not None and getattr(tier.backend, "pool", None) is not None else None
     return None
 
 
-def reserve(owner: Owner, lv: Level | None, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]],
+def reserve(owner: Owner, tier: Tier | None, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]],
             wait: bool = True) -> Reservation:
-    """Reserve pool memory of level ``lv`` (what :func:`reservable` found; ``None``: nothing is reserved) for each
+    """Reserve pool memory of ``tier`` (what :func:`reservable` found; ``None``: nothing is reserved) for each
     ``(key, like)``: a chunk with tensors shaped like ``like`` (names, shapes, dtypes; ``meta`` tensors will do).
     Keys the tier cannot take now (too big, no room in time, a busy slot) get ``None`` in
     :attr:`Reservation.tensors`. ``wait=False`` never blocks the caller: room comes only from free memory and
@@ -148,34 +148,34 @@ def reserve(owner: Owner, lv: Level | None, items: Sequence[tuple[ChunkKey, Mapp
     busy slot or write-back is waited for, and a key without room now gets ``None`` (counted ``skipped``)."""
     owner.life.enter()
     held: list[_Held | None] = [None] * len(items)
-    if lv is None:
+    if tier is None:
         return Reservation(owner, None, held)
     try:
         deadline = time.monotonic() + (owner.transfers.pin_wait if wait else 0.0)
         waits = wait  # as a put's wave: only while holding nothing (what this one holds is no room to wait for)
         for i, (key, like) in enumerate(items):
-            held[i] = _reserve_one(owner, lv, key, like, deadline, waits, clean=not wait)
+            held[i] = _reserve_one(owner, tier, key, like, deadline, waits, clean=not wait)
             waits = waits and held[i] is None
     except BaseException:
-        Reservation(owner, lv, held).abort()
+        Reservation(owner, tier, held).abort()
         raise
-    return Reservation(owner, lv, held)
+    return Reservation(owner, tier, held)
 
 
-def _reserve_one(owner: Owner, lv: Level, key: ChunkKey, like: Mapping[str, torch.Tensor],
+def _reserve_one(owner: Owner, tier: Tier, key: ChunkKey, like: Mapping[str, torch.Tensor],
                  deadline: float, wait: bool, clean: bool = False) -> _Held | None:
     """One key's generation, slot, bytes and pool run (each step as a put takes it), or ``None``; ``wait``
     for room (by ``deadline``) or only take what evicting now gives; ``clean``: evict only clean victims."""
-    res, level, backend = owner.residency, lv.index, lv.backend
+    res, index, backend = owner.residency, tier.index, tier.backend
     size = backend.reserved_size(like)  # type: ignore[attr-defined]
     gen = res.next_gen()
-    slot = res.wait_until(lambda: s if (s := res.begin_write(key, level, gen)) is not Slot.BUSY else None, deadline)
+    slot = res.wait_until(lambda: s if (s := res.begin_write(key, index, gen)) is not Slot.BUSY else None, deadline)
     if slot is not Slot.OK:
-        lv.count(skipped=1)
+        tier.count(skipped=1)
         return None
     reserved = 0
     try:
-        got = owner.transfers.make_room(key, level, size, deadline, wait, clean=clean)  # as a put makes room
+        got = owner.transfers.make_room(key, index, size, deadline, wait, clean=clean)  # as a put makes room
         if got is not None:
             reserved = got
             for _ in range(ENOMEM_ROUNDS + 1):
@@ -185,13 +185,13 @@ def _reserve_one(owner: Owner, lv: Level, key: ChunkKey, like: Mapping[str, torc
                 except OSError as exc:  # the pool has the bytes but no contiguous run: evict more, as a put does
                     if exc.errno != errno.ENOMEM:
                         raise
-                    for victim in res.reclaim(key, level, size, clean=clean):
+                    for victim in res.reclaim(key, index, size, clean=clean):
                         owner.transfers.evict(victim, deadline)
     except BaseException:
-        res.release(level, reserved)
-        res.abort_write(key, level, gen)
+        res.release(index, reserved)
+        res.abort_write(key, index, gen)
         raise
-    lv.count(skipped=1)
-    res.release(level, reserved)
-    res.abort_write(key, level, gen)
+    tier.count(skipped=1)
+    res.release(index, reserved)
+    res.abort_write(key, index, gen)
     return None

@@ -106,9 +106,6 @@ class Tier:
         return f"<Tier {self.index} {self.name!r} {self.kind}>"
 
 
-Level = Tier  #: its former name (callers outside the data plane still use it)
-
-
 # ---------------------------------------------------------------------- jobs
 class Job:
     """One transfer: what it does, where, and — when it runs on a pool, where someone may wait for it — its

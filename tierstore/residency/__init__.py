@@ -47,7 +47,7 @@ from ..flushes import FlushState
 from ..keys import ChunkKey
 from .copies import Copies
 from .eviction import Eviction
-from .model import REMOVING, UNKNOWN, Hold, LevelSpec, Pressure, Room, Slot, TierSpec, Victim, Write
+from .model import REMOVING, UNKNOWN, Hold, Pressure, Room, Slot, TierSpec, Victim, Write
 from .queue import WriteBack
 from .writes import Writes
 
@@ -80,5 +80,5 @@ class Residency(Copies, Writes, Eviction, WriteBack):
             return len(self._keys)
 
 
-__all__ = ["REMOVING", "UNKNOWN", "FlushState", "Hold", "LevelSpec", "Pressure", "Residency", "Room", "Slot",
+__all__ = ["REMOVING", "UNKNOWN", "FlushState", "Hold", "Pressure", "Residency", "Room", "Slot",
            "TierSpec", "Victim", "Write"]

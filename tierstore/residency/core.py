@@ -54,11 +54,6 @@ class Core:
         self._dirty = 0  # keys with pending tiers (counted as they change)
         self._writable = [i for i, tr in enumerate(self.tiers) if tr.spec.writable]
 
-    @property
-    def levels(self) -> list[TierIndex]:
-        """:attr:`tiers` by its former name (callers outside the residency family)."""
-        return self.tiers
-
     # ------------------------------------------------------------------ waiting (for the data plane)
     def wait_until(self, attempt: Callable[[], T | None], deadline: float | None = None,
                    poll: float = 0.05) -> T | None:

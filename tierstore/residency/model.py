@@ -95,8 +95,5 @@ class Write:
     source_size: int
 
 
-#: its former name
-LevelSpec = TierSpec
-
-__all__ = ["REMOVING", "SIZE_BITS", "SIZE_MASK", "UNKNOWN", "Hold", "LevelSpec", "Pressure", "Room", "Slot", "TierSpec",
+__all__ = ["REMOVING", "SIZE_BITS", "SIZE_MASK", "UNKNOWN", "Hold", "Pressure", "Room", "Slot", "TierSpec",
            "Victim", "Write", "pack"]
