@@ -53,6 +53,8 @@ class WriteBack:
                          for j in self._tiers}
         self._lock = threading.Lock()
         self._busy = dict.fromkeys(self._tiers, 0)  # tier -> batches in flight
+        self._running: set[int] = set()  # batches in flight, by number (flush waits for those its writes were in)
+        self._numbered = 0
         self.pipeline = PIPELINE
         self._stopping = False
         self._thread = threading.Thread(target=self._run, daemon=True, name="tierstore-writeback")
@@ -86,18 +88,22 @@ class WriteBack:
     def _submit(self, tier: int, writes: list[Write]) -> None:
         with self._lock:
             self._busy[tier] += 1
+            self._numbered += 1
+            number = self._numbered
+            self._running.add(number)
         try:
             self.t.jobs.submit(self._writers[tier], "write-back", self.t.tiers[tier].name, len(writes),
-                               lambda: self._write(tier, writes))
+                               lambda: self._write(tier, writes, number))
         except ClosedError:
-            self._done(tier)
+            self._done(tier, number)
 
-    def _done(self, tier: int) -> None:
+    def _done(self, tier: int, number: int) -> None:
         with self._lock:
             self._busy[tier] -= 1
+            self._running.discard(number)
         self.res.notify()
 
-    def _write(self, tier: int, writes: list[Write]) -> None:
+    def _write(self, tier: int, writes: list[Write], number: int) -> None:
         t, res = self.t, self.res
         try:
             # the sources stay pinned until the stack gives back what it borrowed: a pool run lent to this batch
@@ -130,7 +136,7 @@ class WriteBack:
                         items.append((w.key, w.gen, data))
                 t.land_many(tier, items, slots_held=True, kind="write-back")
         finally:
-            self._done(tier)
+            self._done(tier, number)
 
     def _read_objects(self, tier: int, writes: list[Write]) -> dict[int, Chunk | BaseException | None]:
         """The sources of ``writes`` that move as objects into ``tier``, read in one batch per source tier
@@ -171,6 +177,11 @@ class WriteBack:
             left = n
             if stall and timeout is not None:
                 deadline = time.monotonic() + timeout
+        # the batches that settled those writes give back what they borrowed and unpin their sources just after:
+        # once flush returns, the chunks it waited for can be evicted
+        with self._lock:
+            batches = list(self._running)
+        res.wait_until(lambda: True if all(b not in self._running for b in batches) else None, deadline)
         failed, dropped = res.losses()
         report = FlushReport(self._named(dropped))
         if failed:
