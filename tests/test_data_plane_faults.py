@@ -205,3 +205,46 @@ def test_a_full_shared_tier_never_evicts_other_objects_from_it(tmp_path: Path, c
         time.sleep(0.1)
         s.flush(timeout=30)
         assert "remote" in s.holders(key_of(0)) and "remote" in s.holders(key_of(1))
+
+
+@pytest.mark.parametrize("removal_heals", [True, False])
+def test_a_put_that_lands_below_a_failing_eviction_never_leaves_the_older_value_to_read(tmp_path, removal_heals):
+    """An eviction of K's clean copy on disk is removing it when a put of K lands on the remote (the disk's slot
+    is held by the eviction), and that removal fails: the disk's copy is now an older value. It is removed
+    once the eviction ends; if that fails too, flush names K (a restart would find it). Never acknowledged with
+    the older value left for a restart to read (the crash test's faults-drop setup found this: disk v1, remote
+    v2, reads v1)."""
+    cfg = {"tiers": [{"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"},
+                     {"kind": "remote", "url": f"file://{tmp_path}/remote"}]}
+    k, v1, v2 = key_of(1), chunk(1, 4096), chunk(2, 4096)
+    with tierstore.open(cfg) as store:
+        store._transfers.pin_wait = 0.3  # the put gives up on the disk's busy slot soon
+        assert store.put(k, v1)
+        store.flush()
+        disk = store.tier("disk").backend
+        removing, fail_on = threading.Event(), threading.Event()
+        real = disk.delete_many
+
+        def delete_many(keys):
+            if k in keys and (not fail_on.is_set() or not removal_heals):
+                removing.set()
+                fail_on.wait(10)
+                return [OSError(errno.EIO, "injected")]
+            return real(keys)
+
+        disk.delete_many = delete_many
+        evicting = threading.Thread(target=store.evict, args=(k, "disk"))
+        evicting.start()
+        assert removing.wait(10)
+        assert store.put(k, v2) and store.locate([k]) == ["remote"]
+        fail_on.set()
+        evicting.join(10)
+        if removal_heals:
+            store.flush()
+        else:
+            with pytest.raises(tierstore.WriteBackError):
+                store.flush()
+        disk.delete_many = real
+    if removal_heals:  # (else the older value is still on the disk, and K was never acknowledged over it)
+        with tierstore.open(cfg) as store:
+            assert_same(store.get(k), v2)

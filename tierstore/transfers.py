@@ -395,7 +395,14 @@ class Transfers:
         """Carry out one eviction: write a dirty victim below first (trying each tier the residency names),
         then remove it unless it must stay. A victim that cannot be read to save it, or cannot be removed, is
         set aside (:meth:`~tierstore.residency.Residency.set_aside`): never removed unsaved, never named again
-        at once."""
+        at once. A copy that stays and meanwhile became an older value (a put landed elsewhere while this
+        eviction held it, so the put could not remove it) is removed now, or reported by flush if it cannot be."""
+        outcome = self._evict(victim, deadline)
+        if outcome is not Eviction.REMOVED:
+            self.remove_stale(victim.key, [victim.tier])
+        return outcome
+
+    def _evict(self, victim: Victim, deadline: float) -> Eviction:
         down, tried = victim.down, []
         try:
             while isinstance(down, int) and down is not False:

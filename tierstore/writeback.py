@@ -103,7 +103,7 @@ class WriteBack:
             self._running.discard(number)
         self.res.notify()
 
-    def _write(self, tier: int, writes: list[Write], number: int) -> None:
+    def _write(self, tier: int, writes: list[Write], number: int = 0) -> None:
         t, res = self.t, self.res
         try:
             # the sources stay pinned until the stack gives back what it borrowed: a pool run lent to this batch
