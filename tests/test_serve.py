@@ -400,7 +400,7 @@ me, ops = int(sys.argv[2]), int(sys.argv[3])
 rng = random.Random(me)
 model = {}
 wrong = lost = 0
-with tierstore.open({"server": sys.argv[1], "connections": 2}) as store:
+with tierstore.open({"server": sys.argv[1], "connections": 2, "timeout": 60}) as store:  # slow is not lost
     base = (me + 1) * 100_000
     for n in range(ops):
         i = rng.randrange(40)
