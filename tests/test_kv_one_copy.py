@@ -161,6 +161,36 @@ def test_a_reservation_larger_than_the_tier_never_waits_for_room_it_holds_itself
             assert got is not None and all(bool((v == i).all()) for v in got.values())
 
 
+def test_a_reservation_waits_for_room_others_hold_after_it_holds_some(tmp_path):
+    """A reservation that already holds some room still waits (bounded) for room the tier's other chunks hold
+    — a reader's pin, a write-back batch that still borrows them — as long as its own keys fit the tier: the
+    old rule stopped waiting after the first key it held, so a key got ``None`` whenever the last victim was
+    busy for a moment (CI: a write-back batch still borrowing it)."""
+    with host_store("1MiB") as probe:
+        size = probe.tiers[0].backend.reserved_size(like(C))
+    host = {"kind": "host", "capacity": 4 * size + size // 2, "pinned": False, "pool": True}
+    with tierstore.open({"tiers": [host, {"kind": "disk", "path": str(tmp_path / "disk"), "capacity": "64MiB"}]}
+                        ) as store:
+        keys = [tierstore.ChunkKey.from_tensors({"i": torch.tensor([i])}) for i in range(8)]
+        store.put_many([(k, {n: torch.full(v.shape, i, dtype=v.dtype) for n, v in like(C).items()})
+                        for i, k in enumerate(keys[:4])])
+        store.flush()
+        loan = store.lend([keys[3]])  # the last victim the reservation will need, held by a reader for a while
+        assert loan.tensors[0] is not None
+        threading.Timer(0.5, loan.close).start()
+        start = time.monotonic()
+        with store.reserve([(k, like(C)) for k in keys[4:]]) as r:
+            assert all(t is not None for t in r.tensors)
+            assert time.monotonic() - start >= 0.4  # it waited for the reader
+            for i, t in enumerate(r.tensors, 4):
+                for v in t.values():
+                    v.fill_(i)
+            assert r.commit() == [True] * 4
+        for i, k in enumerate(keys):
+            got = store.get(k)
+            assert got is not None and all(bool((v == i).all()) for v in got.values())
+
+
 @pytest.mark.parametrize("how", ["put", "reserve"])
 def test_room_taken_from_chunks_write_back_still_borrows_waits_for_their_memory(tmp_path, monkeypatch, how):
     """Write-back borrows a batch of host-pool chunks and writes them below; once written they are clean, but

@@ -152,22 +152,26 @@ def reserve(owner: Owner, tier: Tier | None, items: Sequence[tuple[ChunkKey, Map
         return Reservation(owner, None, held)
     try:
         deadline = time.monotonic() + (owner.transfers.pin_wait if wait else 0.0)
-        waits = wait  # as a put's wave: only while holding nothing (what this one holds is no room to wait for)
+        capacity, holds = tier.spec.capacity, 0
         for i, (key, like) in enumerate(items):
-            held[i] = _reserve_one(owner, tier, key, like, deadline, waits, clean=not wait)
-            waits = waits and held[i] is None
+            size = tier.backend.reserved_size(like)  # type: ignore[attr-defined]
+            # wait for room only while others hold it: past the tier's capacity the room lacking is this
+            # reservation's own, which no wait frees
+            waits = wait and (capacity is None or holds + size <= capacity)
+            held[i] = h = _reserve_one(owner, tier, key, like, size, deadline, waits, clean=not wait)
+            holds += h.size if h is not None else 0
     except BaseException:
         Reservation(owner, tier, held).abort()
         raise
     return Reservation(owner, tier, held)
 
 
-def _reserve_one(owner: Owner, tier: Tier, key: ChunkKey, like: Mapping[str, torch.Tensor],
+def _reserve_one(owner: Owner, tier: Tier, key: ChunkKey, like: Mapping[str, torch.Tensor], size: int,
                  deadline: float, wait: bool, clean: bool = False) -> _Held | None:
-    """One key's generation, slot, bytes and pool run (each step as a put takes it), or ``None``; ``wait``
-    for room (by ``deadline``) or only take what evicting now gives; ``clean``: evict only clean victims."""
+    """One key's generation, slot, ``size`` bytes and pool run (each step as a put takes it), or ``None``;
+    ``wait`` for room (by ``deadline``) or only take what evicting now gives; ``clean``: evict only clean
+    victims."""
     res, index, backend = owner.residency, tier.index, tier.backend
-    size = backend.reserved_size(like)  # type: ignore[attr-defined]
     gen = res.next_gen()
     slot = res.wait_until(lambda: s if (s := res.begin_write(key, index, gen)) is not Slot.BUSY else None, deadline)
     if slot is not Slot.OK:
