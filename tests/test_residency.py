@@ -87,8 +87,7 @@ def write_back(s: TieredStore, level: int, limit: int = 8) -> int:
     """One write-back batch into ``level``, by the store's own code; how many writes it carried out."""
     writes = take_due(s, level, limit)
     if writes:
-        s._writeback._busy[level] += 1  # noqa: SLF001 - _write's finally gives it back
-        s._writeback._write(level, writes)  # noqa: SLF001
+        s._writeback.write_now(level, writes)  # noqa: SLF001
     return len(writes)
 
 
@@ -162,8 +161,7 @@ class ResidencyMachine(RuleBasedStateMachine):
     def finish_writes(self, key: ChunkKey | None = None) -> None:
         for level, w in [(j, w) for j, w in self.writes if key is None or w.key == key]:
             self.writes.remove((level, w))
-            self.s._writeback._busy[level] += 1  # noqa: SLF001
-            self.s._writeback._write(level, [w])  # noqa: SLF001
+            self.s._writeback.write_now(level, [w])  # noqa: SLF001
 
     def check_read(self, k: ChunkKey, got: Any) -> None:
         if got is not None:
@@ -214,8 +212,7 @@ class ResidencyMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def finish_write_back(self, data):
         level, w = self.writes.pop(data.draw(st.integers(0, len(self.writes) - 1)))
-        self.s._writeback._busy[level] += 1  # noqa: SLF001
-        self.s._writeback._write(level, [w])  # noqa: SLF001
+        self.s._writeback.write_now(level, [w])  # noqa: SLF001
 
     @rule(k=st.sampled_from(KEYS))
     def pin(self, k):
@@ -405,8 +402,7 @@ def test_a_write_through_put_that_cannot_take_a_busy_slot_leaves_the_level_queue
         s.residency.clock.now += s.residency.max_retry_delay + 1
         (held,) = take_due(s, 1, 1)  # a write-back of value 1 into mid holds the slot
         assert s.put(KEYS[0], value(2, 1))  # waits for that slot, then skips mid
-        s._writeback._busy[1] += 1  # noqa: SLF001
-        s._writeback._write(1, [held])  # noqa: SLF001 - value 1's write-back ends: superseded
+        s._writeback.write_now(1, [held])  # noqa: SLF001 - value 1's write-back ends: superseded
         for _ in range(10):
             s.residency.clock.now += s.residency.max_retry_delay + 1
             write_back(s, 1)
@@ -555,8 +551,7 @@ def test_a_delete_waits_for_writes_in_flight_and_refuses_older_ones():
         writes = take_due(s, 1, 8)
         assert res.begin_delete(KEYS[0])
         assert res.delete_ready(KEYS[0]) is None  # the write-back to mid is in flight
-        s._writeback._busy[1] += 1  # noqa: SLF001
-        s._writeback._write(1, writes)  # noqa: SLF001
+        s._writeback.write_now(1, writes)  # noqa: SLF001
         assert res.begin_write(KEYS[0], 2, writes[0].gen) is Slot.SUPERSEDED
         levels = res.delete_ready(KEYS[0])
         assert levels == [0, 1, 2]  # the shared level is cleared even though its index lacks the key

@@ -52,8 +52,9 @@ class WriteBack:
                                                thread_name_prefix=f"tierstore-writeback-{transfers.tiers[j].name}")
                          for j in self._tiers}
         self._lock = threading.Lock()
-        self._busy = dict.fromkeys(self._tiers, 0)  # tier -> batches in flight
-        self._running: set[int] = set()  # batches in flight, by number (flush waits for those its writes were in)
+        #: batches in flight: number -> tier (a tier takes ``pipeline`` at a time; flush waits for those its
+        #: writes were in)
+        self._running: dict[int, int] = {}
         self._numbered = 0
         self.pipeline = PIPELINE
         self._stopping = False
@@ -77,33 +78,46 @@ class WriteBack:
 
     def _due(self) -> list[int] | None:
         """Tiers with write-backs due now and no batch in flight (``None``: none)."""
-        due = [j for j in self._tiers if self._busy[j] < self.pipeline and self.res.next_due(j) == 0.0]
+        busy = self._busy()
+        due = [j for j in self._tiers if busy.count(j) < self.pipeline and self.res.next_due(j) == 0.0]
         return due or None
 
     def _idle(self) -> float:
         """Seconds until the next retry falls due (at most one)."""
-        times = [t for j in self._tiers if self._busy[j] < self.pipeline and (t := self.res.next_due(j)) is not None]
+        busy = self._busy()
+        times = [t for j in self._tiers if busy.count(j) < self.pipeline and (t := self.res.next_due(j)) is not None]
         return 1.0 if not times else min(1.0, max(0.0, min(times) - self.res.clock()))
 
-    def _submit(self, tier: int, writes: list[Write]) -> None:
+    def _busy(self) -> list[int]:
+        """The tier of each batch in flight."""
         with self._lock:
-            self._busy[tier] += 1
+            return list(self._running.values())
+
+    def _begin(self, tier: int) -> int:
+        """Count a batch into ``tier`` in flight; its number."""
+        with self._lock:
             self._numbered += 1
-            number = self._numbered
-            self._running.add(number)
+            self._running[self._numbered] = tier
+            return self._numbered
+
+    def write_now(self, tier: int, writes: list[Write]) -> None:
+        """Carry out one batch of ``writes`` (taken from the residency) into ``tier`` on this thread."""
+        self._write(tier, writes, self._begin(tier))
+
+    def _submit(self, tier: int, writes: list[Write]) -> None:
+        number = self._begin(tier)
         try:
             self.t.jobs.submit(self._writers[tier], "write-back", self.t.tiers[tier].name, len(writes),
                                lambda: self._write(tier, writes, number))
         except ClosedError:
-            self._done(tier, number)
+            self._done(number)
 
-    def _done(self, tier: int, number: int) -> None:
+    def _done(self, number: int) -> None:
         with self._lock:
-            self._busy[tier] -= 1
-            self._running.discard(number)
+            self._running.pop(number, None)
         self.res.notify()
 
-    def _write(self, tier: int, writes: list[Write], number: int = 0) -> None:
+    def _write(self, tier: int, writes: list[Write], number: int) -> None:
         t, res = self.t, self.res
         try:
             # the sources stay pinned until the stack gives back what it borrowed: a pool run lent to this batch
@@ -136,7 +150,7 @@ class WriteBack:
                         items.append((w.key, w.gen, data))
                 t.land_many(tier, items, slots_held=True, kind="write-back")
         finally:
-            self._done(tier, number)
+            self._done(number)
 
     def _read_objects(self, tier: int, writes: list[Write]) -> dict[int, Chunk | BaseException | None]:
         """The sources of ``writes`` that move as objects into ``tier``, read in one batch per source tier
