@@ -304,17 +304,21 @@ class ServerStore:
             self._counts["lent_chunks"] += sum(t is not None for t in loan.tensors)
         return loan
 
-    def reserve(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]) -> lending.StagedReservation:
-        """As :meth:`TieredStore.reserve`, in a connection's staging area (the server's pool takes no client's
-        writes): views to fill per ``(key, like)``, as many as the area holds (``None`` for the rest, and for
-        every key while the server cannot be reached); the commit is one put request. Holds a connection until
-        it is committed or aborted."""
+    def reserve(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]], *, wait: bool = True
+                ) -> lending.PoolReservation | lending.StagedReservation:
+        """As :meth:`TieredStore.reserve`: views to fill per ``(key, like)`` (``None`` for keys not reserved, and
+        for every key while the server cannot be reached); holds a connection until it is committed or aborted.
+        From a server with trusted writers, runs of its pool (one copy: :class:`~.lending.PoolReservation`, at
+        most :data:`MAX_KEYS` keys); from any other, the connection's staging area (the pool takes no client's
+        writes), as many as it holds, committed with one put request (``wait`` then does not apply)."""
         items = [(check_key(k), like) for k, like in items]
         keys = [k for k, _ in items]
         try:
             conn = self._links.take()
         except Unavailable:
             return lending.StagedReservation(keys, [None] * len(keys), [None] * len(keys))
+        if conn.writable:
+            return self._reserve_in_pool(conn, items, wait)
         broken = False
 
         def put(wire: list[lending.Wire]) -> list[bool]:
@@ -344,11 +348,68 @@ class ServerStore:
             raise
         return lending.StagedReservation(keys, tensors, offsets, put, done)
 
+    def _reserve_in_pool(self, conn: Link, items: list[tuple[ChunkKey, Mapping[str, torch.Tensor]]], wait: bool
+                         ) -> lending.PoolReservation:
+        """One ``reserve`` request for ``items`` (the first :data:`MAX_KEYS`) on ``conn``, which the reservation
+        holds until it ends."""
+        broken = False
+
+        def call(msg: dict[str, Any]) -> dict[str, Any] | None:
+            nonlocal broken
+            if broken:
+                return None
+            try:
+                return self._links.call(conn, msg)
+            except Unavailable:  # dropped by call: the server aborts what the connection held
+                broken = True
+                return None
+            except errors.TierstoreError:  # an error reply: the stream is in step
+                raise
+            except BaseException:
+                broken = True
+                conn.close()
+                raise
+
+        def done(acks: list[bool]) -> None:
+            if any(acks):
+                with self._lock:
+                    self._unflushed[conn.server] = self._unflushed.get(conn.server, 0) + sum(acks)
+                    self._counts["reserved_chunks"] += sum(acks)
+            self._links.put_back(conn, broken)
+
+        first = items[:MAX_KEYS]
+        distinct: dict[OutSpec, int] = {}
+        outs = [distinct.setdefault(tuple((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in like.items()),
+                                    len(distinct)) for _, like in first]
+        nothing = lending.PoolReservation([None] * len(items), None)
+        try:
+            lending.check_likes(first)
+            reply = call({"op": "reserve", "keys": hexes([k for k, _ in first]), "outs": outs, "wait": bool(wait),
+                          "specs": [[[n, d, list(shape)] for n, d, shape in one] for one in distinct]})
+            if reply is None:
+                done([])
+                return nothing
+            rid = reply.get("id")
+            tensors = lending.reserved(conn.pool, first, reply.get("items"))
+        except ProtocolError as exc:  # a reply that breaks the protocol: closing the connection aborts it there
+            log.warning("tierstore server %s: a reserve reply broke the protocol (%s): put the usual way", self.path,
+                        exc)
+            broken = True
+            conn.close()
+            done([])
+            return nothing
+        except BaseException:
+            done([])
+            raise
+        tensors += [None] * (len(items) - len(first))
+        return lending.PoolReservation(tensors, rid if type(rid) is int else None, call, done)
+
     @property
     def reserve_limit(self) -> int | None:
-        """Bytes one :meth:`reserve` can hold (the server's staging area per connection); ``None`` before the
-        server was first reached."""
-        return self._links.staging_bytes or None
+        """Bytes one :meth:`reserve` should hold: the server's staging area per connection, or a quarter of the pool
+        of a server with trusted writers (a larger one could not take room from its own chunks); ``None`` before
+        the server was first reached."""
+        return self._links.reserve_bytes or None
 
     # ------------------------------------------------------------------ questions
     def _ask(self, msg: dict[str, Any], field: str, miss: Any, timeout: float | None = None) -> Any:
