@@ -22,6 +22,7 @@ from test_serve_kv import KILLED_SAVER, client, host, loads_back, node_config, s
 import tierstore
 from tierstore import ConfigError, KVCacheStore
 from tierstore.kv.rows import PagedTransfer
+from tierstore.serve import client as client_module
 from tierstore.serve import protocol
 from tierstore.serve.client import ServerStore
 from tierstore.serve.connection import Connection
@@ -181,6 +182,22 @@ def test_an_aborted_or_failed_reservation_leaves_nothing_visible_and_gives_the_p
         monkeypatch.setattr(PagedTransfer, "gather", gather)
         assert kv.save_from(tokens, src, "vllm", table) == n  # the connection it held is usable again
         loads_back(kv, n, table, src)
+
+
+def test_a_reservation_of_more_keys_than_a_request_names_reserves_the_first_and_commits_them(trusted,
+                                                                                             monkeypatch):
+    monkeypatch.setattr(client_module, "MAX_KEYS", 3)
+    with client(trusted) as store:
+        keys = [tierstore.ChunkKey.from_tensors({"k": torch.full((1,), float(i))}) for i in range(5)]
+        r = store.reserve([(k, like()) for k in keys])
+        assert [t is not None for t in r.tensors] == [True] * 3 + [False] * 2
+        for i, t in enumerate(r.tensors[:3]):
+            for v in t.values():
+                v.fill_(i)
+        assert r.commit([True, False, True, True, True]) == [True, False, True, False, False]
+        assert [store.contains(k) for k in keys] == [True, False, True, False, False]
+        assert all(bool((v == 2).all()) for v in store.get(keys[2]).values())
+        assert trusted.stats()["reservations"] == 0 and host(trusted)["reserved_bytes"] == 0
 
 
 def test_a_client_killed_mid_fill_leaves_nothing_and_holds_nothing(trusted):

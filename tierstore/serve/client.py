@@ -15,7 +15,8 @@ server that restarted (a new server id in its hello) cannot keep it for the puts
 Before it sends anything a client checks whom it talks to: the socket's directory must belong to a trusted
 account and be writable by no other, the process listening must run as a trusted account (``SO_PEERCRED``:
 the client's own user, root, or ``server_uid``), and both regions it is handed must be sealed memfds (the pool
-sealed against writes). Anything else is a server that cannot be reached (calls are misses, with a warning).
+sealed against writes, unless the server says it trusts its clients' writes: ``serve.trusted_writers``).
+Anything else is a server that cannot be reached (calls are misses, with a warning).
 A client used in a process forked after it opened raises :class:`~tierstore.ForkedError` on every call (the
 child opens its own).
 """
@@ -402,7 +403,7 @@ class ServerStore:
             done([])
             raise
         tensors += [None] * (len(items) - len(first))
-        return lending.PoolReservation(tensors, rid if type(rid) is int else None, call, done)
+        return lending.PoolReservation(tensors, rid if type(rid) is int else None, len(first), call, done)
 
     @property
     def reserve_limit(self) -> int | None:

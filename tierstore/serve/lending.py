@@ -136,10 +136,10 @@ class PoolReservation:
     (a context manager aborts); ``call`` sends a request on the connection the reservation holds and answers
     its reply, or ``None`` if the server cannot be reached."""
 
-    def __init__(self, tensors: list[dict[str, torch.Tensor] | None], rid: int | None,
+    def __init__(self, tensors: list[dict[str, torch.Tensor] | None], rid: int | None, sent: int = 0,
                  call: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
                  done: Callable[[list[bool]], None] | None = None):
-        self.tensors, self._id = tensors, rid
+        self.tensors, self._id, self._sent = tensors, rid, sent  # the server knows the first ``sent`` keys
         self._call, self._done = call, done
 
     def commit(self, which: Sequence[bool] | None = None) -> list[bool]:
@@ -149,11 +149,12 @@ class PoolReservation:
         call, self._call = self._call, None
         try:
             if call is not None and self._id is not None:
-                chosen = [t is not None and (which is None or bool(which[i])) for i, t in enumerate(self.tensors)]
+                chosen = [t is not None and (which is None or bool(which[i]))
+                          for i, t in enumerate(self.tensors[:self._sent])]
                 reply = call({"op": "commit", "id": self._id, "which": chosen})
                 acks = reply.get("acks") if reply is not None else None
-                if isinstance(acks, list) and len(acks) == len(ok):
-                    ok = [bool(a) for a in acks]
+                if isinstance(acks, list) and len(acks) == self._sent:
+                    ok[:self._sent] = [bool(a) for a in acks]
         finally:
             self._finish(ok)
         return ok

@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..config import read_config
 from ..errors import ConfigError
 from ..sizes import parse_seconds, parse_size
@@ -64,6 +66,9 @@ class ServeConfig:
     #: clients map the pool writable and fill puts reserved in it (one copy); any client can then write any
     #: chunk in the pool (docs/serve.md, "Trusted writers")
     trusted_writers: bool = False
+    #: torch intra-op threads of a ``tierstore serve`` process (its copies are memory-bound: more threads only
+    #: spin against the engines on a busy machine); ``None``: torch's default
+    threads: int | None = 1
 
 
 def parse_serve(value: Any) -> ServeConfig:
@@ -91,9 +96,11 @@ def parse_serve(value: Any) -> ServeConfig:
             if not isinstance(v, bool):
                 raise ConfigError("serve.trusted_writers: expected true or false")
             out[key] = v
-        elif key == "max_clients":
+        elif key == "threads" and v is None:
+            out[key] = None
+        elif key in ("max_clients", "threads"):
             if type(v) is not int or v < 1:
-                raise ConfigError("serve.max_clients: expected a positive int")
+                raise ConfigError(f"serve.{key}: expected a positive int")
             out[key] = v
         else:
             out[key] = parse_seconds(v, key=f"serve.{key}")
@@ -258,6 +265,7 @@ class NodeServer:
         held = [c.held_stats() for c in clients]
         return {"id": self.id, "clients": len(clients), "pins": pins, "leases": sum(h[0] for h in held),
                 "leased_bytes": sum(h[1] for h in held), "trusted_writers": self.config.trusted_writers,
+                "threads": torch.get_num_threads(),
                 "reservations": sum(h[2] for h in held), "reserved_bytes": sum(h[3] for h in held), **counts}
 
     def pin(self, conn: Connection, pin: Pin) -> int:
