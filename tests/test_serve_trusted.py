@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import mmap
 import os
-import signal
 import socket
-import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import test_kv_one_copy as one_copy
 import torch
-from test_kv_one_copy import BS, LAYERS, NS, C, D, H, caches
-from test_serve_kv import KILLED_SAVER, client, host, loads_back, node_config, saved, settle
+from test_kv_one_copy import BS, LAYERS, NS, C, D, H, caches, save_failing_mid_gather
+from test_serve_kv import KILLED_SAVER, client, host, killed_mid_save, loads_back, node_config, saved, settle
 
 import tierstore
 from tierstore import ConfigError, KVCacheStore
@@ -166,20 +165,9 @@ def test_an_aborted_or_failed_reservation_leaves_nothing_visible_and_gives_the_p
         store.delete(keys)
         store.flush()
         before = host(trusted)
-        gather, calls = PagedTransfer.gather, []
-
-        def failing(self, layer, pieces, staged):
-            calls.append(layer)
-            if len(calls) == 2:  # the second layer: the first one's bytes are already in the pool
-                raise RuntimeError("injected gather failure")
-            return gather(self, layer, pieces, staged)
-
-        monkeypatch.setattr(PagedTransfer, "gather", failing)
-        with pytest.raises(RuntimeError, match="injected"):
-            kv.save_from(tokens, src, "vllm", table)
+        save_failing_mid_gather(monkeypatch, kv, tokens, src, table)
         assert kv.lookup(tokens) == 0 and store.contains_many(keys) == [False] * 4
         unchanged(trusted, before)
-        monkeypatch.setattr(PagedTransfer, "gather", gather)
         assert kv.save_from(tokens, src, "vllm", table) == n  # the connection it held is usable again
         loads_back(kv, n, table, src)
 
@@ -209,17 +197,11 @@ def test_a_client_killed_mid_fill_leaves_nothing_and_holds_nothing(trusted):
         script = (KILLED_SAVER % (C, C, BS, BS, H, D, LAYERS, BS)).replace(
             "memfd:tierstore-staging", "memfd:tierstore-host-pool").replace("1000", "int(sys.argv[2])")
         url = f"unix://{trusted.config.socket}"
-        procs = [subprocess.Popen([sys.executable, "-c", script, url, str(1000 * (i + 1))], stdout=subprocess.PIPE,
-                                  text=True) for i in range(3)]
-        try:
-            assert [p.stdout.readline().strip() for p in procs] == ["reserved"] * 3  # gathering into the pool
+
+        def held() -> None:  # gathering into the pool, each in its reservation
             assert trusted.stats()["reservations"] == 3
-        finally:
-            for p in procs:
-                p.send_signal(signal.SIGKILL)
-            for p in procs:
-                p.wait()
-                p.stdout.close()
+
+        killed_mid_save(script, [[url, str(1000 * (i + 1))] for i in range(3)], held)
         settle(trusted, 1)
         assert all(kv.lookup(list(range(1000 * (i + 1), 1000 * (i + 1) + n))) == 0 for i in range(3))
         theirs = list(range(1000, 1000 + n))
@@ -237,7 +219,7 @@ def test_a_reservation_older_than_lease_ttl_is_taken_back_and_its_commit_stores_
         r = store.reserve([(k, like()) for k in keys])
         assert all(t is not None for t in r.tensors)
         deadline = time.monotonic() + 10
-        while server.stats()["reservations"] and time.monotonic() < deadline:
+        while not server.stats()["expired_reservations"] and time.monotonic() < deadline:  # counted once taken back
             time.sleep(0.02)
         assert server.stats()["expired_reservations"] == 1
         unchanged(server, before)
@@ -269,3 +251,57 @@ def test_a_reservation_under_pressure_evicts_like_a_put(tmp_path):
             dst = caches(len(table), seed=None)
             assert kv.load_into(list(range(first, first + n)), dst, "vllm", table) == n
             assert all(torch.equal(a, b) for a, b in zip(dst, src, strict=True))
+
+
+# ---------------------------------------------------------------------- readers and writers at once
+def test_readers_see_a_reserved_value_whole_or_not_at_all_while_writers_race(trusted):
+    """Writers in several threads and two processes' worth of connections reserve, fill (slowly, layer by layer)
+    and commit or abort values of the same keys while readers get them: every value read is one writer's whole
+    committed value, never a reservation's bytes before its commit, never a mix."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    keys = [tierstore.ChunkKey.from_tensors({"race": torch.full((1,), float(i))}) for i in range(4)]
+    committed: set[float] = set()
+    aborted: set[float] = set()
+    bad: list[str] = []
+    stop = time.monotonic() + 3
+    try:
+        with client(trusted) as writers, client(trusted) as readers:
+            def write(w: int) -> None:
+                n = 0
+                while time.monotonic() < stop:
+                    n += 1
+                    value = float(w * 100_000 + n)
+                    keep = n % 3 != 0
+                    (aborted if not keep else committed).add(value)
+                    with writers.reserve([(k, like()) for k in keys]) as r:
+                        for t in r.tensors:
+                            for v in (t or {}).values():
+                                v.fill_(value)
+                                time.sleep(0)  # a reader may run between layers
+                        if keep:
+                            r.commit()
+
+            def read() -> None:
+                while time.monotonic() < stop:
+                    for got in readers.get_many(keys):
+                        if got is None:
+                            continue
+                        values = {float(x) for v in got.values() for x in v.unique()}
+                        if len(values) != 1:
+                            bad.append(f"mixed {sorted(values)[:4]}")
+                        elif values & aborted - committed or not values <= committed:
+                            bad.append(f"never committed {values}")
+
+            threads = [threading.Thread(target=write, args=(w,)) for w in range(3)]
+            threads += [threading.Thread(target=read) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            assert not bad, bad[:5]
+            assert all(writers.get(k) is not None for k in keys) and len(committed) > 10
+    finally:
+        sys.setswitchinterval(old)
+    settle(trusted, 0)
+    assert trusted.stats()["reservations"] == 0 and host(trusted)["reserved_bytes"] == 0

@@ -28,10 +28,10 @@ import logging
 import os
 import pwd
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -59,6 +59,7 @@ from .protocol import (
 from .server import socket_path_of
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: seconds a request may take before the server counts as unreachable (flush and prefetch take their own)
 TIMEOUT = 5.0
@@ -318,65 +319,40 @@ class ServerStore:
             conn = self._links.take()
         except Unavailable:
             return lending.StagedReservation(keys, [None] * len(keys), [None] * len(keys))
+        held = _Held(self._links, conn)
         if conn.writable:
-            return self._reserve_in_pool(conn, items, wait)
-        broken = False
+            return self._reserve_in_pool(held, items, wait)
 
         def put(wire: list[lending.Wire]) -> list[bool]:
-            nonlocal broken
-            try:
-                acks = self._put_staged(conn, wire)
-            except Unavailable:  # dropped by _call
-                broken = True
+            acks = held.run(lambda: self._put_staged(conn, wire))
+            if acks is None:
                 return [False] * len(wire)
-            except errors.TierstoreError:  # an error reply: the stream is in step
-                raise
-            except BaseException:
-                broken = True
-                conn.close()
-                raise
             with self._lock:
                 self._counts["reserved_chunks"] += sum(acks)
             return acks
 
-        def done() -> None:
-            self._links.put_back(conn, broken)
-
         try:
             tensors, offsets = lending.laid_out(conn.staging, items)
         except BaseException:
-            done()
+            held.put_back()
             raise
-        return lending.StagedReservation(keys, tensors, offsets, put, done)
+        return lending.StagedReservation(keys, tensors, offsets, put, held.put_back)
 
-    def _reserve_in_pool(self, conn: Link, items: list[tuple[ChunkKey, Mapping[str, torch.Tensor]]], wait: bool
+    def _reserve_in_pool(self, held: _Held, items: list[tuple[ChunkKey, Mapping[str, torch.Tensor]]], wait: bool
                          ) -> lending.PoolReservation:
-        """One ``reserve`` request for ``items`` (the first :data:`MAX_KEYS`) on ``conn``, which the reservation
-        holds until it ends."""
-        broken = False
+        """One ``reserve`` request for ``items`` (the first :data:`MAX_KEYS`) on the connection ``held``, which the
+        reservation holds until it ends."""
+        conn = held.conn
 
         def call(msg: dict[str, Any]) -> dict[str, Any] | None:
-            nonlocal broken
-            if broken:
-                return None
-            try:
-                return self._links.call(conn, msg)
-            except Unavailable:  # dropped by call: the server aborts what the connection held
-                broken = True
-                return None
-            except errors.TierstoreError:  # an error reply: the stream is in step
-                raise
-            except BaseException:
-                broken = True
-                conn.close()
-                raise
+            return held.run(lambda: self._links.call(conn, msg))
 
         def done(acks: list[bool]) -> None:
             if any(acks):
                 with self._lock:
                     self._unflushed[conn.server] = self._unflushed.get(conn.server, 0) + sum(acks)
                     self._counts["reserved_chunks"] += sum(acks)
-            self._links.put_back(conn, broken)
+            held.put_back()
 
         first = items[:MAX_KEYS]
         distinct: dict[OutSpec, int] = {}
@@ -395,8 +371,7 @@ class ServerStore:
         except ProtocolError as exc:  # a reply that breaks the protocol: closing the connection aborts it there
             log.warning("tierstore server %s: a reserve reply broke the protocol (%s): put the usual way", self.path,
                         exc)
-            broken = True
-            conn.close()
+            held.drop()
             done([])
             return nothing
         except BaseException:
@@ -576,6 +551,35 @@ class ServerStore:
 
     def __repr__(self) -> str:
         return f"<ServerStore {self.url}>"
+
+
+class _Held:
+    """A connection a reservation holds until it ends (:meth:`put_back`); broken once an exchange on it failed."""
+
+    def __init__(self, links: Links, conn: Link):
+        self.links, self.conn, self.broken = links, conn, False
+
+    def run(self, exchange: Callable[[], T]) -> T | None:
+        """``exchange()`` on the connection; ``None`` if the server cannot be reached (or could not before)."""
+        if self.broken:
+            return None
+        try:
+            return exchange()
+        except Unavailable:  # dropped by Links.call: the server gives back what the connection held
+            self.broken = True
+            return None
+        except errors.TierstoreError:  # an error reply: the stream is in step
+            raise
+        except BaseException:
+            self.drop()
+            raise
+
+    def drop(self) -> None:
+        self.broken = True
+        self.conn.close()
+
+    def put_back(self) -> None:
+        self.links.put_back(self.conn, self.broken)
 
 
 def _keyed(named: Mapping[str, Sequence[str]]) -> dict[ChunkKey, tuple[str, ...]]:
