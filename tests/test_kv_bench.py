@@ -33,7 +33,7 @@ def test_bench_kvcopy_small(tmp_path, capsys):
     out = tmp_path / "kvcopy.json"
     rc = cli.main(["bench", "kvcopy", "--tokens", "512", "--layers", "2", "--kv-heads", "2", "--head-dim", "64",
                    "--block-size", "16", "--chunk-tokens", "128", "--repeats", "1", "--threads", "1",
-                   "--workdir", str(tmp_path), "--json", str(out)])
+                   "--tiers", "host,disk,server,server-trusted", "--workdir", str(tmp_path), "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "bare_scatter" in text and "bare_gather" in text and "bare_preadv_scatter" in text
@@ -42,4 +42,5 @@ def test_bench_kvcopy_small(tmp_path, capsys):
     assert set(row["host"]) == {"load_into", "bare_scatter", "save_from", "bare_gather"}
     assert set(row["disk"]) == {"load_into", "bare_preadv_scatter"} and all(v > 0 for v in row["disk"].values())
     assert set(row["server"]) == set(row["host"]) and all(v > 0 for v in row["server"].values())
+    assert set(row["server-trusted"]) == set(row["host"]) and all(v > 0 for v in row["server-trusted"].values())
     assert "server" in text

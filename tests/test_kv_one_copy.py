@@ -81,26 +81,32 @@ def four_chunks(store):
     return KVCacheStore(store, NS, chunk_tokens=C), list(range(n)), table, caches(len(table))
 
 
+def save_failing_mid_gather(monkeypatch, kv, tokens, src, table) -> None:
+    """``kv.save_from`` with the gather of its second layer failing (the first layer's bytes already gathered
+    wherever the save gathers them): it raises the injected error; the gather is restored after."""
+    gather, calls = PagedTransfer.gather, []
+
+    def failing(self, layer, pieces, staged):
+        calls.append(layer)
+        if len(calls) == 2:
+            raise RuntimeError("injected gather failure")
+        return gather(self, layer, pieces, staged)
+
+    with monkeypatch.context() as m:
+        m.setattr(PagedTransfer, "gather", failing)
+        with pytest.raises(RuntimeError, match="injected"):
+            kv.save_from(tokens, src, "vllm", table)
+
+
 def test_a_save_that_fails_mid_gather_leaves_nothing_visible_and_the_next_save_stores_it(monkeypatch):
     with host_store() as store:
         kv, tokens, table, src = four_chunks(store)
         n = len(tokens)
         free = pool_free(store)
-        gather, calls = PagedTransfer.gather, []
-
-        def failing(self, layer, pieces, staged):
-            calls.append(layer)
-            if len(calls) == 2:  # the second layer: the first one's bytes are already in the pool
-                raise RuntimeError("injected gather failure")
-            return gather(self, layer, pieces, staged)
-
-        monkeypatch.setattr(PagedTransfer, "gather", failing)
-        with pytest.raises(RuntimeError, match="injected"):
-            kv.save_from(tokens, src, "vllm", table)
+        save_failing_mid_gather(monkeypatch, kv, tokens, src, table)
         assert kv.lookup(tokens) == 0 and all(not store.contains(k) for k in kv.keys(tokens))
         assert store.stats()["tiers"]["host"]["objects"] == 0 and pool_free(store) == free
         assert store.residency.tiers[0].reserved == 0
-        monkeypatch.setattr(PagedTransfer, "gather", gather)
         assert kv.save_from(tokens, src, "vllm", table) == n
         dst = caches(len(table), seed=None)
         assert kv.load_into(tokens, dst, "vllm", table) == n

@@ -16,12 +16,11 @@ import time
 import pytest
 import test_kv_one_copy as one_copy
 import torch
-from test_kv_one_copy import BS, LAYERS, NS, C, D, H, caches  # the in-process tests' shapes
+from test_kv_one_copy import BS, LAYERS, NS, C, D, H, caches, save_failing_mid_gather  # the in-process tests' shapes
 
 import tierstore
 from tierstore import KVCacheStore
 from tierstore.kv import gather_layers, rows, transfer
-from tierstore.kv.rows import PagedTransfer
 from tierstore.serve import connection, protocol
 from tierstore.serve.client import ServerStore
 from tierstore.serve.server import NodeServer
@@ -144,22 +143,11 @@ def test_an_aborted_or_failed_save_through_the_server_leaves_nothing_visible(nod
         assert store.lookup(keys) == 1 and all(bool((v == 8).all()) for v in store.get(keys[0]).values())
         store.delete(keys)
         store.flush()
-        gather, calls = PagedTransfer.gather, []
-
-        def failing(self, layer, pieces, staged):
-            calls.append(layer)
-            if len(calls) == 2:  # the second layer: the first one's bytes are already in the staging area
-                raise RuntimeError("injected gather failure")
-            return gather(self, layer, pieces, staged)
-
-        monkeypatch.setattr(PagedTransfer, "gather", failing)
-        with pytest.raises(RuntimeError, match="injected"):
-            kv.save_from(tokens, src, "vllm", table)
+        save_failing_mid_gather(monkeypatch, kv, tokens, src, table)
         assert kv.lookup(tokens) == 0 and store.contains_many(keys) == [False] * 4
         after = host(node)
         for what in ("objects", "used_bytes", "reserved_bytes", "pinned"):
             assert after[what] == before[what], what
-        monkeypatch.setattr(PagedTransfer, "gather", gather)
         assert kv.save_from(tokens, src, "vllm", table) == n  # the connection it held is usable again
         loads_back(kv, n, table, src)
 
@@ -188,6 +176,22 @@ kv.save_from(list(range(1000, 1000 + n)), [torch.ones(2, n // %d, %d, %d, %d) fo
 """
 
 
+def killed_mid_save(script: str, argvs: list[list[str]], while_filling=lambda: None) -> None:
+    """Run ``script`` once per argv; once every one says it is gathering into its reservation, call
+    ``while_filling``, then SIGKILL them all."""
+    procs = [subprocess.Popen([sys.executable, "-c", script, *argv], stdout=subprocess.PIPE, text=True)
+             for argv in argvs]
+    try:
+        assert [p.stdout.readline().strip() for p in procs] == ["reserved"] * len(procs)
+        while_filling()
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+        for p in procs:
+            p.wait()
+            p.stdout.close()
+
+
 def test_a_client_killed_mid_reservation_leaves_nothing_and_holds_nothing(node):
     with client(node) as store:
         kv, n, table, mine = saved(store, 4, seed=5)
@@ -195,16 +199,7 @@ def test_a_client_killed_mid_reservation_leaves_nothing_and_holds_nothing(node):
         before = host(node)
         script = KILLED_SAVER % (C, C, BS, BS, H, D, LAYERS, BS)
         url = f"unix://{node.config.socket}"
-        procs = [subprocess.Popen([sys.executable, "-c", script, url], stdout=subprocess.PIPE, text=True)
-                 for _ in range(3)]
-        try:
-            assert [p.stdout.readline().strip() for p in procs] == ["reserved"] * 3
-        finally:
-            for p in procs:
-                p.send_signal(signal.SIGKILL)
-            for p in procs:
-                p.wait()
-                p.stdout.close()
+        killed_mid_save(script, [[url]] * 3)
         settle(node, 1)
         theirs = list(range(1000, 1000 + n))
         assert kv.lookup(theirs) == 0

@@ -174,3 +174,30 @@ def test_a_frame_nested_too_deep_gets_an_error_reply_and_the_connection_goes_on(
         assert not reply["ok"] and reply["error"] == "ProtocolError"
         assert ask(sock, {"op": "ping"})["ok"]
         sock.close()
+
+
+@pytest.mark.parametrize("threads", [None, 2])
+def test_tierstore_serve_runs_its_copies_on_one_thread_unless_configured(tmp_path, threads):
+    """torch's default intra-op threads made the server's copies 4-8x slower on a busy 2-core machine: a
+    ``tierstore serve`` process uses one unless ``serve.threads`` says otherwise."""
+    from tierstore.bench.server import start_server
+
+    config = node_config(tmp_path)
+    if threads is not None:
+        config["serve"]["threads"] = threads
+    proc = start_server(config, str(tmp_path))
+    try:
+        with tierstore.open({"server": f"unix://{config['serve']['socket']}"}) as store:
+            assert store.stats()["server"]["threads"] == (threads or 1)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_serve_threads_is_a_positive_int_or_null(tmp_path):
+    from tierstore.serve.server import parse_serve
+
+    assert parse_serve({"threads": None}).threads is None and parse_serve({}).threads == 1
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(errors.ConfigError, match="serve.threads"):
+            parse_serve({"threads": bad})

@@ -237,6 +237,10 @@ def _slot_size(value: Any, key: str) -> int:
     return size
 
 
+def _shared_memory(value: Any, key: str) -> bool | str:
+    return value if value == "writable" else _bool(value, key)
+
+
 def _one_of(*allowed: Any) -> Callable[[Any, str], Any]:
     def check(value: Any, key: str) -> Any:
         if value not in allowed:
@@ -301,7 +305,7 @@ _PERMISSIONS = _one_of(*PERMISSIONS)
 TIER_OPTIONS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
     "device": {"device": _device, "capacity": _capacity},
     "host": {"capacity": _host_capacity, "pinned": _bool, "pool": _optional_bool, "slot_size": _slot_size,
-             "shared_memory": _bool},
+             "shared_memory": _shared_memory},
     "disk": {"path": _path, "capacity": _capacity, "durable": _bool, "read_only": _bool,
              "compression": _one_of(None, "none", "zstd"), "codec": _one_of("none", "zstd"),
              "io_threads": _positive_int, "permissions": _PERMISSIONS,

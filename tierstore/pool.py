@@ -30,18 +30,20 @@ Extent = tuple[int, int]  # (first slot, slot count)
 class SlotPool:
     """``capacity`` bytes as ``capacity // slot_size`` slots of one flat uint8 tensor."""
 
-    def __init__(self, capacity: int, slot_size: int = 64, pinned: bool = False, shared: bool = False):
+    def __init__(self, capacity: int, slot_size: int = 64, pinned: bool = False, shared: bool | str = False):
         if not isinstance(slot_size, int) or slot_size <= 0 or slot_size % 64:
             raise InvalidInputError(f"slot_size must be a positive multiple of 64, got {slot_size}")
         self.slot_size = slot_size
         self.nslots = capacity // slot_size
         self.pinned = pinned and torch.cuda.is_available()
-        #: with ``shared``: the sealed memfd holding the pool (what a node server hands its clients)
+        #: with ``shared``: the sealed memfd holding the pool (what a node server hands its clients); sealed
+        #: against writes but through this object's mapping, unless ``shared == "writable"``
         self.memfd: int | None = None
         if shared:
             from .serve import shm
 
-            self.memfd, self.buffer = shm.create_pool("tierstore-host-pool", self.nslots * slot_size)
+            self.memfd, self.buffer = shm.create_pool("tierstore-host-pool", self.nslots * slot_size,
+                                                      writable=shared == "writable")
             self.pinned = self.pinned and shm.register_for_dma(self.buffer, read_only=False)
         else:
             n = self.nslots * slot_size  # pinned: page-locked and mapped now; else huge pages, mapped on first use

@@ -151,13 +151,14 @@ class HostBackend(MemoryBackend):
         pinned: pin the pool (page-locked, DMA-able) when CUDA is present.
         pool: force the pool on or off (default: on from :data:`POOL_MIN` bytes).
         slot_size: the pool's allocation unit (a positive multiple of 64).
-        shared_memory: keep the pool in a sealed memfd (``pool.memfd``) that a node server hands its clients.
+        shared_memory: keep the pool in a sealed memfd (``pool.memfd``) that a node server hands its clients
+            (sealed against writes but the server's; ``"writable"``: not, for a server with trusted writers).
     """
 
     kind = "host"
 
     def __init__(self, name: str | None = None, capacity: int | None = None, pinned: bool = True,
-                 pool: bool | None = None, slot_size: int = 64, shared_memory: bool = False):
+                 pool: bool | None = None, slot_size: int = 64, shared_memory: bool | str = False):
         opts = check_tier_options("host", {"capacity": capacity, "pinned": pinned, "pool": pool,
                                            "slot_size": slot_size, "shared_memory": shared_memory},
                                   where=f"host tier {name or self.kind!r}")

@@ -14,7 +14,9 @@ layers, 8 KV heads × 128), chunks of 256 tokens, a block table in random order.
 * node server — the host-tier pair again through a ``tierstore serve`` process on this host (its host pool mapped
   read-only here, ``tierstore.serve.lending``): ``load_into`` scatters straight from the server's pool,
   ``save_from`` gathers into the connection's staging area and the server copies it into its pool. The server
-  runs with ``--threads`` intra-op threads too (more, on a busy machine, spin against each other).
+  runs with ``--threads`` intra-op threads too (more, on a busy machine, spin against each other);
+* node server with trusted writers (``server-trusted``: ``serve.trusted_writers``) — the same, but its pool is
+  mapped writable here and ``save_from`` gathers straight into pool runs the server reserved: one copy.
 
 The bare copies are the physical limit of what a store could do here: the same bytes, the same blocks, no
 store in between. Memory: the caches, the store's copy and one bare buffer, each ``tokens × 128 KiB`` at the
@@ -46,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5, help="alternating repeats per variant (median)")
-    p.add_argument("--tiers", default="host,disk,server", help="comma list of host, disk, server")
+    p.add_argument("--tiers", default="host,disk,server", help="comma list of host, disk, server, server-trusted")
     p.add_argument("--workdir", default=None, help="where the disk tier lives (default: a temp dir)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -147,17 +149,18 @@ def _timed_pair(kv, shape: Shape, args: argparse.Namespace, bare: torch.Tensor, 
                      args.repeats, setups={"save_from": delete})
 
 
-def node_server(shape: Shape, args: argparse.Namespace, bare: torch.Tensor, root: Path) -> dict[str, float]:
+def node_server(shape: Shape, args: argparse.Namespace, bare: torch.Tensor, root: Path, trusted: bool = False
+                ) -> dict[str, float]:
     import tierstore
 
     from .server import start_server
 
     capacity = shape.bytes + shape.bytes // 8 + (64 << 20)
-    work = root / f"server-{shape.tokens}"
+    work = root / f"server-{shape.tokens}{'-trusted' if trusted else ''}"
     work.mkdir()
     sock = work / "run" / "ts.sock"
     proc = start_server({"tiers": [{"kind": "host", "capacity": capacity, "pinned": False}],
-                         "serve": {"socket": str(sock)}}, str(work), threads=args.threads)
+                         "serve": {"socket": str(sock), "trusted_writers": trusted}}, str(work), threads=args.threads)
     try:
         with tierstore.open({"server": f"unix://{sock}"}) as store:
             kv = tierstore.KVCacheStore(store, _namespace(shape))
@@ -228,13 +231,15 @@ def run(args: argparse.Namespace) -> int:
         for tokens in (int(t) for t in args.tokens.split(",")):
             shape = Shape(args, tokens)
             row: dict[str, object] = {"tokens": tokens, "bytes": shape.bytes}
-            if "host" in tiers or "server" in tiers:
+            if {"host", "server", "server-trusted"} & set(tiers):
                 bare = torch.empty(shape.bytes, dtype=torch.uint8)
                 bare.fill_(1)  # touched: the bare copies never page-fault
                 if "host" in tiers:
                     row["host"] = host_tier(shape, args, bare)
                 if "server" in tiers:
                     row["server"] = node_server(shape, args, bare, Path(tmp))
+                if "server-trusted" in tiers:
+                    row["server-trusted"] = node_server(shape, args, bare, Path(tmp), trusted=True)
                 del bare
                 gc.collect()
             if "disk" in tiers:
@@ -250,11 +255,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def table(results: list[dict]) -> str:
-    lines = [f"{'tokens':>7} {'MiB':>6}  {'tier':6} {'ours':11} {'s':>8} {'GB/s':>6}  {'bare':20} {'s':>8} "
+    lines = [f"{'tokens':>7} {'MiB':>6}  {'tier':14} {'ours':11} {'s':>8} {'GB/s':>6}  {'bare':20} {'s':>8} "
              f"{'GB/s':>6}  {'ratio':>6}"]
     pairs = [("host", "load_into", "bare_scatter"), ("host", "save_from", "bare_gather"),
              ("disk", "load_into", "bare_preadv_scatter"), ("server", "load_into", "bare_scatter"),
-             ("server", "save_from", "bare_gather")]
+             ("server", "save_from", "bare_gather"), ("server-trusted", "load_into", "bare_scatter"),
+             ("server-trusted", "save_from", "bare_gather")]
     for r in results:
         n = r["bytes"]
         for tier, ours, bare in pairs:
@@ -262,6 +268,6 @@ def table(results: list[dict]) -> str:
             if not t:
                 continue
             a, b = t[ours], t[bare]
-            lines.append(f"{r['tokens']:>7} {n / 2**20:>6.0f}  {tier:6} {ours:11} {a:>8.4f} {n / a / 1e9:>6.2f}  "
+            lines.append(f"{r['tokens']:>7} {n / 2**20:>6.0f}  {tier:14} {ours:11} {a:>8.4f} {n / a / 1e9:>6.2f}  "
                          f"{bare:20} {b:>8.4f} {n / b / 1e9:>6.2f}  {b / a:>5.2f}x")
     return "\n".join(lines)

@@ -72,6 +72,8 @@ def _put(stores: Any, items: list[tuple[Any, dict[str, torch.Tensor]]]) -> None:
 def start_server(config: dict[str, Any], workdir: str, threads: int | None = None) -> subprocess.Popen[str]:
     """``tierstore serve`` as its own process; ``threads``: its torch intra-op threads (default: torch's)."""
     path = os.path.join(workdir, "node.json")
+    if threads:
+        config = {**config, "serve": {**config.get("serve", {}), "threads": threads}}
     with open(path, "w") as f:
         json.dump(config, f)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)} if threads else None

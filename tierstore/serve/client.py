@@ -15,7 +15,8 @@ server that restarted (a new server id in its hello) cannot keep it for the puts
 Before it sends anything a client checks whom it talks to: the socket's directory must belong to a trusted
 account and be writable by no other, the process listening must run as a trusted account (``SO_PEERCRED``:
 the client's own user, root, or ``server_uid``), and both regions it is handed must be sealed memfds (the pool
-sealed against writes). Anything else is a server that cannot be reached (calls are misses, with a warning).
+sealed against writes, unless the server says it trusts its clients' writes: ``serve.trusted_writers``).
+Anything else is a server that cannot be reached (calls are misses, with a warning).
 A client used in a process forked after it opened raises :class:`~tierstore.ForkedError` on every call (the
 child opens its own).
 """
@@ -27,10 +28,10 @@ import logging
 import os
 import pwd
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -58,6 +59,7 @@ from .protocol import (
 from .server import socket_path_of
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: seconds a request may take before the server counts as unreachable (flush and prefetch take their own)
 TIMEOUT = 5.0
@@ -304,51 +306,86 @@ class ServerStore:
             self._counts["lent_chunks"] += sum(t is not None for t in loan.tensors)
         return loan
 
-    def reserve(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]) -> lending.StagedReservation:
-        """As :meth:`TieredStore.reserve`, in a connection's staging area (the server's pool takes no client's
-        writes): views to fill per ``(key, like)``, as many as the area holds (``None`` for the rest, and for
-        every key while the server cannot be reached); the commit is one put request. Holds a connection until
-        it is committed or aborted."""
+    def reserve(self, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]], *, wait: bool = True
+                ) -> lending.PoolReservation | lending.StagedReservation:
+        """As :meth:`TieredStore.reserve`: views to fill per ``(key, like)`` (``None`` for keys not reserved, and
+        for every key while the server cannot be reached); holds a connection until it is committed or aborted.
+        From a server with trusted writers, runs of its pool (one copy: :class:`~.lending.PoolReservation`, at
+        most :data:`MAX_KEYS` keys); from any other, the connection's staging area (the pool takes no client's
+        writes), as many as it holds, committed with one put request (``wait`` then does not apply)."""
         items = [(check_key(k), like) for k, like in items]
         keys = [k for k, _ in items]
         try:
             conn = self._links.take()
         except Unavailable:
             return lending.StagedReservation(keys, [None] * len(keys), [None] * len(keys))
-        broken = False
+        held = _Held(self._links, conn)
+        if conn.writable:
+            return self._reserve_in_pool(held, items, wait)
 
         def put(wire: list[lending.Wire]) -> list[bool]:
-            nonlocal broken
-            try:
-                acks = self._put_staged(conn, wire)
-            except Unavailable:  # dropped by _call
-                broken = True
+            acks = held.run(lambda: self._put_staged(conn, wire))
+            if acks is None:
                 return [False] * len(wire)
-            except errors.TierstoreError:  # an error reply: the stream is in step
-                raise
-            except BaseException:
-                broken = True
-                conn.close()
-                raise
             with self._lock:
                 self._counts["reserved_chunks"] += sum(acks)
             return acks
 
-        def done() -> None:
-            self._links.put_back(conn, broken)
-
         try:
             tensors, offsets = lending.laid_out(conn.staging, items)
         except BaseException:
-            done()
+            held.put_back()
             raise
-        return lending.StagedReservation(keys, tensors, offsets, put, done)
+        return lending.StagedReservation(keys, tensors, offsets, put, held.put_back)
+
+    def _reserve_in_pool(self, held: _Held, items: list[tuple[ChunkKey, Mapping[str, torch.Tensor]]], wait: bool
+                         ) -> lending.PoolReservation:
+        """One ``reserve`` request for ``items`` (the first :data:`MAX_KEYS`) on the connection ``held``, which the
+        reservation holds until it ends."""
+        conn = held.conn
+
+        def call(msg: dict[str, Any]) -> dict[str, Any] | None:
+            return held.run(lambda: self._links.call(conn, msg))
+
+        def done(acks: list[bool]) -> None:
+            if any(acks):
+                with self._lock:
+                    self._unflushed[conn.server] = self._unflushed.get(conn.server, 0) + sum(acks)
+                    self._counts["reserved_chunks"] += sum(acks)
+            held.put_back()
+
+        first = items[:MAX_KEYS]
+        distinct: dict[OutSpec, int] = {}
+        outs = [distinct.setdefault(tuple((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in like.items()),
+                                    len(distinct)) for _, like in first]
+        nothing = lending.PoolReservation([None] * len(items), None)
+        try:
+            lending.check_likes(first)
+            reply = call({"op": "reserve", "keys": hexes([k for k, _ in first]), "outs": outs, "wait": bool(wait),
+                          "specs": [[[n, d, list(shape)] for n, d, shape in one] for one in distinct]})
+            if reply is None:
+                done([])
+                return nothing
+            rid = reply.get("id")
+            tensors = lending.reserved(conn.pool, first, reply.get("items"))
+        except ProtocolError as exc:  # a reply that breaks the protocol: closing the connection aborts it there
+            log.warning("tierstore server %s: a reserve reply broke the protocol (%s): put the usual way", self.path,
+                        exc)
+            held.drop()
+            done([])
+            return nothing
+        except BaseException:
+            done([])
+            raise
+        tensors += [None] * (len(items) - len(first))
+        return lending.PoolReservation(tensors, rid if type(rid) is int else None, len(first), call, done)
 
     @property
     def reserve_limit(self) -> int | None:
-        """Bytes one :meth:`reserve` can hold (the server's staging area per connection); ``None`` before the
-        server was first reached."""
-        return self._links.staging_bytes or None
+        """Bytes one :meth:`reserve` should hold: the server's staging area per connection, or a quarter of the pool
+        of a server with trusted writers (a larger one could not take room from its own chunks); ``None`` before
+        the server was first reached."""
+        return self._links.reserve_bytes or None
 
     # ------------------------------------------------------------------ questions
     def _ask(self, msg: dict[str, Any], field: str, miss: Any, timeout: float | None = None) -> Any:
@@ -514,6 +551,35 @@ class ServerStore:
 
     def __repr__(self) -> str:
         return f"<ServerStore {self.url}>"
+
+
+class _Held:
+    """A connection a reservation holds until it ends (:meth:`put_back`); broken once an exchange on it failed."""
+
+    def __init__(self, links: Links, conn: Link):
+        self.links, self.conn, self.broken = links, conn, False
+
+    def run(self, exchange: Callable[[], T]) -> T | None:
+        """``exchange()`` on the connection; ``None`` if the server cannot be reached (or could not before)."""
+        if self.broken:
+            return None
+        try:
+            return exchange()
+        except Unavailable:  # dropped by Links.call: the server gives back what the connection held
+            self.broken = True
+            return None
+        except errors.TierstoreError:  # an error reply: the stream is in step
+            raise
+        except BaseException:
+            self.drop()
+            raise
+
+    def drop(self) -> None:
+        self.broken = True
+        self.conn.close()
+
+    def put_back(self) -> None:
+        self.links.put_back(self.conn, self.broken)
 
 
 def _keyed(named: Mapping[str, Sequence[str]]) -> dict[ChunkKey, tuple[str, ...]]:

@@ -17,6 +17,10 @@ def run(args: argparse.Namespace) -> int:
     from .server import NodeServer
 
     server = NodeServer(args.config, args.socket)
+    if server.config.threads is not None:  # this process is the server's own (an embedded NodeServer leaves it)
+        import torch
+
+        torch.set_num_threads(server.config.threads)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:

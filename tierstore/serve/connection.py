@@ -38,6 +38,7 @@ from .protocol import (
 from .protocol import (
     field as get_field,
 )
+from .reserving import Reservations
 
 if TYPE_CHECKING:
     from .server import NodeServer
@@ -72,6 +73,11 @@ class Connection:
             "prefetch": self._prefetch, "pin": self._pin, "unpin": self._unpin, "delete": self._delete,
             "evict": self._evict, "flush": self._flush, "stats": self._stats, "ping": lambda msg: {},
         }
+        self.reservations = Reservations(self.store.reserve, server.pool.offset_of)
+        #: what this connection offers beyond protocol 2's first form (:mod:`.protocol`)
+        self.features = FEATURES + (("reserve",) if server.config.trusted_writers else ())
+        if server.config.trusted_writers:  # puts filled straight into the pool (.reserving)
+            self._handlers.update(reserve=self._reserve, commit=self._commit, abort=self._abort)
 
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
@@ -113,7 +119,7 @@ class Connection:
         self._staging_fd = shm.create(f"tierstore-staging-{self.peer.pid}", size)
         self.staging = shm.map_bytes(self._staging_fd, size)
         store = self.store
-        reply = {"ok": True, "version": VERSION, "features": FEATURES, "server": self.server.id,
+        reply = {"ok": True, "version": VERSION, "features": self.features, "server": self.server.id,
                  "pool": self.server.pool.capacity,
                  "staging": size, "tiers": [{"name": lv.name, "kind": lv.kind, "shared": lv.shared}
                                             for lv in store.tiers]}
@@ -175,6 +181,7 @@ class Connection:
             leases, self._leases = list(self._leases.values()), {}
         for lease in leases:
             lease.loan.close()
+        self.reservations.expire()  # a client gone mid-fill: nothing of it is published
         self.server._gone(self)
         self.sock.close()
         if self._staging_fd >= 0:
@@ -186,17 +193,20 @@ class Connection:
             self.server.counts[what] += 1
 
     # ------------------------------------------------------------------ leases
-    def expire(self, before: float) -> int:
+    def expire(self, before: float) -> tuple[int, int]:
+        """Take back leases and reservations made before ``before``; how many of each."""
         with self._lock:
             old = [lid for lid, lease in self._leases.items() if lease.since < before]
             gone = [self._leases.pop(lid) for lid in old]
         for lease in gone:
             lease.loan.close()
-        return len(gone)
+        return len(gone), self.reservations.expire(before)
 
-    def lease_stats(self) -> tuple[int, int]:
+    def held_stats(self) -> tuple[int, int, int, int]:
+        """Leases and their bytes, reservations and theirs."""
         with self._lock:
-            return len(self._leases), sum(lease.nbytes for lease in self._leases.values())
+            leases = len(self._leases), sum(lease.nbytes for lease in self._leases.values())
+        return (*leases, *self.reservations.stats())
 
     def _settle(self, leases: Any, touched: Any) -> None:
         """Give back ``leases`` (ids) and count ``touched`` (keys as on the wire: chunks the client read straight
@@ -321,6 +331,23 @@ class Connection:
             (key,) = keys_field({"op": "put", "keys": entry.get("k")})
             items.append((key, views(self.staging, parse_spec(entry.get("t"), size))))
         return {"acks": self.store.put_many(items)}
+
+    def _reserve(self, msg: dict[str, Any]) -> dict[str, Any]:
+        keys = keys_field(msg)
+        wants = _wanted(msg, len(keys))
+        if wants is None:
+            raise ProtocolError("reserve: specs and outs name each key's tensors")
+        return self.reservations.open(keys, wants, bool(get_field(msg, "wait", bool, True)))
+
+    def _commit(self, msg: dict[str, Any]) -> dict[str, Any]:
+        which = get_field(msg, "which", list, None)
+        if which is not None and not all(isinstance(w, bool) for w in which):
+            raise ProtocolError("commit: which is a list of booleans")
+        return {"acks": self.reservations.commit(get_field(msg, "id", int), which)}
+
+    def _abort(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self.reservations.abort(get_field(msg, "id", int))
+        return {}
 
     # ------------------------------------------------------------------ control
     def _contains(self, msg: dict[str, Any]) -> dict[str, Any]:

@@ -10,8 +10,12 @@ memory may then be reused while the copy runs, so after the copy each chunk's *s
 (:mod:`.places`): a chunk whose stamp changed is reported by :meth:`ServerLoan.changed` and the load treats it
 as a miss (its blocks are recomputed, never used with another value's bytes).
 
-**A save** cannot write into the pool: it is sealed against every client's writes, so that no client can touch
-data others read (:mod:`.shm`). A reservation is therefore made in the connection's staging area instead: the
+**A save** to a server with ``trusted_writers`` (:class:`PoolReservation`) gathers the blocks straight into pool
+runs the server reserved for the keys (:mod:`.reserving`) and commits them with one request: one copy, nothing
+visible to readers before the commit, everything given back on an abort, an error or this process dying.
+
+**A save to any other server** cannot write into the pool: it is sealed against every client's writes, so that
+no client can touch data others read (:mod:`.shm`). A reservation is made in the connection's staging area: the
 blocks are gathered straight into it, and the commit is one ``put`` request naming where they lie — the server
 copies them into its pool. Two copies, not three (no buffer of this process's in between). Until the commit the
 server has seen nothing: an abort, an error or this process dying leaves no trace there and holds nothing.
@@ -124,6 +128,84 @@ class StagedReservation:
 
     def __exit__(self, *exc: object) -> None:
         self.abort()
+
+
+class PoolReservation:
+    """What :meth:`ServerStore.reserve <.client.ServerStore.reserve>` reserved in the pool of a server with trusted
+    writers: per key views of the pool (mapped writable here) to fill, or ``None``. Commit or abort exactly once
+    (a context manager aborts); ``call`` sends a request on the connection the reservation holds and answers
+    its reply, or ``None`` if the server cannot be reached."""
+
+    def __init__(self, tensors: list[dict[str, torch.Tensor] | None], rid: int | None, sent: int = 0,
+                 call: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
+                 done: Callable[[list[bool]], None] | None = None):
+        self.tensors, self._id, self._sent = tensors, rid, sent  # the server knows the first ``sent`` keys
+        self._call, self._done = call, done
+
+    def commit(self, which: Sequence[bool] | None = None) -> list[bool]:
+        """Publish the reserved chunks (``which[i]`` true, default all; the rest are given back); per key whether
+        the server stored it (none if the server took the reservation back: it outlived ``lease_ttl``)."""
+        ok = [False] * len(self.tensors)
+        call, self._call = self._call, None
+        try:
+            if call is not None and self._id is not None:
+                chosen = [t is not None and (which is None or bool(which[i]))
+                          for i, t in enumerate(self.tensors[:self._sent])]
+                reply = call({"op": "commit", "id": self._id, "which": chosen})
+                acks = reply.get("acks") if reply is not None else None
+                if isinstance(acks, list) and len(acks) == self._sent:
+                    ok[:self._sent] = [bool(a) for a in acks]
+        finally:
+            self._finish(ok)
+        return ok
+
+    def abort(self) -> None:
+        """Give every run back; nothing of it was published."""
+        call, self._call = self._call, None
+        try:
+            if call is not None and self._id is not None:
+                call({"op": "abort", "id": self._id})
+        finally:
+            self._finish([])
+
+    def _finish(self, acks: list[bool]) -> None:
+        done, self._done = self._done, None
+        if done is not None:
+            done(acks)
+
+    def __enter__(self) -> PoolReservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+
+def reserved(pool: torch.Tensor, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]], offsets: Any
+             ) -> list[dict[str, torch.Tensor] | None]:
+    """Per key the views of ``pool`` a ``reserve`` reply's ``offsets`` name for ``items``' tensors (``None`` where
+    it reserved nothing). A reply that breaks the protocol raises :class:`~.protocol.ProtocolError`."""
+    if not isinstance(offsets, list) or len(offsets) != len(items):
+        raise ProtocolError("reserve: one item per key")
+    out: list[dict[str, torch.Tensor] | None] = []
+    for (_, like), where in zip(items, offsets, strict=True):
+        if where is None:
+            out.append(None)
+            continue
+        if not isinstance(where, list) or len(where) != len(like):
+            raise ProtocolError("reserve: an item is one offset per tensor")
+        out.append(views(pool, parse_spec([[n, dtype_name(t.dtype), list(t.shape), off]
+                                           for (n, t), off in zip(like.items(), where, strict=True)], pool.numel())))
+    return out
+
+
+def check_likes(items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]) -> None:
+    """Raise :class:`~tierstore.InvalidInputError` for a ``like`` that is no chunk (no tensors, an empty or repeated
+    name, an unknown dtype)."""
+    for key, like in items:
+        try:
+            parse_spec([[n, dtype_name(t.dtype), list(t.shape), 0] for n, t in like.items()], 1 << 62)
+        except ProtocolError as exc:
+            raise InvalidInputError(f"reserve {key.hex()[:16]}: {exc}") from None
 
 
 def laid_out(staging: torch.Tensor, items: Sequence[tuple[ChunkKey, Mapping[str, torch.Tensor]]]

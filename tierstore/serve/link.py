@@ -1,7 +1,7 @@
 """One socket from a client to its node server (:mod:`.client`), with its mappings of the server's pool
-(read-only) and of the connection's staging area, and the checks made before a byte is sent (see
-:mod:`.client`'s docstring): the socket's directory and listener belong to a trusted account, and both regions
-are sealed memfds."""
+(read-only; read-write from a server with trusted writers) and of the connection's staging area, and the checks
+made before a byte is sent (see :mod:`.client`'s docstring): the socket's directory and listener belong to a
+trusted account, and both regions are sealed memfds."""
 
 from __future__ import annotations
 
@@ -64,17 +64,20 @@ class Link:
                 raise ProtocolError(f"server refused the connection: {hello.get('message')}")
             if len(fds) != 2:
                 raise ProtocolError("server sent no shared memory")
-            shm.check_sealed(fds[0], int(hello["pool"]), shm.POOL_SEALS)  # no SIGBUS, and nobody writes it
-            shm.check_sealed(fds[1], int(hello["staging"]))
             self.server: str = hello["server"]
             #: what this server does beyond protocol :data:`VERSION`'s first form (see :mod:`.protocol`)
             self.features = frozenset(f for f in hello.get("features", ()) if isinstance(f, str))
+            #: the server has trusted writers: its pool is writable, by this client too (:mod:`.reserving`)
+            self.writable = "reserve" in self.features
+            # no SIGBUS; and unless the server said it trusts its clients' writes, nobody writes the pool
+            shm.check_sealed(fds[0], int(hello["pool"]), shm.SEALS if self.writable else shm.POOL_SEALS)
+            shm.check_sealed(fds[1], int(hello["staging"]))
             self.tiers = tuple(TierInfo(i, t["name"], t["kind"], bool(t["shared"]))
                                for i, t in enumerate(hello["tiers"]))
             pool = pools.get(self.server)  # one mapping of a server's pool per process
             if pool is None:
-                pool = pools[self.server] = shm.map_bytes(fds[0], int(hello["pool"]), writable=False)
-                shm.register_for_dma(pool, read_only=True)  # copies to a GPU are then DMA
+                pool = pools[self.server] = shm.map_bytes(fds[0], int(hello["pool"]), writable=self.writable)
+                shm.register_for_dma(pool, read_only=not self.writable)  # copies to and from a GPU are then DMA
             self.pool: torch.Tensor = pool
             self.words = pool.view(torch.int64)  # the chunks' stamp words (tierstore.serve.places)
             self.staging = shm.map_bytes(fds[1], int(hello["staging"]))

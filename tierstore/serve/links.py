@@ -41,6 +41,9 @@ class Links:
         #: the server's tiers and the bytes of a connection's staging area, as the last hello gave them
         self.tiers: tuple[TierInfo, ...] = ()
         self.staging_bytes = 0
+        #: bytes one reservation holds: the staging area, or a quarter of the pool of a server that reserves puts in
+        #: it (trusted writers, :mod:`.reserving`: a save larger than that goes in several, each evicting older ones)
+        self.reserve_bytes = 0
         #: per server id, its pool mapped here (one mapping per process)
         self.pools: dict[str, torch.Tensor] = {}
         self.counts = {"unavailable": 0, "reconnects": 0, "untrusted": 0}
@@ -69,6 +72,7 @@ class Links:
         with self._lock:
             self.tiers = conn.tiers
             self.staging_bytes = conn.staging.numel()
+            self.reserve_bytes = conn.pool.numel() // 4 if conn.writable else conn.staging.numel()
             self.counts["reconnects"] += 1
             for gone in [sid for sid in self.pools if sid != conn.server]:
                 # a restarted server's old pool: unmapped once the last view of it goes

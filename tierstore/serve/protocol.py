@@ -11,6 +11,8 @@ Requests added after protocol 2's first form are named in the hello reply's ``fe
 client asks a server for one only if it lists it, and does without it otherwise (a server from before it has
 no list), so clients and servers of either age work together. ``lend``: the pool's chunks alone, leased, with
 their stamps and tensor lists — nothing read from a lower tier (a KV load scatters straight from the pool).
+``reserve`` (with ``commit`` and ``abort``), only from a server with ``trusted_writers``: pool runs reserved for
+a put that the client fills itself (:mod:`.reserving`); such a server hands out its pool read-write.
 """
 
 from __future__ import annotations

@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..config import read_config
 from ..errors import ConfigError
 from ..sizes import parse_seconds, parse_size
@@ -61,6 +63,12 @@ class ServeConfig:
     send_timeout: float = 5.0
     #: seconds a new connection has to say hello before its slot is given back
     hello_timeout: float = 5.0
+    #: clients map the pool writable and fill puts reserved in it (one copy); any client can then write any
+    #: chunk in the pool (docs/serve.md, "Trusted writers")
+    trusted_writers: bool = False
+    #: torch intra-op threads of a ``tierstore serve`` process (its copies are memory-bound: more threads only
+    #: spin against the engines on a busy machine); ``None``: torch's default
+    threads: int | None = 1
 
 
 def parse_serve(value: Any) -> ServeConfig:
@@ -84,9 +92,15 @@ def parse_serve(value: Any) -> ServeConfig:
             out[key] = frozenset(v)
         elif key == "staging":
             out[key] = parse_size(v, key="serve.staging")
-        elif key == "max_clients":
+        elif key == "trusted_writers":
+            if not isinstance(v, bool):
+                raise ConfigError("serve.trusted_writers: expected true or false")
+            out[key] = v
+        elif key == "threads" and v is None:
+            out[key] = None
+        elif key in ("max_clients", "threads"):
             if type(v) is not int or v < 1:
-                raise ConfigError("serve.max_clients: expected a positive int")
+                raise ConfigError(f"serve.{key}: expected a positive int")
             out[key] = v
         else:
             out[key] = parse_seconds(v, key=f"serve.{key}")
@@ -114,14 +128,16 @@ class NodeServer:
         if not isinstance(tiers, list) or not tiers or not isinstance(tiers[0], Mapping) \
                 or tiers[0].get("kind") != "host":
             raise ConfigError("tiers[0]: a node server's first tier is its host tier (kind: host, capacity: ...)")
-        raw["tiers"] = [{**tiers[0], "shared_memory": True, "pool": True}, *tiers[1:]]
+        shared = "writable" if self.config.trusted_writers else True
+        raw["tiers"] = [{**tiers[0], "shared_memory": shared, "pool": True}, *tiers[1:]]
         self.store: TieredStore = open_store(raw)
         try:
             pool = self.store.tiers[0].backend.pool  # type: ignore[attr-defined]
             if pool is None or pool.memfd is None:
                 raise ConfigError("tiers[0]: the host tier needs a capacity (its pool is what clients read)")
             self.pool = pool
-            self._pool_fd = shm.read_only(pool.memfd)
+            #: what clients get: the pool read-only, or read-write for trusted writers
+            self._pool_fd = os.dup(pool.memfd) if self.config.trusted_writers else shm.read_only(pool.memfd)
             self.listener = access.bind(self.config.socket, self.config.allow_uids, self.config.allow_gids)
         except BaseException:
             self.store.close()
@@ -131,7 +147,7 @@ class NodeServer:
         self._clients: set[Connection] = set()
         self._pins: dict[int, tuple[Connection, Pin]] = {}
         self.counts = {"connections": 0, "refused": 0, "protocol_errors": 0, "expired_leases": 0, "dropped": 0,
-                       "accept_errors": 0}
+                       "accept_errors": 0, "expired_reservations": 0}
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -233,20 +249,24 @@ class NodeServer:
         while not self._closing.wait(min(1.0, self.config.lease_ttl / 4)):
             with self._lock:
                 clients = list(self._clients)
-            expired = sum(c.expire(time.monotonic() - self.config.lease_ttl) for c in clients)
-            if expired:
-                log.warning("took back %d leases older than %.0f s", expired, self.config.lease_ttl)
-                with self._lock:
-                    self.counts["expired_leases"] += expired
+            before = time.monotonic() - self.config.lease_ttl
+            expired = [c.expire(before) for c in clients]
+            for what, n in (("leases", sum(e[0] for e in expired)), ("reservations", sum(e[1] for e in expired))):
+                if n:
+                    log.warning("took back %d %s older than %.0f s", n, what, self.config.lease_ttl)
+                    with self._lock:
+                        self.counts[f"expired_{what}"] += n
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             clients = list(self._clients)
             pins = len(self._pins)
             counts = dict(self.counts)
-        leases = [c.lease_stats() for c in clients]
-        return {"id": self.id, "clients": len(clients), "pins": pins, "leases": sum(n for n, _ in leases),
-                "leased_bytes": sum(b for _, b in leases), **counts}
+        held = [c.held_stats() for c in clients]
+        return {"id": self.id, "clients": len(clients), "pins": pins, "leases": sum(h[0] for h in held),
+                "leased_bytes": sum(h[1] for h in held), "trusted_writers": self.config.trusted_writers,
+                "threads": torch.get_num_threads(),
+                "reservations": sum(h[2] for h in held), "reserved_bytes": sum(h[3] for h in held), **counts}
 
     def pin(self, conn: Connection, pin: Pin) -> int:
         """Hold ``pin`` for ``conn``; its id (random: another client cannot guess it)."""

@@ -8,6 +8,10 @@ mapping, and no descriptor of the pool — the read-only one clients get, one re
 ``/proc/self/fd`` with ``O_RDWR`` (its inode is also mode 0400), root's — can be written, mapped writable
 (``mprotect`` included), punched or truncated. A client can read chunks out of it but never write into anyone's
 data. Clients check these seals (:func:`check_sealed`) before they map a region.
+
+A server with ``trusted_writers`` (docs/serve.md) makes its pool *writable*: sealed against shrinking and growing
+only, mode 0600, handed to its clients read-write, so that a client can gather a save straight into pool runs the
+server reserved for it (:mod:`.lending`). Any client of such a server can then write any chunk in the pool.
 """
 
 from __future__ import annotations
@@ -43,15 +47,16 @@ def create(name: str, size: int) -> int:
     return fd
 
 
-def create_pool(name: str, size: int) -> tuple[int, torch.Tensor]:
+def create_pool(name: str, size: int, writable: bool = False) -> tuple[int, torch.Tensor]:
     """A new memfd of ``size`` bytes and the one writable mapping of it there will ever be (the caller's);
-    sealed with :data:`POOL_SEALS` after that mapping is made."""
+    sealed with :data:`POOL_SEALS` after that mapping is made. ``writable`` (a server with trusted writers):
+    sealed with :data:`SEALS` only, mode 0600 — other processes given its descriptor may map it writable."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
         buffer = map_bytes(fd, size)
-        os.fchmod(fd, 0o400)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, POOL_SEALS)
+        os.fchmod(fd, 0o600 if writable else 0o400)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS if writable else POOL_SEALS)
     except BaseException:
         os.close(fd)
         raise
