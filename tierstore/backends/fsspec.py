@@ -29,6 +29,10 @@ Rules this tier keeps:
   endpoint makes the tier fail fast for a back-off (:mod:`.guarded`); ``close()``
   waits for in-flight requests at most ``timeout``. Local paths (``file://``) block as the mount does:
   use NFS ``soft`` mounts with ``timeo``.
+* **A mount reads like the disk tier.** ``get_many(out=)`` reads an object straight into the caller's CPU
+  tensors and verifies its checksum over the bytes there (no buffer of its own, no second copy); chunks of
+  :data:`DIRECT_MIN` bytes or more are written with their payload on a 4 KiB block, so block-aligned memory is
+  written and read with ``O_DIRECT`` (:mod:`.direct_io`), without the page cache's copy.
 * **No capacity.** The prefix is shared, so a per-process LRU over it would delete other writers' fresh
   objects. Nothing evicts here; :meth:`FsspecBackend.collect_garbage`
   (``tierstore gc --max-size / --older-than``, :mod:`.prefix_gc`) keeps the prefix within a budget for
@@ -742,15 +746,16 @@ class FsspecBackend(Backend):
         verified over the bytes in ``out``); an object or ``out`` that cannot be read so is read, verified and
         copied as on any other filesystem. Raises as :meth:`_read_verified` (``out`` then holds unspecified bytes)."""
         key, out = item
+        path = self._path(key)
         try:
-            fd, st = objfile.open_object(self._path(key))
+            fd, st = objfile.open_object(path)
         except FileNotFoundError:
             return None
         except CorruptObjectError:
             self._mark_damaged(key, True)
             raise
         try:
-            plan = file_reads.read_verified_into(fd, st, self._path(key), key, out, unsealed=True)
+            plan = file_reads.read_verified_into(fd, st, path, key, out, unsealed=True)
         except CorruptObjectError:
             self._mark_damaged(key, True)
             raise
