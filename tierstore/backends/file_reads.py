@@ -3,7 +3,9 @@
 **Careful read** (first read of a key, and whenever anything looks different): ``open``
 (``O_NOFOLLOW``), ``fstat`` (a regular file of exactly the size its header states), header parsed and
 validated, then one pass of ``readv`` calls that land the prefix and header in a small scratch buffer
-and the payload directly in the caller's tensors, hashing each ~256 KiB step while it is still in cache.
+and the payload directly in the caller's tensors, hashing each ~256 KiB step while it is still in cache (an object
+whose payload starts on a 4 KiB block, read into block-aligned tensors, is read with ``O_DIRECT`` instead and
+hashed in place: :func:`read_verified_into`, which a ``remote`` tier on a mount uses too).
 
 **Planned read.** Once an object's checksum passed, its read plan is remembered (bounded): path, exact
 prefix-and-header bytes, size and tensor layout. A later read of that key opens the file and reads it
@@ -222,10 +224,11 @@ class Plan:
 def read_verified_into(fd: int, st: os.stat_result, path: str, key: ChunkKey, out: Mapping[str, torch.Tensor],
                        unsealed: bool = False) -> Plan | None:
     """The careful read (see the module doc) of the open object ``fd`` at ``path``: its payload straight into the
-    contiguous CPU tensors of ``out`` (no other buffer), hashed as it arrives; the object's plan once header, size
-    and checksum passed. ``None``, with ``out`` untouched or holding unspecified bytes, when it cannot be read so:
-    compressed, sealed (with ``unsealed``), an ``out`` that does not fit its header, or a file that changed between
-    the header read and the payload's; the caller then reads it another way, which decides.
+    contiguous CPU tensors of ``out`` (no other buffer), hashed as it arrives, or with ``O_DIRECT`` and hashed once
+    in ``out`` where the payload starts on a block and ``out`` is block-aligned (:mod:`.direct_io`); the object's
+    plan once header, size and checksum passed. ``None``, with ``out`` untouched or holding unspecified bytes, when
+    it cannot be read so: compressed, sealed (with ``unsealed``), an ``out`` that does not fit its header, or a file
+    that changed between the header read and the payload's; the caller then reads it another way, which decides.
 
     Raises:
         CorruptObjectError: damaged (header, size, checksum); ``out`` then holds unspecified bytes.
