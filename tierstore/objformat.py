@@ -5,7 +5,8 @@ Layout (all integers little-endian)::
     offset  size  field
     0       8     magic  b"TIERSTOR"
     8       4     format version (1)
-    12      4     header length H (JSON, space-padded so the payload starts 64-byte aligned)
+    12      4     header length H (JSON, space-padded so the payload starts 64-byte aligned, or block
+                  aligned in objects written for direct I/O: readers take any padding)
     16      16    xxh3-128 checksum of header bytes followed by the stored payload bytes
     32      H     header: UTF-8 JSON object
     32+H    S     payload: the tensors' raw bytes (codec "none") or one zstd frame of them
@@ -227,9 +228,9 @@ def _layout(tensors: Mapping[str, torch.Tensor]) -> tuple[list[dict[str, Any]], 
 
 
 def _header_bytes(key: ChunkKey, codec: str, raw_size: int, stored_size: int,
-                  specs: list[dict[str, Any]], seal: Mapping[str, Any] | None = None) -> bytes:
-    """The header region: JSON padded with spaces so the payload starts aligned; with ``seal`` (its JSON
-    fields) it ends with :data:`TAG_SIZE` zero bytes where the tag goes."""
+                  specs: list[dict[str, Any]], seal: Mapping[str, Any] | None = None, align: int = ALIGN) -> bytes:
+    """The header region: JSON padded with spaces so the payload starts ``align``-byte aligned; with ``seal`` (its
+    JSON fields) it ends with :data:`TAG_SIZE` zero bytes where the tag goes."""
     header: dict[str, Any] = {"key": key.hex(), "codec": codec, "raw_size": raw_size, "stored_size": stored_size,
                               "tensors": specs}
     tail = 0
@@ -237,7 +238,7 @@ def _header_bytes(key: ChunkKey, codec: str, raw_size: int, stored_size: int,
         header["seal"] = dict(seal)
         tail = TAG_SIZE
     hbytes = json.dumps(header, separators=(",", ":")).encode()
-    pad = _align(PREFIX_SIZE + len(hbytes) + tail) - PREFIX_SIZE - len(hbytes) - tail
+    pad = -(PREFIX_SIZE + len(hbytes) + tail) % align
     return hbytes + b" " * pad + bytes(tail)
 
 
@@ -258,8 +259,10 @@ def checksum(region: Buffer, payload: Sequence[Any]) -> bytes:
 
 
 def encode(key: ChunkKey, tensors: Mapping[str, torch.Tensor], codec: str = "none",
-           level: int = 3) -> Encoded:
+           level: int = 3, payload_align: int = ALIGN) -> Encoded:
     """Encode ``tensors`` under ``key``. Non-contiguous and device tensors are copied to CPU first.
+    ``payload_align``: a multiple of :data:`ALIGN` the payload's offset in the object is padded to (a block, for
+    direct I/O).
 
     Raises:
         InvalidInputError, InvalidTypeError: as :func:`validate_chunk`, or an unknown ``codec``.
@@ -279,7 +282,7 @@ def encode(key: ChunkKey, tensors: Mapping[str, torch.Tensor], codec: str = "non
     if codec == "zstd":  # the frame records its content size, which the reader requires
         payload = [zstandard.ZstdCompressor(level=level).compress(b"".join(payload))]
     stored_size = sum(len(p) for p in payload)
-    hbytes = _header_bytes(key, codec, raw_size, stored_size, specs)
+    hbytes = _header_bytes(key, codec, raw_size, stored_size, specs, align=payload_align)
     prefix = PREFIX.pack(MAGIC, VERSION, len(hbytes), checksum(hbytes, payload))
     header = Header(key, codec, raw_size, stored_size,
                     tuple(TensorSpec(sp["name"], t.dtype, tuple(sp["shape"]), sp["offset"], sp["nbytes"], sp["dtype"])
@@ -287,16 +290,18 @@ def encode(key: ChunkKey, tensors: Mapping[str, torch.Tensor], codec: str = "non
     return Encoded([prefix + hbytes, *payload], header)
 
 
-def as_encoded(key: ChunkKey, chunk: Mapping[str, torch.Tensor] | Encoded, codec: str) -> Encoded:
-    """``chunk`` encoded under ``key`` with ``codec``: an object already encoded so is used as it is (no
-    second checksum pass), one with another codec is decoded and encoded again."""
+def as_encoded(key: ChunkKey, chunk: Mapping[str, torch.Tensor] | Encoded, codec: str,
+               payload_align: int = ALIGN) -> Encoded:
+    """``chunk`` encoded under ``key`` with ``codec`` (and ``payload_align``, see :func:`encode`): an object
+    already encoded with ``codec`` is used as it is (no second checksum pass), one with another codec is decoded
+    and encoded again."""
     if isinstance(chunk, Encoded):
         if chunk.header.key != key:
             raise InvalidInputError(f"object holds key {chunk.header.key.hex()}, not {key.hex()}")
         if chunk.header.codec == codec:
             return chunk
         chunk = decode(b"".join(bytes(p) for p in chunk.parts), expected_key=key)
-    return encode(key, chunk, codec)
+    return encode(key, chunk, codec, payload_align=payload_align)
 
 
 def header_length(prefix: bytes | bytearray | memoryview) -> int:

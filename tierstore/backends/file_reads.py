@@ -3,7 +3,9 @@
 **Careful read** (first read of a key, and whenever anything looks different): ``open``
 (``O_NOFOLLOW``), ``fstat`` (a regular file of exactly the size its header states), header parsed and
 validated, then one pass of ``readv`` calls that land the prefix and header in a small scratch buffer
-and the payload directly in the caller's tensors, hashing each ~256 KiB step while it is still in cache.
+and the payload directly in the caller's tensors, hashing each ~256 KiB step while it is still in cache (an object
+whose payload starts on a 4 KiB block, read into block-aligned tensors, is read with ``O_DIRECT`` instead and
+hashed in place: :func:`read_verified_into`, which a ``remote`` tier on a mount uses too).
 
 **Planned read.** Once an object's checksum passed, its read plan is remembered (bounded): path, exact
 prefix-and-header bytes, size and tensor layout. A later read of that key opens the file and reads it
@@ -50,7 +52,7 @@ from ..errors import CorruptObjectError
 from ..iov import IOV_MAX, read_into
 from ..keys import ChunkKey
 from ..tensors import byte_alias, callers_streams, copy_segments, fill_out
-from . import objfile
+from . import direct_io, objfile
 from .base import Hit
 
 if TYPE_CHECKING:
@@ -219,6 +221,47 @@ class Plan:
         return segs
 
 
+def read_verified_into(fd: int, st: os.stat_result, path: str, key: ChunkKey, out: Mapping[str, torch.Tensor],
+                       unsealed: bool = False) -> Plan | None:
+    """The careful read (see the module doc) of the open object ``fd`` at ``path``: its payload straight into the
+    contiguous CPU tensors of ``out`` (no other buffer), hashed as it arrives, or with ``O_DIRECT`` and hashed once
+    in ``out`` where the payload starts on a block and ``out`` is block-aligned (:mod:`.direct_io`); the object's
+    plan once header, size and checksum passed. ``None``, with ``out`` untouched or holding unspecified bytes, when
+    it cannot be read so: compressed, sealed (with ``unsealed``), an ``out`` that does not fit its header, or a file
+    that changed between the header read and the payload's; the caller then reads it another way, which decides.
+
+    Raises:
+        CorruptObjectError: damaged (header, size, checksum); ``out`` then holds unspecified bytes.
+        UnsupportedObjectError: a newer format version.
+        OSError: an I/O failure.
+    """
+    head, hdr = objfile.read_header(fd, st, key, first=HEAD_READ)  # sizes checked against the file's
+    if hdr.codec != "none" or (unsealed and hdr.seal is not None):
+        return None
+    plan = Plan.of(path, bytes(head[:hdr.payload_offset]), hdr, st.st_mtime_ns)
+    segments = plan.segments(out)
+    if segments is None:  # out differs from the (unverified) header
+        return None
+    got = direct_io.read_payload(fd, segments, hdr.payload_offset)  # no page-cache copy where aligned
+    if got is not None:  # the header as parsed is the one hashed: no second read of it to compare
+        got += hdr.payload_offset
+        h = xxhash.xxh3_128(memoryview(plan.head)[_P:])
+        for s in segments:
+            h.update(s)
+    else:
+        scratch = bytearray(hdr.payload_offset)  # prefix and header land here, the payload in out
+        h = xxhash.xxh3_128()
+        os.lseek(fd, 0, os.SEEK_SET)
+        got = read_into(fd, [memoryview(scratch), *segments], h, skip=_P)
+        if got == hdr.object_size and scratch != plan.head:  # changed under us between the header read and this one
+            return None
+    if got != hdr.object_size:
+        raise CorruptObjectError(f"short read: {got} of {hdr.object_size} bytes")
+    if h.digest() != plan.head[16:32]:
+        raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
+    return plan
+
+
 class BatchedReader:
     """Reads batches of objects of one :class:`~tierstore.backends.file.FileBackend` into ``out`` tensors."""
 
@@ -360,27 +403,16 @@ class BatchedReader:
         except FileNotFoundError:
             return None
         try:
-            head, hdr = objfile.read_header(fd, st, key, first=HEAD_READ)  # sizes checked against the file's
-            plan = Plan.of(path, bytes(head[:hdr.payload_offset]), hdr, st.st_mtime_ns)
-            segments = plan.segments(out) if hdr.codec == "none" else None
-            if segments is None:  # compressed, or out differs from the (unverified) header: the slow path decides
+            plan = read_verified_into(fd, st, path, key, out)
+            if plan is None:
                 return self._copy(key, out)
-            scratch = bytearray(hdr.payload_offset)  # prefix and header land here, the payload in out
-            h = xxhash.xxh3_128()
-            got = read_into(fd, [memoryview(scratch), *segments], h, skip=_P)
-            if got != hdr.object_size:
-                raise CorruptObjectError(f"short read: {got} of {hdr.object_size} bytes")
-            if scratch != plan.head:  # changed under us between the header read and this one: the slow path decides
-                return self._copy(key, out)
-            if h.digest() != plan.head[16:32]:
-                raise CorruptObjectError(f"checksum mismatch for {key.hex()}")
             if self.trust:
                 plan.stamp = self._settled((st.st_ino, st.st_ctime_ns, st.st_size))
             plan.mtime_ns = self.backend.touch(fd, plan.mtime_ns)
             self._remember(key, plan)  # only once its object verified
         finally:
             os.close(fd)
-        return Hit(dict(out), hdr.object_size)
+        return Hit(dict(out), plan.size)
 
     def remember_written(self, key: ChunkKey, path: str, written: objformat.Encoded, mtime_ns: int,
                          st: os.stat_result | None = None) -> None:
