@@ -488,15 +488,15 @@ def test_crash_mid_write_leaves_a_consistent_directory(tmp_path):
 # ---------------------------------------------------------------------- a full filesystem
 def _fault_fs(monkeypatch, limit: int):
     """Make writes under the tier fail with ENOSPC once ``limit`` bytes of files exist (fallback)."""
-    real_writev = os.writev
+    real_pwritev = os.pwritev
 
-    def writev(fd, bufs):
+    def pwritev(fd, bufs, offset):
         used = sum(p.stat().st_size for p in _FS_ROOT[0].rglob("*") if p.is_file())
         if used + sum(len(memoryview(b)) for b in bufs) > limit:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_writev(fd, bufs)
+        return real_pwritev(fd, bufs, offset)
 
-    monkeypatch.setattr(os, "writev", writev)
+    monkeypatch.setattr(os, "pwritev", pwritev)
 
 
 _FS_ROOT: list[Path] = []
@@ -601,15 +601,15 @@ def test_one_enospc_does_not_disable_the_tier(tmp_path, monkeypatch):
     """C8: after ENOSPC the tier backs off and re-probes free space; it is not cut to 0 bytes for good."""
     with _store(tmp_path / "d") as s:  # unbounded, and empty when the device reports full
         s.residency.enospc_recheck = 0.05
-        real_writev, failures = os.writev, [1]
+        real_pwritev, failures = os.pwritev, [1]
 
-        def writev(fd, bufs):
+        def pwritev(fd, bufs, offset):
             if failures[0]:
                 failures[0] -= 1
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            return real_writev(fd, bufs)
+            return real_pwritev(fd, bufs, offset)
 
-        monkeypatch.setattr(os, "writev", writev)
+        monkeypatch.setattr(os, "pwritev", pwritev)
         assert not s.put(key_of(0), chunk(0))  # nothing to evict: this put is skipped
         assert _tier(s)["enospc"] == 1
         time.sleep(0.1)  # the back-off passes; free space is probed again

@@ -29,14 +29,29 @@ def advance(bufs: list[memoryview], i: int, n: int) -> int:
     return i
 
 
-def writev_all(fd: int, bufs: Sequence[Any]) -> int:
-    """Write every buffer in order; loops on partial writes and batches by IOV_MAX. Returns bytes written."""
+def writev_all(fd: int, bufs: Sequence[Any], offset: int = 0) -> int:
+    """Write every buffer in order from file ``offset`` (``pwritev``); loops on partial writes and batches by
+    IOV_MAX. Returns bytes written."""
     views = [mv for mv in (memoryview(b).cast("B") for b in bufs) if len(mv)]
     total, i = 0, 0
     while i < len(views):
-        n = os.writev(fd, views[i:i + IOV_MAX])
+        n = os.pwritev(fd, views[i:i + IOV_MAX], offset + total)
         if n <= 0:
-            raise OSError(errno.EIO, "writev wrote nothing")
+            raise OSError(errno.EIO, "pwritev wrote nothing")
+        total += n
+        i = advance(views, i, n)
+    return total
+
+
+def preadv_all(fd: int, bufs: Sequence[Any], offset: int) -> int:
+    """Fill every buffer in order from file ``offset`` (``preadv``), batched by IOV_MAX; the bytes read (short
+    only at the end of the file)."""
+    views = [mv for mv in (memoryview(b).cast("B") for b in bufs) if len(mv)]
+    total, i = 0, 0
+    while i < len(views):
+        n = os.preadv(fd, views[i:i + IOV_MAX], offset + total)
+        if n <= 0:
+            break
         total += n
         i = advance(views, i, n)
     return total

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..iov import IOV_MAX, advance
+from ..iov import preadv_all, writev_all
 
 #: alignment of addresses, lengths and offsets (a page: the logical block size of every device is at most that)
 BLOCK = 4096
@@ -68,46 +68,20 @@ def aligned_copy(data: Any) -> memoryview:
     return view
 
 
-def pwrite_all(fd: int, views: Sequence[memoryview], offset: int = 0) -> int:
-    """Write every view in order from ``offset`` (loops on partial writes, batches by IOV_MAX); bytes written."""
-    views = [v for v in views if len(v)]
-    total, i = 0, 0
-    while i < len(views):
-        n = os.pwritev(fd, views[i:i + IOV_MAX], offset + total)
-        if n <= 0:
-            raise OSError(errno.EIO, "pwritev wrote nothing")
-        total += n
-        i = advance(views, i, n)
-    return total
-
-
-def pread_all(fd: int, views: Sequence[memoryview], offset: int) -> int:
-    """Fill every view in order from ``offset``; bytes read (short only at the end of the file)."""
-    views = [v for v in views if len(v)]
-    total, i = 0, 0
-    while i < len(views):
-        n = os.preadv(fd, views[i:i + IOV_MAX], offset + total)
-        if n <= 0:
-            break
-        total += n
-        i = advance(views, i, n)
-    return total
-
-
 def write_object(fd: int, parts: Sequence[Any]) -> None:
     """Write an encoded object's ``parts`` to the empty file ``fd``: directly when its header region fills whole
     blocks and its payload is block-aligned in memory, else (or when the file system refuses) buffered, with
-    one ``pwritev`` per :data:`~tierstore.iov.IOV_MAX` parts and no joined copy."""
+    no joined copy (:func:`~tierstore.iov.writev_all`)."""
     views = [memoryview(p).cast("B") for p in parts]
     if len(views) > 1 and not len(views[0]) % BLOCK and aligned(views[1:]) and set_direct(fd, True):
         try:
-            pwrite_all(fd, [aligned_copy(views[0]), *views[1:]])
+            writev_all(fd, [aligned_copy(views[0]), *views[1:]])
             return
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
         set_direct(fd, False)  # refused after all: write it again, buffered
-    pwrite_all(fd, views)
+    writev_all(fd, views)
 
 
 def read_payload(fd: int, segments: Sequence[memoryview], offset: int) -> int | None:
@@ -117,7 +91,7 @@ def read_payload(fd: int, segments: Sequence[memoryview], offset: int) -> int | 
     if offset % BLOCK or not aligned(segments) or not set_direct(fd, True):
         return None
     try:
-        return pread_all(fd, segments, offset)
+        return preadv_all(fd, segments, offset)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise

@@ -15,7 +15,7 @@ import threading
 from abc import ABC, abstractmethod
 from typing import Any
 
-from ..iov import IOV_MAX, advance
+from ..iov import preadv_all
 from .header import CheckpointError
 
 log = logging.getLogger("tierstore.weights")
@@ -104,15 +104,10 @@ class LocalFileSource(Source):
         return self._identity
 
     def _read(self, offset: int, bufs: list[memoryview]) -> None:
-        bufs = [b for b in bufs if len(b)]
-        i = 0
-        while i < len(bufs):
-            n = os.preadv(self._fd, bufs[i:i + IOV_MAX], offset)
-            if n <= 0:
-                raise CheckpointError(self.name, f"truncated: read at offset {offset} returned no data "
-                                                 f"(file changed while loading?)")
-            offset += n
-            i = advance(bufs, i, n)
+        got = preadv_all(self._fd, bufs, offset)
+        if got < sum(memoryview(b).nbytes for b in bufs):
+            raise CheckpointError(self.name, f"truncated: read at offset {offset + got} returned no data "
+                                             f"(file changed while loading?)")
         # A file replaced by rename keeps serving the version we opened; one rewritten in place shows a
         # new size or mtime: refuse rather than hand out (or cache) a mix of two versions.
         if _file_version(os.fstat(self._fd)) != self._version:
