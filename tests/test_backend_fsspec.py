@@ -1,6 +1,6 @@
 """The ``remote`` backend (:class:`FsspecBackend`) over a real local S3 server (moto), a shared-mount directory
 (file://) and memory://: the conformance suite, then what only a shared prefix does, at the backend and as the
-shared level of a store."""
+shared tier of a store."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ class TestFsspecMemory(_FsspecBackendTests):
 # --------------------------------------------------------------------------- remote-specific behaviour
 class Prefix:
     """One storage prefix; ``backend()`` opens another instance on it (as a second engine would), ``store()``
-    a store whose only level is such a backend."""
+    a store whose only tier is such a backend."""
 
     def __init__(self, url: str, storage_options: dict | None = None):
         self.url, self.storage_options = url, storage_options
@@ -596,7 +596,7 @@ def test_check_objects_repairs_only_what_is_damaged(prefix):
 
 
 def test_a_store_over_backends_never_bounds_a_shared_prefix(prefix):
-    """Review C5 again, through ``from_backends``: a capacity given for a shared level must be refused or
+    """Review C5 again, through ``from_backends``: a capacity given for a shared tier must be refused or
     ignored, never enforced by deleting objects other writers published."""
     first = prefix.store()
     for i in range(8):

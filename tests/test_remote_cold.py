@@ -53,7 +53,7 @@ def remote_stats(store: TieredStore) -> dict:
 
 
 def indexed(store: TieredStore, keys) -> list[bool]:
-    """Whether the remote level's index holds each key (no I/O)."""
+    """Whether the remote tier's index holds each key (no I/O)."""
     return [store.holders(k) == ["remote"] for k in keys]
 
 

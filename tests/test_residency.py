@@ -7,7 +7,7 @@ reproducible), evictions, promotions, pins, deletes and copies vanishing behind 
 Hypothesis rules turn faults on and off per tier: write errors, read errors, delete errors, ENOSPC, ENOMEM and
 slow I/O (:func:`test_data_plane_faults.failing`). A plain dict is the model: a read returns the exact latest
 acknowledged value or a miss, never an older value or wrong bytes. After every step it checks the residency's
-rules: exact capacity, no pin left behind, every pending level queued, the flush tracker's counters; after a
+rules: exact capacity, no pin left behind, every pending tier queued, the flush tracker's counters; after a
 drain, nothing acknowledged lost unless a flush reports it.
 """
 
@@ -38,7 +38,7 @@ from tierstore.store import TieredStore
 
 UNIT = 256  # bytes per unit of a test chunk (64 float32)
 KEYS = [ChunkKey.from_bytes(b"residency %d" % i) for i in range(6)]
-LEVELS = ("host", "mid", "remote")
+TIER_NAMES = ("host", "mid", "remote")
 
 
 class Clock:
@@ -75,19 +75,19 @@ def open_store(pressure: Pressure = Pressure.DROP, host: int = 3 * UNIT, mid: in
     return s
 
 
-def take_due(s: TieredStore, level: int, limit: int) -> list[Write]:
-    """What the write-back scheduler takes for ``level`` (stale copies removed as it does)."""
-    writes, stale = s.residency.take_due(level, limit)
+def take_due(s: TieredStore, tier: int, limit: int) -> list[Write]:
+    """What the write-back scheduler takes for ``tier`` (stale copies removed as it does)."""
+    writes, stale = s.residency.take_due(tier, limit)
     for key, j in stale:
         s._transfers.remove_stale(key, [j])  # noqa: SLF001
     return writes
 
 
-def write_back(s: TieredStore, level: int, limit: int = 8) -> int:
-    """One write-back batch into ``level``, by the store's own code; how many writes it carried out."""
-    writes = take_due(s, level, limit)
+def write_back(s: TieredStore, tier: int, limit: int = 8) -> int:
+    """One write-back batch into ``tier``, by the store's own code; how many writes it carried out."""
+    writes = take_due(s, tier, limit)
     if writes:
-        s._writeback.write_now(level, writes)  # noqa: SLF001
+        s._writeback.write_now(tier, writes)  # noqa: SLF001
     return len(writes)
 
 
@@ -159,9 +159,9 @@ class ResidencyMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ helpers
     def finish_writes(self, key: ChunkKey | None = None) -> None:
-        for level, w in [(j, w) for j, w in self.writes if key is None or w.key == key]:
-            self.writes.remove((level, w))
-            self.s._writeback.write_now(level, [w])  # noqa: SLF001
+        for tier, w in [(j, w) for j, w in self.writes if key is None or w.key == key]:
+            self.writes.remove((tier, w))
+            self.s._writeback.write_now(tier, [w])  # noqa: SLF001
 
     def check_read(self, k: ChunkKey, got: Any) -> None:
         if got is not None:
@@ -200,19 +200,19 @@ class ResidencyMachine(RuleBasedStateMachine):
         except OSError:
             pass  # an injected read error, raised to a prefetch caller
 
-    @rule(level=st.integers(1, 2), limit=st.integers(1, 4))
-    def write_back(self, level, limit):
-        write_back(self.s, level, limit)
+    @rule(tier=st.integers(1, 2), limit=st.integers(1, 4))
+    def write_back(self, tier, limit):
+        write_back(self.s, tier, limit)
 
-    @rule(level=st.integers(1, 2))
-    def start_write_back(self, level):
-        self.writes.extend((level, w) for w in take_due(self.s, level, 1))
+    @rule(tier=st.integers(1, 2))
+    def start_write_back(self, tier):
+        self.writes.extend((tier, w) for w in take_due(self.s, tier, 1))
 
     @precondition(lambda self: self.writes)
     @rule(data=st.data())
     def finish_write_back(self, data):
-        level, w = self.writes.pop(data.draw(st.integers(0, len(self.writes) - 1)))
-        self.s._writeback.write_now(level, [w])  # noqa: SLF001
+        tier, w = self.writes.pop(data.draw(st.integers(0, len(self.writes) - 1)))
+        self.s._writeback.write_now(tier, [w])  # noqa: SLF001
 
     @rule(k=st.sampled_from(KEYS))
     def pin(self, k):
@@ -232,39 +232,39 @@ class ResidencyMachine(RuleBasedStateMachine):
             self.undeleted.add(k)
         # else not deleted: the latest value stays, and its write-back goes on (a drain must find it)
 
-    @rule(k=st.sampled_from(KEYS), tier=st.sampled_from(LEVELS[:2]))
+    @rule(k=st.sampled_from(KEYS), tier=st.sampled_from(TIER_NAMES[:2]))
     def evict(self, k, tier):
         self.s.evict(k, tier)
 
-    def inject(self, level: int, kind: str) -> None:
-        self.heal(level)
-        stack = self.faults[level] = ExitStack()
-        stack.enter_context(FAULTS[kind](self.s.tiers[level].backend))
+    def inject(self, tier: int, kind: str) -> None:
+        self.heal(tier)
+        stack = self.faults[tier] = ExitStack()
+        stack.enter_context(FAULTS[kind](self.s.tiers[tier].backend))
 
     # one rule per kind of fault, so that faults are about as frequent as the steps they disturb
-    @rule(level=st.integers(0, 2))
-    def fail_writes(self, level):
-        self.inject(level, "write")
+    @rule(tier=st.integers(0, 2))
+    def fail_writes(self, tier):
+        self.inject(tier, "write")
 
-    @rule(level=st.integers(0, 2))
-    def fail_reads(self, level):
-        self.inject(level, "read")
+    @rule(tier=st.integers(0, 2))
+    def fail_reads(self, tier):
+        self.inject(tier, "read")
 
-    @rule(level=st.integers(0, 2))
-    def fail_deletes(self, level):
-        self.inject(level, "delete")
+    @rule(tier=st.integers(0, 2))
+    def fail_deletes(self, tier):
+        self.inject(tier, "delete")
 
-    @rule(level=st.integers(0, 2), kind=st.sampled_from(["enospc", "enomem"]))
-    def run_out_of_space(self, level, kind):
-        self.inject(level, kind)
+    @rule(tier=st.integers(0, 2), kind=st.sampled_from(["enospc", "enomem"]))
+    def run_out_of_space(self, tier, kind):
+        self.inject(tier, kind)
 
-    @rule(level=st.integers(0, 2))
-    def slow_down(self, level):
-        self.inject(level, "slow")
+    @rule(tier=st.integers(0, 2))
+    def slow_down(self, tier):
+        self.inject(tier, "slow")
 
-    @rule(level=st.integers(0, 2))
-    def heal(self, level):
-        stack = self.faults.pop(level, None)
+    @rule(tier=st.integers(0, 2))
+    def heal(self, tier):
+        stack = self.faults.pop(tier, None)
         if stack is not None:
             stack.close()
 
@@ -272,11 +272,11 @@ class ResidencyMachine(RuleBasedStateMachine):
     def advance_clock(self, dt):
         self.clock.now += dt
 
-    @rule(k=st.sampled_from(KEYS), level=st.integers(0, 2))
-    def vanish(self, k, level):
+    @rule(k=st.sampled_from(KEYS), tier=st.integers(0, 2))
+    def vanish(self, k, tier):
         """A copy disappears from storage behind the index's back (removed by hand, damaged)."""
-        b = self.s.tiers[level].backend
-        if level < 2:
+        b = self.s.tiers[tier].backend
+        if tier < 2:
             with b._lock:  # noqa: SLF001
                 present = b._data.pop(k, None) is not None  # noqa: SLF001
         else:
@@ -287,8 +287,8 @@ class ResidencyMachine(RuleBasedStateMachine):
     @rule()
     def drain(self):
         """Heal every tier, finish what is in flight and write back until nothing is due: a flush's wait."""
-        for level in list(self.faults):
-            self.heal(level)
+        for tier in list(self.faults):
+            self.heal(tier)
         self.finish_writes()
         for p in self.pins:
             self.s.release(p)
@@ -296,15 +296,15 @@ class ResidencyMachine(RuleBasedStateMachine):
         state = self.res.flush_begin()
         for _ in range(200):
             self.clock.now += self.res.max_retry_delay + self.res.max_enospc_recheck + 1
-            moved = sum(write_back(self.s, level) for level in (1, 2))
+            moved = sum(write_back(self.s, tier) for tier in (1, 2))
             if self.res.flush_settled(state) and not moved:
                 break
         assert self.res.flush_settled(state), "a drain settles everything pending when it began"
         failed, dropped = self.res.losses()
         # a copy removed behind our back may be the only one: its loss is reported, not checked
         excused = self.undeleted | self.vanished
-        # every tier healthy again, a drain's fresh retries reach every level: a key still failing there lost its
-        # only copy, unless the level keeps an older copy it could not remove (reported until put or deleted again;
+        # every tier healthy again, a drain's fresh retries reach every tier: a key still failing there lost its
+        # only copy, unless the tier keeps an older copy it could not remove (reported until put or deleted again;
         # a promotion may have replaced it with the current value since, and the report stays)
         lost = {k: js for k, js in failed.items()
                 if k not in excused and not all(k in self.res.tiers[j].copies for j in js)}
@@ -318,7 +318,7 @@ class ResidencyMachine(RuleBasedStateMachine):
             self.s._promoter.wait(time.monotonic() + 5)  # noqa: SLF001
             assert got is not None, f"acknowledged {k.hex()[:8]} lost without a report"
             assert vid_of(got) == vid
-            assert k in failed or self.res.locate([k], tiers=[2]) == [2], "write-back reached the bottom level"
+            assert k in failed or self.res.locate([k], tiers=[2]) == [2], "write-back reached the bottom tier"
 
     # ------------------------------------------------------------------ invariants
     @invariant()
@@ -339,29 +339,29 @@ class ResidencyMachine(RuleBasedStateMachine):
             held[(w.source, w.key)] = held.get((w.source, w.key), 0) + 1
         for i, lv in enumerate(self.res.tiers):
             for k, n in lv.pins.items():
-                assert n == held.get((i, k), 0), f"{n} pins on {k.hex()[:8]} in level {i}, {held.get((i, k), 0)} held"
+                assert n == held.get((i, k), 0), f"{n} pins on {k.hex()[:8]} in tier {i}, {held.get((i, k), 0)} held"
             assert not lv.evicting and not lv.reserved, "nothing is being evicted or reserved between steps"
 
     @invariant()
-    def every_pending_level_is_queued_or_being_written(self):
-        """A pending level is never orphaned: due, waiting for a retry, or its write in flight."""
+    def every_pending_tier_is_queued_or_being_written(self):
+        """A pending tier is never orphaned: due, waiting for a retry, or its write in flight."""
         in_flight = {(w.key, w.tier) for _, w in self.writes}
         for k, rec in self.res._keys.items():
             if rec.deleting:
                 continue
-            for level in rec.pending:
-                lv = self.res.tiers[level]
-                queued = k in lv.ready or k in lv.retry_at or level in rec.busy or (k, level) in in_flight
-                assert queued, f"pending level {level} of {k.hex()[:8]} is neither due nor retried"
+            for tier in rec.pending:
+                lv = self.res.tiers[tier]
+                queued = k in lv.ready or k in lv.retry_at or tier in rec.busy or (k, tier) in in_flight
+                assert queued, f"pending tier {tier} of {k.hex()[:8]} is neither due nor retried"
 
     @invariant()
-    def flush_counters_match_the_pending_levels(self):
+    def flush_counters_match_the_pending_tiers(self):
         """The flush tracker's counts (what a flush waits for, kept as writes commit) equal a walk of the keys."""
         fast = self.res.fast_retries
         outstanding = sum(1 for rec in self.res._keys.values() for a in rec.pending.values() if a < fast)
         failing_ = {(k, j) for k, rec in self.res._keys.items() for j, a in rec.pending.items() if a >= fast}
         assert self.res.dirty() == sum(1 for rec in self.res._keys.values() if rec.pending)
-        for j, lv in enumerate(self.res.tiers):  # each level's backlog, counted as it changes
+        for j, lv in enumerate(self.res.tiers):  # each tier's backlog, counted as it changes
             assert set(lv.pending) == {k for k, rec in self.res._keys.items() if j in rec.pending}
         tracker = self.res._flushes
         assert tracker.outstanding(FlushState(tracker.epoch)) == outstanding
@@ -370,14 +370,14 @@ class ResidencyMachine(RuleBasedStateMachine):
     @invariant()
     def current_copies_hold_the_acknowledged_value(self):
         for k in KEYS:
-            (level,) = self.res.locate([k])
-            if level is None:
+            (tier,) = self.res.locate([k])
+            if tier is None:
                 continue
             rec = self.res._keys.get(k)
-            if rec is not None and level in rec.busy and rec.busy[level] == REMOVING:
+            if rec is not None and tier in rec.busy and rec.busy[tier] == REMOVING:
                 continue
-            if level < 2:
-                b = self.s.tiers[level].backend
+            if tier < 2:
+                b = self.s.tiers[tier].backend
                 with b._lock:  # noqa: SLF001 - under the tier's faults
                     data = b._data.get(k)  # noqa: SLF001
                 if data is not None:  # (a vanished copy reads as a miss)
@@ -391,14 +391,14 @@ TestResidencyMachine.settings = settings(max_examples=int(os.environ.get("TIERST
 
 
 # ---------------------------------------------------------------------- focused cases
-def test_a_write_through_put_that_cannot_take_a_busy_slot_leaves_the_level_queued():
-    """A ``write_through`` put whose write into a level waited for the slot a write-back of an older value
-    held, past its deadline, skipped the level: pending, but neither queued nor retried, so nothing ever wrote
+def test_a_write_through_put_that_cannot_take_a_busy_slot_leaves_the_tier_queued():
+    """A ``write_through`` put whose write into a tier waited for the slot a write-back of an older value
+    held, past its deadline, skipped the tier: pending, but neither queued nor retried, so nothing ever wrote
     the new value there and every flush waited forever (found by the machine above)."""
     s = open_store(through=True)
     try:
         with failing(s.tiers[1].backend, "write_many", eio):
-            assert s.put(KEYS[0], value(1, 1))  # mid refused: its level is pending, retried
+            assert s.put(KEYS[0], value(1, 1))  # mid refused: its tier is pending, retried
         s.residency.clock.now += s.residency.max_retry_delay + 1
         (held,) = take_due(s, 1, 1)  # a write-back of value 1 into mid holds the slot
         assert s.put(KEYS[0], value(2, 1))  # waits for that slot, then skips mid
@@ -406,7 +406,7 @@ def test_a_write_through_put_that_cannot_take_a_busy_slot_leaves_the_level_queue
         for _ in range(10):
             s.residency.clock.now += s.residency.max_retry_delay + 1
             write_back(s, 1)
-        assert s.residency.dirty() == 0, "the put's level was never written"
+        assert s.residency.dirty() == 0, "the put's tier was never written"
         assert vid_of(s.tiers[1].backend.read(KEYS[0])) == 2
     finally:
         s.close(timeout=0)
@@ -426,15 +426,15 @@ def put(s: TieredStore, key: ChunkKey, vid: int, units: int = 1) -> bool:
     return s.put(key, value(vid, units))
 
 
-def broken(s: TieredStore, *levels: int) -> ExitStack:
-    """Writes into ``levels`` fail (EIO) until the stack is closed."""
+def broken(s: TieredStore, *tiers: int) -> ExitStack:
+    """Writes into ``tiers`` fail (EIO) until the stack is closed."""
     stack = ExitStack()
-    for level in levels:
-        stack.enter_context(failing(s.tiers[level].backend, "write_many", eio))
+    for tier in tiers:
+        stack.enter_context(failing(s.tiers[tier].backend, "write_many", eio))
     return stack
 
 
-def test_a_put_records_its_copy_and_the_pending_levels_in_one_step():
+def test_a_put_records_its_copy_and_the_pending_tiers_in_one_step():
     with store() as s:
         res = s.residency
         assert put(s, KEYS[0], 1)
@@ -455,11 +455,11 @@ def test_a_dirty_victim_is_written_down_before_it_goes():
         assert s.residency.tier_stats(0)["evictions"] == 1
 
 
-def test_under_keep_a_dirty_victim_nothing_below_takes_stays_and_the_put_skips_the_level():
+def test_under_keep_a_dirty_victim_nothing_below_takes_stays_and_the_put_skips_the_tier():
     with store(Pressure.KEEP) as s, broken(s, 1, 2):
         assert put(s, KEYS[0], 1, 2)
-        for level in (1, 2):  # the write-backs fail: the levels back off
-            write_back(s, level)
+        for tier in (1, 2):  # the write-backs fail: the tiers back off
+            write_back(s, tier)
         assert not put(s, KEYS[1], 2)  # host is full of a chunk nothing below takes; mid, remote refuse
         assert s.residency.locate([KEYS[0]]) == [0]
 
@@ -468,8 +468,8 @@ def test_under_drop_a_dirty_victim_nothing_below_takes_is_dropped_and_reported()
     with store(Pressure.DROP) as s:
         with broken(s, 1, 2):
             assert put(s, KEYS[0], 1, 2)
-            for level in (1, 2):
-                write_back(s, level)
+            for tier in (1, 2):
+                write_back(s, tier)
             assert put(s, KEYS[1], 2)  # KEYS[0] is dropped to make room
         assert s.residency.locate([KEYS[0]]) == [None]
         failed, dropped = s.residency.losses()
@@ -484,8 +484,8 @@ def test_room_from_clean_copies_only_passes_over_dirty_ones_and_never_drops_them
     with store(Pressure.DROP) as s:
         res = s.residency
         assert put(s, KEYS[1], 2)
-        for level in (1, 2):
-            write_back(s, level)  # KEYS[1] is clean now
+        for tier in (1, 2):
+            write_back(s, tier)  # KEYS[1] is clean now
         assert put(s, KEYS[0], 1)  # dirty
         assert s.get(KEYS[1]) is not None  # KEYS[1] most recently used: KEYS[0] is the LRU
         (v,) = res.reserve(KEYS[2], 0, UNIT).victims
@@ -496,8 +496,8 @@ def test_room_from_clean_copies_only_passes_over_dirty_ones_and_never_drops_them
         res.keep(v)
     with store(Pressure.DROP) as s, broken(s, 1, 2):
         assert put(s, KEYS[0], 1, 2)
-        for level in (1, 2):
-            write_back(s, level)
+        for tier in (1, 2):
+            write_back(s, tier)
         room = s.residency.reserve(KEYS[1], 0, UNIT, clean=True)
         assert room.reserved is None and not room.victims
         assert s.residency.losses() == ({}, {}) and s.residency.locate([KEYS[0]]) == [0]
@@ -509,8 +509,8 @@ def test_drop_never_lets_an_older_value_below_become_current():
         write_back(s, 1)  # the first value reaches mid
         with broken(s, 1, 2):
             assert put(s, KEYS[0], 2, 2)  # the second stays on host: mid holds the older value
-            for level in (1, 2):
-                write_back(s, level)
+            for tier in (1, 2):
+                write_back(s, tier)
             assert not put(s, KEYS[1], 3)  # the dirty victim stays
         got = s.get(KEYS[0])
         assert got is not None and vid_of(got) == 2
@@ -553,10 +553,10 @@ def test_a_delete_waits_for_writes_in_flight_and_refuses_older_ones():
         assert res.delete_ready(KEYS[0]) is None  # the write-back to mid is in flight
         s._writeback.write_now(1, writes)  # noqa: SLF001
         assert res.begin_write(KEYS[0], 2, writes[0].gen) is Slot.SUPERSEDED
-        levels = res.delete_ready(KEYS[0])
-        assert levels == [0, 1, 2]  # the shared level is cleared even though its index lacks the key
-        for level in levels:
-            s.tiers[level].backend.delete_many([KEYS[0]])
+        tiers = res.delete_ready(KEYS[0])
+        assert tiers == [0, 1, 2]  # the shared tier is cleared even though its index lacks the key
+        for tier in tiers:
+            s.tiers[tier].backend.delete_many([KEYS[0]])
         assert res.end_delete(KEYS[0]) == 2
         assert res.locate([KEYS[0]]) == [None] and len(res) == 0 and s.get(KEYS[0]) is None
 
@@ -625,7 +625,7 @@ def test_a_pin_release_wakes_a_waiter_for_room_but_not_the_write_back_scheduler(
         assert not scheduler_woke.is_set() and res.changes == seen
 
 
-def test_a_failing_level_backs_off_and_a_flush_grants_it_another_round():
+def test_a_failing_tier_backs_off_and_a_flush_grants_it_another_round():
     with store() as s:
         res = s.residency
         assert put(s, KEYS[0], 1)
@@ -658,16 +658,16 @@ def test_enospc_holds_what_is_held_until_a_probe_finds_room():
     assert res.reserve(KEYS[1], 0, UNIT).reserved == UNIT
 
 
-@pytest.mark.parametrize("busy_level", [0, 1])
-def test_one_storage_mutation_per_key_and_level(busy_level):
+@pytest.mark.parametrize("busy_tier", [0, 1])
+def test_one_storage_mutation_per_key_and_tier(busy_tier):
     res = _res()
     g1, g2 = res.next_gen(), res.next_gen()
-    assert res.begin_write(KEYS[0], busy_level, g1) is Slot.OK
-    assert res.begin_write(KEYS[0], busy_level, g2) is Slot.BUSY
-    assert res.begin_write(KEYS[0], 1 - busy_level, g2) is Slot.OK
-    res.commit_write(KEYS[0], 1 - busy_level, g2, UNIT, 0, put=True)
-    res.abort_write(KEYS[0], busy_level, g1)
-    assert res.begin_write(KEYS[0], busy_level, g1) is Slot.SUPERSEDED  # a newer put committed meanwhile
+    assert res.begin_write(KEYS[0], busy_tier, g1) is Slot.OK
+    assert res.begin_write(KEYS[0], busy_tier, g2) is Slot.BUSY
+    assert res.begin_write(KEYS[0], 1 - busy_tier, g2) is Slot.OK
+    res.commit_write(KEYS[0], 1 - busy_tier, g2, UNIT, 0, put=True)
+    res.abort_write(KEYS[0], busy_tier, g1)
+    assert res.begin_write(KEYS[0], busy_tier, g1) is Slot.SUPERSEDED  # a newer put committed meanwhile
 
 
 def test_a_newer_chunk_is_never_dropped_in_place_of_an_older_one_being_written_below():
@@ -697,7 +697,7 @@ def test_a_newer_chunk_is_never_dropped_in_place_of_an_older_one_being_written_b
 
 
 def _pending_residency(n: int) -> Residency:
-    """A residency whose ``n`` keys each wait for write-back into two levels."""
+    """A residency whose ``n`` keys each wait for write-back into two tiers."""
     res = Residency([TierSpec("host", None), TierSpec("disk", None), TierSpec("remote", None, shared=True)],
                     clock=Clock())
     for i in range(n):

@@ -167,7 +167,7 @@ def make_flaky(run: Run, tier) -> None:
 
 
 class GiveUpWatch(logging.Handler):
-    """Write-back gives a level up only when no tier holds the value: fine for a key its owner deleted,
+    """Write-back gives a tier up only when no tier holds the value: fine for a key its owner deleted,
     a loss otherwise (a later put of the key would hide it from the final checks, so catch it here)."""
 
     def __init__(self, run: Run) -> None:
