@@ -21,15 +21,6 @@ from tierstore.keyring import new_secret
 from tierstore.testing.data import key_of
 
 
-@pytest.fixture
-def hashes(monkeypatch):
-    """Counts the checksums started (xxh3_128 objects made), writes' and reads' alike."""
-    made = []
-    real = file_reads.xxhash.xxh3_128
-    monkeypatch.setattr(file_reads.xxhash, "xxh3_128", lambda *a: made.append(1) or real(*a))
-    return made
-
-
 def mount(tmp_path, fine: bool = True, **options) -> FsspecBackend:
     b = FsspecBackend(url=f"file://{tmp_path}/kv", verify_reads="once", **options)
     assert b._stamps is not None

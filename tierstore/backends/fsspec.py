@@ -32,7 +32,9 @@ Rules this tier keeps:
 * **A mount reads like the disk tier.** ``get_many(out=)`` reads an object straight into the caller's CPU
   tensors and verifies its checksum over the bytes there (no buffer of its own, no second copy); chunks of
   :data:`DIRECT_MIN` bytes or more are written with their payload on a 4 KiB block, so block-aligned memory is
-  written and read with ``O_DIRECT`` (:mod:`.direct_io`), without the page cache's copy.
+  written and read with ``O_DIRECT`` (:mod:`.direct_io`), without the page cache's copy. With
+  ``verify_reads: once`` such a read skips the checksum of an object this process wrote or verified, while its
+  file is unchanged since (:mod:`.stamps`).
 * **No capacity.** The prefix is shared, so a per-process LRU over it would delete other writers' fresh
   objects. Nothing evicts here; :meth:`FsspecBackend.collect_garbage`
   (``tierstore gc --max-size / --older-than``, :mod:`.prefix_gc`) keeps the prefix within a budget for
