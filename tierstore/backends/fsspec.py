@@ -487,6 +487,8 @@ class FsspecBackend(Backend):
         ask = [k for k in keys if k not in refused]
         if self._async:
             found = self.storage.gather("head", [partial(self._astat, k) for k in ask], self.max_in_flight)
+        elif self._local:  # a stat each, here: on the pool they would queue behind its multi-MiB reads
+            found = results_of(self._stat, ask)
         else:
             found = self._map(self._stat, ask)
         size = dict(zip(ask, found, strict=True))
