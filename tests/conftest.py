@@ -52,3 +52,15 @@ def shim(s3_server):
 
     with S3Shim(s3_server.endpoint_url, latency=0.0, bandwidth=0, lifetime=900) as s:
         yield s
+
+
+@pytest.fixture
+def hashes(monkeypatch):
+    """Counts the checksums started (xxh3_128 objects made: a write's, a verified read's), for the tests of
+    ``verify_reads: once``."""
+    from tierstore.backends import file_reads
+
+    made = []
+    real = file_reads.xxhash.xxh3_128
+    monkeypatch.setattr(file_reads.xxhash, "xxh3_128", lambda *a: made.append(1) or real(*a))
+    return made

@@ -260,15 +260,6 @@ def test_buffer_views_follow_the_tensor_at_each_address(backend):
 
 
 # --------------------------------------------------------------------------- verify_reads: once
-@pytest.fixture
-def hashes(monkeypatch):
-    """Counts the checksums the read path starts (xxh3_128 objects made)."""
-    made = []
-    real = file_reads.xxhash.xxh3_128
-    monkeypatch.setattr(file_reads.xxhash, "xxh3_128", lambda *a: made.append(1) or real(*a))
-    return made
-
-
 @pytest.mark.parametrize("size", [SIZE, file_reads.ONE_READ * 3])
 def test_verify_once_skips_the_checksum_only_while_the_file_is_as_stamped(tmp_path, hashes, size):
     data = [chunk(i, size) for i in range(3)]

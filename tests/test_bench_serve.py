@@ -212,7 +212,7 @@ def _offloading(argv: list[str]) -> dict:
     return extra
 
 
-@pytest.mark.parametrize("name", ["vllm-fs-tier", "tierstore-tier"])
+@pytest.mark.parametrize("name", ["vllm-fs-tier", "tierstore-tier", "tierstore-tier-once"])
 def test_the_tier_configurations_launch_vllm_offloading_on_one_shared_directory(name, tmp_path):
     """``--launch vllm-fs-tier`` / ``tierstore-tier``: both instances run vLLM's OffloadingConnector with a CPU
     tier of ``--cpu-bytes`` and the secondary tier on the same ``file://`` directory (the fs tier's root, the
@@ -237,7 +237,8 @@ def test_the_tier_configurations_launch_vllm_offloading_on_one_shared_directory(
     else:
         assert (tiers[0]["type"], tiers[0]["module_path"]) == ("TierstoreTier", "tierstore_vllm")
         assert set(tiers[0]) == {"type", "module_path", "config"}
-        assert read_config(tiers[0]["config"])["tiers"] == [{"kind": "remote", "url": f"file://{shared}"}]
+        once = {"verify_reads": "once"} if name == "tierstore-tier-once" else {}
+        assert read_config(tiers[0]["config"])["tiers"] == [{"kind": "remote", "url": f"file://{shared}", **once}]
 
 
 def test_without_a_shared_tier_each_instance_keeps_its_own_directory(tmp_path):
@@ -301,8 +302,13 @@ def test_the_tier_table_compares_the_fs_tier_with_tierstores_and_pools_repeats()
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in text.splitlines()[2:4]}
     assert rows["vllm-fs-tier"][1:6] == ["2000", "2000", "2000", "1:x 75%", "4"]
     assert rows["tierstore-tier"][1:6] == ["2000", "2800", "2000", "1:x 75%", "1"]
-    assert "tierstore/fs: TTFT P50 rounds 2+ 1.00, P90 1.40, other instance's prefix 1.00; answers differing: " \
-           "1 of 2" in text
+    assert "tierstore-tier/fs: TTFT P50 rounds 2+ 1.00, P90 1.40, other instance's prefix 1.00; answers " \
+           "differing: 1 of 2" in text
+    once = result(1.5, "b", 1.0, 1 << 20)  # a second configuration of ours: a row and a ratio line of its own
+    text = tier_table({"vllm-fs-tier": fs, "tierstore-tier": ours, "tierstore-tier-once": once})
+    assert [line.split(" | ")[0].strip("| ") for line in text.splitlines()[2:5]] == [
+        "vllm-fs-tier", "tierstore-tier", "tierstore-tier-once"]
+    assert "tierstore-tier-once/fs: TTFT P50 rounds 2+ 0.75," in text
     before = {"vllm:kv_offload_tiering_chunk_queries_total": {"0:primary": 10.0, "1:fs": 4.0},
               "vllm:kv_offload_tiering_chunk_hits_total": {"0:primary": 2.0}}
     after = {"vllm:kv_offload_tiering_chunk_queries_total": {"0:primary": 30.0, "1:fs": 12.0},

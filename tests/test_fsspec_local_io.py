@@ -203,3 +203,40 @@ def test_a_file_system_that_refuses_direct_io_is_read_and_written_buffered():
             assert rows[1].equal(rows[0])
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_lookups_are_answered_while_every_pool_thread_is_reading(tmp_path, monkeypatch):
+    """A lookup on a mount is a ``stat`` per key on the caller's thread: on the backend's pool it would wait
+    behind the multi-MiB reads queued there (in an engine, a request waiting for a probe waits a scheduler
+    step per retry)."""
+    import threading
+    import time
+
+    from tierstore.backends import objfile
+
+    rows = aligned_rows(4, SIZE)
+    with FsspecBackend(url=f"file://{tmp_path}/kv", max_in_flight=2) as b:
+        keys = [key_of(i) for i in range(4)]
+        for i, k in enumerate(keys):
+            put(b, k, {"kv": rows[i]})
+        gate, opened = threading.Event(), threading.Semaphore(0)
+        real_open = objfile.open_object
+
+        def slow_open(path):
+            opened.release()
+            assert gate.wait(30)
+            return real_open(path)
+
+        monkeypatch.setattr(objfile, "open_object", slow_open)
+        outs = [{"kv": t} for t in aligned_rows(4, SIZE)]
+        reader = threading.Thread(target=b.read_into_many, args=(keys, outs))
+        reader.start()
+        try:
+            assert opened.acquire(timeout=10) and opened.acquire(timeout=10)  # both pool threads are reading
+            start = time.monotonic()
+            sizes = [object_file(b, k).stat().st_size for k in keys]
+            assert b.stat_many([*keys, key_of(99)]) == [*sizes, None]
+            assert time.monotonic() - start < 5
+        finally:
+            gate.set()
+            reader.join(30)

@@ -312,7 +312,8 @@ TIER_OPTIONS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
              "instances": _positive_int, "verify_reads": _one_of("always", "once")},
     "remote": {"url": _url, "storage_options": _storage_options, "compression": _one_of(None, "none", "zstd"),
                "capacity": _no_capacity, "max_in_flight": _positive_int, "list_on_open": _bool,
-               "timeout": _seconds, "permissions": _PERMISSIONS, "touch_after": _optional_seconds, "auth": _auth},
+               "timeout": _seconds, "permissions": _PERMISSIONS, "touch_after": _optional_seconds, "auth": _auth,
+               "verify_reads": _one_of("always", "once")},
 }
 _REQUIRED = {"disk": {"path"}, "remote": {"url"}}
 

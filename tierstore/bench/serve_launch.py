@@ -23,9 +23,11 @@ CONFIGS = {
     "lmcache-mp": ({"KV": "lmcache-mp", "SHARED": "none"}, ""),
     "vllm-fs-tier": ({"KV": "vllm-fs-tier", "SHARED": "file://{workdir}/shared"}, ""),
     "tierstore-tier": ({"KV": "tierstore-tier", "SHARED": "file://{workdir}/shared"}, ""),
+    "tierstore-tier-once": ({"KV": "tierstore-tier", "SHARED": "file://{workdir}/shared",
+                             "SHARED_OPTIONS": '"verify_reads":"once"'}, ""),
 }
-#: the configurations of vLLM's offloading with a secondary tier: (vLLM's, ours)
-TIER_CONFIGS = ("vllm-fs-tier", "tierstore-tier")
+#: the configurations of vLLM's offloading with a secondary tier: vLLM's, then ours
+TIER_CONFIGS = ("vllm-fs-tier", "tierstore-tier", "tierstore-tier-once")
 
 
 def launch_names(args: argparse.Namespace) -> list[str]:

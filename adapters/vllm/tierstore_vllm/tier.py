@@ -80,7 +80,10 @@ class TierstoreTier(SecondaryTierManager):
         self._shared = opts.through_server or any(lv.shared for lv in self.store.tiers)
         self._loads = ThreadPoolExecutor(opts.io_threads, thread_name_prefix="tierstore-tier-load")
         self._stores = ThreadPoolExecutor(opts.io_threads, thread_name_prefix="tierstore-tier-store")
-        self._probes = Probes(self.store.contains_many, self._loads)
+        # probes have a thread of their own: queued behind loads they would wait for them, and every step they
+        # wait is a step the request waits (RETRY) with its chunks on the shared tier
+        self._probing = ThreadPoolExecutor(1, thread_name_prefix="tierstore-tier-probe")
+        self._probes = Probes(self.store.contains_many, self._probing)
         self._jobs: dict[int, Future[None]] = {}
         self._done: queue.SimpleQueue[tuple[JobResult, list[OffloadKey], list[OffloadKey]]] = queue.SimpleQueue()
         self._failed: OrderedDict[OffloadKey, None] = OrderedDict()
@@ -246,6 +249,7 @@ class TierstoreTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self.drain_jobs()
+        self._probing.shutdown(wait=True)
         self._loads.shutdown(wait=True)
         self._stores.shutdown(wait=True)
         self.store.close()
