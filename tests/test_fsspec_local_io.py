@@ -206,9 +206,8 @@ def test_a_file_system_that_refuses_direct_io_is_read_and_written_buffered():
 
 
 def test_lookups_are_answered_while_every_pool_thread_is_reading(tmp_path, monkeypatch):
-    """A lookup on a mount is a ``stat`` per key on the caller's thread: on the backend's pool it would wait
-    behind the multi-MiB reads queued there (in an engine, a request waiting for a probe waits a scheduler
-    step per retry)."""
+    """Lookups on a mount have a pool of their own: on the backend's pool they would wait behind the multi-MiB
+    reads queued there (in an engine, a request waiting for a probe waits a scheduler step per retry)."""
     import threading
     import time
 

@@ -223,6 +223,11 @@ class FsspecBackend(Backend):
         self._worker = threading.local()
         self._pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix=f"tierstore-{self.name}",
                                         initializer=self._mark_worker)
+        # lookups have a pool of their own: on the one above they would queue behind multi-MiB reads and writes
+        # (an engine's request waits a scheduler step per retry), and one by one they would pay a mount's round
+        # trip (NFS) per key
+        self._lookup_pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix=f"tierstore-{self.name}-lookup",
+                                               initializer=self._mark_worker)
         self._in_flight: set[Future[Any]] = set()  # pool tasks not finished yet (close waits for them)
         self.touch_after = touch_after
         self._uses = UseClock(touch_after or 0.0)  # when to refresh which object's last use
@@ -249,16 +254,18 @@ class FsspecBackend(Backend):
     def _mark_worker(self) -> None:
         self._worker.active = True
 
-    def _map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R | BaseException]:
-        """``[fn(x) for x in items]`` on the backend's pool (inline inside a pool worker: no deadlock), each
-        item's exception its result; raises :class:`ClosedError` if a racing close dropped queued work."""
+    def _map(self, fn: Callable[[T], R], items: Iterable[T], pool: ThreadPoolExecutor | None = None
+             ) -> list[R | BaseException]:
+        """``[fn(x) for x in items]`` on ``pool`` (default the backend's; inline inside a worker of either: no
+        deadlock), each item's exception its result; raises :class:`ClosedError` if a racing close dropped
+        queued work."""
         items = list(items)
         if len(items) <= 1 or self.max_in_flight == 1 or getattr(self._worker, "active", False):
             return results_of(fn, items)
         futures = []
         try:
             for x in items:
-                future = self._pool.submit(results_of, fn, [x])
+                future = (pool or self._pool).submit(results_of, fn, [x])
                 self._in_flight.add(future)
                 future.add_done_callback(self._in_flight.discard)
                 futures.append(future)
@@ -487,10 +494,8 @@ class FsspecBackend(Backend):
         ask = [k for k in keys if k not in refused]
         if self._async:
             found = self.storage.gather("head", [partial(self._astat, k) for k in ask], self.max_in_flight)
-        elif self._local:  # a stat each, here: on the pool they would queue behind its multi-MiB reads
-            found = results_of(self._stat, ask)
         else:
-            found = self._map(self._stat, ask)
+            found = self._map(self._stat, ask, self._lookup_pool)
         size = dict(zip(ask, found, strict=True))
         for r in found:
             if isinstance(r, BaseException):
@@ -829,6 +834,7 @@ class FsspecBackend(Backend):
             return
         self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
         concurrent.futures.wait(self._in_flight | self.storage.in_flight, timeout=self.timeout)
         self.storage.cancel()
 
