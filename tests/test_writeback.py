@@ -64,9 +64,13 @@ def writer_stalled(tier: Tier) -> Iterator[tuple[threading.Event, threading.Even
 
 @contextmanager
 def writer_paused(store: tierstore.TieredStore) -> Iterator[threading.Event]:
-    """Write-back takes up no key (so it holds no slot and pins nothing) until released."""
-    release, original = threading.Event(), store._writeback._due
-    store._writeback._due = lambda: original() if release.is_set() else None  # noqa: SLF001
+    """Write-back takes up no key (so it holds no slot and pins nothing) until released. Meanwhile it sleeps
+    until the next change: with writes due and never taken, its idle wait would be zero (a spin that starves
+    the test's own thread of the GIL: 30,000 puts ran past pytest's 10-minute timeout)."""
+    writeback = store._writeback  # noqa: SLF001
+    release, original, idle = threading.Event(), writeback._due, writeback._idle
+    writeback._due = lambda: original() if release.is_set() else None
+    writeback._idle = lambda: idle() if release.is_set() else 1.0
     try:
         yield release
     finally:
