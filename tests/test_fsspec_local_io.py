@@ -239,3 +239,41 @@ def test_lookups_are_answered_while_every_pool_thread_is_reading(tmp_path, monke
         finally:
             gate.set()
             reader.join(30)
+
+
+def test_reads_are_answered_while_every_pool_thread_is_writing(tmp_path, monkeypatch):
+    """Reads on a mount have a pool of their own: on the writes' pool an engine's load would wait behind every
+    multi-MiB write queued there (vLLM's ``fs`` tier gives its loads threads of their own too)."""
+    import threading
+
+    rows = aligned_rows(8, SIZE)
+    with FsspecBackend(url=f"file://{tmp_path}/kv", max_in_flight=2) as b:
+        stored = [key_of(i) for i in range(2)]
+        for i, k in enumerate(stored):
+            put(b, k, {"kv": rows[i]})
+        gate, writing = threading.Event(), threading.Semaphore(0)
+        real_write = direct_io.write_object
+
+        def slow_write(fd, parts):
+            writing.release()
+            assert gate.wait(30)
+            return real_write(fd, parts)
+
+        monkeypatch.setattr(direct_io, "write_object", slow_write)
+        fresh = [(key_of(10 + i), b.prepare(key_of(10 + i), {"kv": rows[2 + i]})) for i in range(4)]
+        writer = threading.Thread(target=b.write_many, args=(fresh,))
+        writer.start()
+        outs = [{"kv": t} for t in aligned_rows(2, SIZE)]
+        got: list = []
+        try:
+            assert writing.acquire(timeout=10) and writing.acquire(timeout=10)  # both pool threads are writing
+            reader = threading.Thread(target=lambda: got.extend(b.read_into_many(stored, outs)))
+            reader.start()
+            reader.join(5)
+            assert got, "the reads waited behind the writes queued before them"
+        finally:
+            gate.set()
+            writer.join(30)
+        assert all(isinstance(g, Hit) for g in got)
+        assert outs[0]["kv"].equal(rows[0]) and outs[1]["kv"].equal(rows[1])
+        assert [read_one(b, k, {"kv": torch.empty(SIZE, dtype=torch.uint8)}) is not None for k, _ in fresh] == [True] * 4

@@ -19,8 +19,10 @@ Rules this tier keeps:
   looked up in storage every time — negative results are never cached, since another process may publish
   a key at any moment. A lookup costs one HEAD per such key (concurrently); a read needs no HEAD at all:
   its GET is the lookup (a ``404`` is the miss: ``probe_on_read``).
-* **Bounded, concurrent batches.** Batched writes, reads and lookups fan their per-key work out over a
-  thread pool of ``max_in_flight`` workers shared by all callers of the backend.
+* **Bounded, concurrent batches.** Batched writes, reads and lookups fan their per-key work out over
+  ``max_in_flight`` workers shared by all callers of the backend: one pool each for reads, for lookups and for
+  writes (and the rest), so that a read never queues behind writes (an engine's load waits on it) and a
+  lookup behind neither.
 * **Degrade, don't fail.** Any storage or network error is the item's result (the store counts a miss or a
   skipped write). A damaged object, or one this reader cannot represent (newer format, unknown dtype), is
   never deleted by a reader (``shared``): the store forgets it, and ``tierstore verify --repair`` removes
@@ -221,13 +223,12 @@ class FsspecBackend(Backend):
         self._s3 = type(self.fs).__module__.startswith("s3fs")
         self._create_mode = True  # whether pipe_file takes mode="create" (cleared if the fs rejects it)
         self._worker = threading.local()
-        self._pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix=f"tierstore-{self.name}",
-                                        initializer=self._mark_worker)
-        # lookups have a pool of their own: on the one above they would queue behind multi-MiB reads and writes
-        # (an engine's request waits a scheduler step per retry), and one by one they would pay a mount's round
-        # trip (NFS) per key
-        self._lookup_pool = ThreadPoolExecutor(max_in_flight, thread_name_prefix=f"tierstore-{self.name}-lookup",
-                                               initializer=self._mark_worker)
+        # reads and lookups have pools of their own: behind a batch of multi-MiB writes an engine's load would
+        # wait for all of them (its request waits), and a lookup for those and the reads (a scheduler step per
+        # retry); lookups one by one would pay a mount's round trip (NFS) per key
+        self._pool, self._read_pool, self._lookup_pool = (
+            ThreadPoolExecutor(max_in_flight, thread_name_prefix=f"tierstore-{self.name}{role}",
+                               initializer=self._mark_worker) for role in ("", "-read", "-lookup"))
         self._in_flight: set[Future[Any]] = set()  # pool tasks not finished yet (close waits for them)
         self.touch_after = touch_after
         self._uses = UseClock(touch_after or 0.0)  # when to refresh which object's last use
@@ -256,7 +257,7 @@ class FsspecBackend(Backend):
 
     def _map(self, fn: Callable[[T], R], items: Iterable[T], pool: ThreadPoolExecutor | None = None
              ) -> list[R | BaseException]:
-        """``[fn(x) for x in items]`` on ``pool`` (default the backend's; inline inside a worker of either: no
+        """``[fn(x) for x in items]`` on ``pool`` (default the write pool; inline inside a worker of any: no
         deadlock), each item's exception its result; raises :class:`ClosedError` if a racing close dropped
         queued work."""
         items = list(items)
@@ -758,7 +759,7 @@ class FsspecBackend(Backend):
         self._check_open()
         keys = builtins.list(keys)
         if not self._async:
-            return self._map(self._read_encoded, keys)
+            return self._map(self._read_encoded, keys, self._read_pool)
         fetched = self.storage.gather("get", [partial(self._aread, self._path(k)) for k in keys], self.max_in_flight)
         return results_of(lambda kf: self._read_encoded(*kf), builtins.list(zip(keys, fetched, strict=True)))
 
@@ -777,7 +778,7 @@ class FsspecBackend(Backend):
                        ) -> builtins.list[ReadResult]:
         if self._local and self.keyring is None:
             self._check_open()
-            return self._map(self._read_local_into, builtins.list(zip(keys, outs, strict=True)))
+            return self._map(self._read_local_into, builtins.list(zip(keys, outs, strict=True)), self._read_pool)
         got = self._objects(keys)
         return [_then(r, partial(_filled, out)) for r, out in zip(got, outs, strict=True)]
 
@@ -833,8 +834,8 @@ class FsspecBackend(Backend):
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._lookup_pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._read_pool, self._lookup_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
         concurrent.futures.wait(self._in_flight | self.storage.in_flight, timeout=self.timeout)
         self.storage.cancel()
 
