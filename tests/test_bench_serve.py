@@ -282,6 +282,15 @@ def test_the_bench_checks_its_launch_options():
         deployment_env("tierstore-tier", _launch_args("--cpu-bytes", "lots"), "m", Path("/tmp/x"))
 
 
+def test_repeats_alternate_and_every_other_one_runs_in_reverse_order():
+    """A B, B A, A B, ...: no configuration always deploys first in its pair (or always right after another's)."""
+    from tierstore.bench.serve_launch import launch_order
+
+    names = ["tierstore-tier", "vllm-fs-tier", "tierstore-tier-once"]
+    runs = [launch_order(names, rep) for rep in range(4)]
+    assert runs == [names, names[::-1], names, names[::-1]]
+
+
 def test_the_tier_table_compares_the_fs_tier_with_tierstores_and_pools_repeats():
     """TTFT of rounds 2+ (P50, P90) and of the other instance's prefix, the ratios tierstore/fs, the chunk hit
     rates per offloading tier (averaged over repeats), answers differing, bytes stored (median of repeats)."""

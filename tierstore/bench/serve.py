@@ -27,8 +27,9 @@ cache stays on except in ``recompute``):
   ``verify_reads: once``. The fs tier launched with one of ours gets a table of their own: TTFT of rounds 2+
   and of the other instance's prefix, chunk hit rates per tier, answers compared, bytes stored.
 
-``--repeats N`` runs the configurations N times in alternation (fresh tiers each time), so the machine's load
-falls on all of them alike; each configuration's figures pool its repeats.
+``--repeats N`` runs the configurations N times in alternation (fresh tiers each time), every other repeat in
+reverse order (A B, B A, ...), so the machine's load falls on all of them alike; each configuration's figures pool
+its repeats.
 
 Without ``--model`` a random-weight Llama is built (``--layers``, ``--hidden``) so that prefill costs what
 a real model's does per token on this CPU; ``--kv-space`` (``VLLM_CPU_KVCACHE_SPACE``, GiB) sizes the
@@ -73,7 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --launch: the shared tier of the configurations that have one (default a file:// "
                         "directory under --workdir)")
     p.add_argument("--repeats", type=int, default=1, help="with --launch: run the configurations this many times, "
-                                                           "in alternation (default 1)")
+                                                           "in alternation, every other time in reverse order "
+                                                           "(default 1)")
     p.add_argument("--users", type=int, default=4, help="conversations (default 4)")
     p.add_argument("--rounds", type=int, default=4, help="rounds per conversation (default 4)")
     p.add_argument("--system-words", type=int, default=1000, help="shared system prompt, in words (default 1000)")

@@ -1,6 +1,6 @@
 """``tierstore bench serve --launch``: the guide's deployment (``examples/deploy/launch.sh``: two API servers
 and ``vllm-router``, round robin) for each configuration in turn, the same workload (:mod:`.qa`) against each,
-``--repeats`` times in alternation on fresh tiers. The configurations are :data:`CONFIGS` (the command's help
+``--repeats`` times in alternation on fresh tiers (every other repeat in reverse order). The configurations are :data:`CONFIGS` (the command's help
 lists what each one is)."""
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ def launch_names(args: argparse.Namespace) -> list[str]:
     if args.shared and args.shared.startswith("s3://") and "vllm-fs-tier" in names:
         raise SystemExit("--shared: vLLM's fs tier (vllm-fs-tier) needs a file:// directory, not S3")
     return names
+
+
+def launch_order(names: list[str], rep: int) -> list[str]:
+    """The order of repeat ``rep`` (from 0): as given, then reversed, and so on (A B, B A, A B, ...), so that no
+    configuration always runs first in its pair, right after the previous one's deployment, or always last."""
+    return names if rep % 2 == 0 else names[::-1]
 
 
 def deployment_env(name: str, args: argparse.Namespace, model: str, state: Path) -> dict[str, str]:
@@ -92,7 +98,7 @@ def launch_and_measure(args: argparse.Namespace, w: Workload, rates: list[float]
                                 kv_heads=heads, intermediate=3 * args.hidden))
     results: dict[str, Result] = {}
     for rep in range(args.repeats):
-        for name in names:
+        for name in launch_order(names, rep):
             state = workdir / (name if rep == 0 else f"{name}.{rep}")  # fresh tiers each repeat
             env = deployment_env(name, args, model, state)
             print(f"  serve: {name}{f' (repeat {rep + 1})' if rep else ''}: starting two instances and the "
