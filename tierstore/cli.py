@@ -45,6 +45,7 @@ BENCHES = {
     "peers": ("tierstore.bench.peers", "LMCache's bench l2 (fs_native, fs) next to the disk tier"),
     "control": ("tierstore.bench.control", "lookup cost and index memory per key from 10k to 1M keys"),
     "promotion": ("tierstore.bench.promotion", "what promotion and write-back cost a reader (S3 shim)"),
+    "mount": ("tierstore.bench.mount", "a load from a shared mount while stores run: remote tier vs vLLM's fs tier"),
     "writeback": ("tierstore.bench.writeback", "remote write-back throughput vs plain PUTs at the same concurrency"),
     "hit": ("tierstore.bench.hit", "one host-tier hit, with the per-read job bookkeeping as it is and as it was"),
     "metrics": ("tierstore.bench.metrics", "the put/get path with Prometheus metrics on vs off"),

@@ -1,7 +1,7 @@
 """``tierstore bench serve --launch``: the guide's deployment (``examples/deploy/launch.sh``: two API servers
 and ``vllm-router``, round robin) for each configuration in turn, the same workload (:mod:`.qa`) against each,
-``--repeats`` times in alternation on fresh tiers (every other repeat in reverse order). The configurations are :data:`CONFIGS` (the command's help
-lists what each one is)."""
+``--repeats`` times in alternation on fresh tiers (every other repeat in reverse order). The configurations are
+:data:`CONFIGS` (the command's help lists what each one is)."""
 
 from __future__ import annotations
 
