@@ -205,6 +205,23 @@ def test_a_file_system_that_refuses_direct_io_is_read_and_written_buffered():
         shutil.rmtree(root, ignore_errors=True)
 
 
+def held_at_a_gate(monkeypatch, owner, name: str):
+    """``owner.name`` made to wait until the returned gate is set; each call releases the returned semaphore once
+    as it starts waiting (a test acquires it once per pool thread it needs held)."""
+    import threading
+
+    gate, entered = threading.Event(), threading.Semaphore(0)
+    real = getattr(owner, name)
+
+    def held(*args):
+        entered.release()
+        assert gate.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(owner, name, held)
+    return gate, entered
+
+
 def test_lookups_are_answered_while_every_pool_thread_is_reading(tmp_path, monkeypatch):
     """Lookups on a mount have a pool of their own: on the backend's pool they would wait behind the multi-MiB
     reads queued there (in an engine, a request waiting for a probe waits a scheduler step per retry)."""
@@ -218,15 +235,7 @@ def test_lookups_are_answered_while_every_pool_thread_is_reading(tmp_path, monke
         keys = [key_of(i) for i in range(4)]
         for i, k in enumerate(keys):
             put(b, k, {"kv": rows[i]})
-        gate, opened = threading.Event(), threading.Semaphore(0)
-        real_open = objfile.open_object
-
-        def slow_open(path):
-            opened.release()
-            assert gate.wait(30)
-            return real_open(path)
-
-        monkeypatch.setattr(objfile, "open_object", slow_open)
+        gate, opened = held_at_a_gate(monkeypatch, objfile, "open_object")
         outs = [{"kv": t} for t in aligned_rows(4, SIZE)]
         reader = threading.Thread(target=b.read_into_many, args=(keys, outs))
         reader.start()
@@ -251,15 +260,7 @@ def test_reads_are_answered_while_every_pool_thread_is_writing(tmp_path, monkeyp
         stored = [key_of(i) for i in range(2)]
         for i, k in enumerate(stored):
             put(b, k, {"kv": rows[i]})
-        gate, writing = threading.Event(), threading.Semaphore(0)
-        real_write = direct_io.write_object
-
-        def slow_write(fd, parts):
-            writing.release()
-            assert gate.wait(30)
-            return real_write(fd, parts)
-
-        monkeypatch.setattr(direct_io, "write_object", slow_write)
+        gate, writing = held_at_a_gate(monkeypatch, direct_io, "write_object")
         fresh = [(key_of(10 + i), b.prepare(key_of(10 + i), {"kv": rows[2 + i]})) for i in range(4)]
         writer = threading.Thread(target=b.write_many, args=(fresh,))
         writer.start()
