@@ -32,15 +32,17 @@ from typing import Any
 
 import torch
 
+from ..cliargs import nonneg_int, positive_int
 from ..keys import ChunkKey
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--chunks", type=int, default=19, help="chunks per load and per stored batch (default 19)")
-    p.add_argument("--chunk-mib", type=int, default=8, help="MiB per chunk (default 8)")
-    p.add_argument("--writers", type=int, default=4, help="threads storing batches meanwhile (default 4)")
-    p.add_argument("--loads", type=int, default=15, help="loads timed per configuration and repeat (default 15)")
-    p.add_argument("--repeats", type=int, default=2, help="rounds over the configurations (default 2)")
+    p.add_argument("--chunks", type=positive_int, default=19, help="chunks per load and per stored batch (default 19)")
+    p.add_argument("--chunk-mib", type=positive_int, default=8, help="MiB per chunk (default 8)")
+    p.add_argument("--writers", type=nonneg_int, default=4, help="threads storing batches meanwhile (default 4)")
+    p.add_argument("--loads", type=positive_int, default=15,
+                   help="loads timed per configuration and repeat (default 15)")
+    p.add_argument("--repeats", type=positive_int, default=2, help="rounds over the configurations (default 2)")
     p.add_argument("--dir", default=None, help="a directory on the disk to measure (default: a temporary one)")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
 
@@ -216,11 +218,6 @@ def measure(root: Path, chunks: int = 19, chunk_mib: int = 8, writers: int = 4, 
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("chunks", "chunk_mib", "loads", "repeats"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')}: at least 1")
-    if args.writers < 0:
-        raise SystemExit("--writers: at least 0")
     with tempfile.TemporaryDirectory(prefix="tierstore-bench-mount-", dir=args.dir) as d:
         r = measure(Path(d), args.chunks, args.chunk_mib, args.writers, args.loads, args.repeats)
     print(f"a load of {r['chunks']} x {r['chunk_mib']} MiB into page-aligned memory, {r['writers']} threads storing "
